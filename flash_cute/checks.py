@@ -1,0 +1,171 @@
+"""Argument checks shared by the public entry points.
+
+Every check raises TypeError (wrong kind of object or dtype), ValueError (wrong shape, value,
+device or layout) or RuntimeError (wrong GPU), naming the argument and what was expected.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from .config import SUPPORTED_HEAD_DIMS
+
+TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+TMA_ALIGN_BYTES = 16
+MAX_GRID_YZ = 65535
+
+_capability_ok: dict = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return TORCH_DTYPES[dtype]
+
+
+def check_tensor(name: str, t, ndim: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {tuple(t.shape)}")
+    if t.dtype not in TORCH_DTYPES:
+        raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(
+            f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}"
+        )
+
+
+def check_same_dtype(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{name} must have the same dtype as {ref_name} ({ref.dtype}), got {t.dtype}")
+
+
+def check_cuda(named_tensors) -> None:
+    """All tensors on one CUDA device (the first one's)."""
+    (ref_name, ref), *rest = named_tensors
+    if not ref.is_cuda:
+        raise ValueError(f"{ref_name} must be a CUDA tensor, got a tensor on {ref.device}")
+    for name, t in rest:
+        if t.device != ref.device:
+            raise ValueError(f"{name} must be on {ref_name}'s device ({ref.device}), got {t.device}")
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dimension must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+
+
+def check_gqa(nheads: int, nheads_kv: int) -> None:
+    if nheads_kv == 0 or nheads % nheads_kv != 0:
+        raise ValueError(
+            f"nheads of q ({nheads}) must be a multiple of nheads of k and v ({nheads_kv})"
+        )
+
+
+def check_hopper(device: torch.device) -> None:
+    """RuntimeError unless the tensor's GPU is compute capability 9.0 (H100/H200)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _capability_ok.get(index)
+    if ok is None:
+        major, minor = torch.cuda.get_device_capability(index)
+        ok = (major, minor) == (9, 0)
+        if not ok:
+            name = torch.cuda.get_device_name(index)
+            raise RuntimeError(
+                f"flash_cute kernels need a Hopper GPU (compute capability 9.0, sm_90a); "
+                f"{device} is {name} with compute capability {major}.{minor}"
+            )
+        _capability_ok[index] = ok
+
+
+def softmax_scale_log2(softmax_scale, head_dim: int) -> float:
+    """softmax_scale (default 1/sqrt(head_dim)) times log2(e), for exp2-based softmax."""
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    elif not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    return float(softmax_scale) * math.log2(math.e)
+
+
+def check_out(out, shape: Tuple[int, ...], ref: torch.Tensor, inputs: Tuple[torch.Tensor, ...]) -> None:
+    """A caller-provided output: right type, shape, dtype, device, layout, no input overlap."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.dtype != ref.dtype:
+        raise TypeError(f"out must have dtype {ref.dtype} (the dtype of q), got {out.dtype}")
+    if out.device != ref.device:
+        raise ValueError(f"out must be on {ref.device} (the device of q), got {out.device}")
+    if out.numel() > 0 and out.stride(-1) != 1:
+        raise ValueError(f"out must have a contiguous last dimension (stride 1), got strides {out.stride()}")
+    if 0 in out.stride()[:-1] and out.numel() > 1:
+        raise ValueError(f"out must not have broadcast (stride 0) dimensions, got strides {out.stride()}")
+    for name, t in zip(("q", "k", "v"), inputs):
+        if _overlaps(out, t):
+            raise ValueError(f"out must not overlap {name} in memory")
+
+
+def _span(t: torch.Tensor) -> Tuple[int, int]:
+    if t.numel() == 0:
+        return (0, 0)
+    start = t.data_ptr()
+    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+    return start, start + extent * t.element_size()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, a1 = _span(a)
+    b0, b1 = _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def tma_compatible(t: torch.Tensor) -> bool:
+    """True when TMA can address t as is: 16-byte aligned base and non-unit strides."""
+    if t.data_ptr() % TMA_ALIGN_BYTES:
+        return False
+    per = TMA_ALIGN_BYTES // t.element_size()
+    return all(st % per == 0 for size, st in zip(t.shape[:-1], t.stride()[:-1]) if size > 1)
+
+
+def for_tma(t: torch.Tensor) -> torch.Tensor:
+    """t itself when TMA can read it; a view with canonical strides on size-1 dims (which are
+    never stepped over) when only those are off; otherwise an aligned contiguous copy."""
+    if tma_compatible(t):
+        strides = t.stride()
+        per = TMA_ALIGN_BYTES // t.element_size()
+        if all(st % per == 0 for st in strides[:-1]):
+            return t
+        fixed = list(strides)
+        for i in range(t.dim() - 1):
+            if t.shape[i] == 1 and fixed[i] % per:
+                fixed[i] = per
+        return t.as_strided(t.shape, fixed)
+    return t.clone(memory_format=torch.contiguous_format) if t.data_ptr() % TMA_ALIGN_BYTES else t.contiguous()
+
+
+def check_grid(nheads: int, batch: int) -> None:
+    if nheads > MAX_GRID_YZ:
+        raise ValueError(f"nheads must be at most {MAX_GRID_YZ}, got {nheads}")
+    if batch > MAX_GRID_YZ:
+        raise ValueError(f"batch size must be at most {MAX_GRID_YZ}, got {batch}")
+
+
+def check_config(config, head_dim: int, dtype: str):
+    from .config import AttentionConfig
+
+    if config is None:
+        return None
+    if not isinstance(config, AttentionConfig):
+        raise TypeError(f"config must be a flash_cute.AttentionConfig or None, got {type(config).__name__}")
+    return config.validate(head_dim, dtype)
+
+
+def optional_bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, int)) or isinstance(value, float):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)

@@ -1,0 +1,192 @@
+"""Forward-kernel configurations: the knobs, their validation, and the per-head-dim table.
+
+A config is data: one frozen `AttentionConfig` per (head_dim, dtype, causal) row of
+`FORWARD_CONFIGS`. Users may pass their own config to override the table (for research);
+`AttentionConfig.validate` refuses configs that cannot run (shared memory, registers,
+instruction shapes) with a ValueError saying which limit was broken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+SUPPORTED_DTYPES = ("float16", "bfloat16")
+
+# Hopper limits used by validation.
+MAX_SMEM_BYTES_PER_BLOCK = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on H100/H200
+REGISTERS_PER_SM = 65536
+THREADS_PER_WARPGROUP = 128
+# Registers per MMA thread kept free of accumulators (addresses, softmax temporaries, masks).
+REGISTER_HEADROOM = 32
+# Standard producer / MMA register split per number of MMA warpgroups (FA3's choice).
+DEFAULT_REGISTER_SPLIT = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile shape and scheduling knobs of the Hopper forward kernel.
+
+    tile_m: query rows per CTA; 64 per MMA warpgroup, so 64, 128 or 192 (1-3 warpgroups).
+    tile_n: keys per pipeline stage; a multiple of 16 up to 256.
+    num_stages: depth of the K and V shared-memory rings (each), >= 2.
+    pv_from_registers: P V takes P from registers (WGMMA RS) instead of shared memory (SS).
+    intra_wg_overlap: issue S = Q K^T of the next key block before the current softmax ends.
+    pingpong: MMA warpgroups take turns issuing GEMMs (needs >= 2 warpgroups).
+    rescale_o_before_pv: rescale O while Q K^T runs rather than after P V (needs overlap).
+    producer_registers, mma_registers: setmaxnreg targets; None picks the standard split.
+    """
+
+    tile_m: int
+    tile_n: int
+    num_stages: int = 2
+    pv_from_registers: bool = True
+    intra_wg_overlap: bool = True
+    pingpong: bool = True
+    rescale_o_before_pv: bool = False
+    producer_registers: Optional[int] = None
+    mma_registers: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("tile_m", "tile_n", "num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"AttentionConfig.{name} must be an int, got {value!r}")
+        if self.tile_m not in (64, 128, 192):
+            raise ValueError(
+                f"AttentionConfig.tile_m must be 64, 128 or 192 (64 rows per MMA warpgroup), "
+                f"got {self.tile_m}"
+            )
+        split = DEFAULT_REGISTER_SPLIT[self.tile_m // 64]
+        if self.producer_registers is None:
+            object.__setattr__(self, "producer_registers", split[0])
+        if self.mma_registers is None:
+            object.__setattr__(self, "mma_registers", split[1])
+
+    @property
+    def num_mma_warpgroups(self) -> int:
+        return self.tile_m // 64
+
+    @property
+    def num_threads(self) -> int:
+        return THREADS_PER_WARPGROUP * (1 + self.num_mma_warpgroups)
+
+    def replace(self, **changes) -> "AttentionConfig":
+        """A copy with some fields changed (registers re-derived unless given)."""
+        if "tile_m" in changes:
+            changes.setdefault("producer_registers", None)
+            changes.setdefault("mma_registers", None)
+        return dataclasses.replace(self, **changes)
+
+    def smem_bytes(self, head_dim: int, element_bytes: int = 2) -> int:
+        """Dynamic shared memory of the kernel: Q (reused for O), the K and V rings, P when
+        it goes through shared memory, and the mbarriers; each buffer 1024-byte aligned."""
+
+        def aligned(nbytes):
+            return (nbytes + 1023) // 1024 * 1024
+
+        mbarriers = aligned(8 * (2 + 4 * self.num_stages))
+        q = aligned(self.tile_m * head_dim * element_bytes)
+        kv = 2 * aligned(self.num_stages * self.tile_n * head_dim * element_bytes)
+        p = 0 if self.pv_from_registers else aligned(self.tile_m * self.tile_n * element_bytes)
+        return mbarriers + q + kv + p
+
+    def accumulator_registers(self, head_dim: int) -> int:
+        """fp32 registers per MMA thread held by accumulators at the busiest point:
+        S (tile_n/2) and O (head_dim/2), plus P (tile_n/4, packed 16-bit) when P stays in
+        registers across the next block's Q K^T."""
+        regs = self.tile_n // 2 + head_dim // 2
+        if self.pv_from_registers and self.intra_wg_overlap:
+            regs += self.tile_n // 4
+        return regs
+
+    def validate(self, head_dim: int, dtype: str = "bfloat16") -> "AttentionConfig":
+        """Raise ValueError if this config cannot run for head_dim/dtype; return self."""
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+        problems = []
+        if not (16 <= self.tile_n <= 256 and self.tile_n % 16 == 0):
+            problems.append(
+                f"tile_n={self.tile_n} must be a multiple of 16 in [16, 256] (WGMMA N <= 256; "
+                "P V consumes keys 16 at a time)"
+            )
+        if self.num_stages < 2:
+            problems.append(f"num_stages={self.num_stages} must be >= 2")
+        if self.pingpong and self.num_mma_warpgroups < 2:
+            problems.append("pingpong needs at least 2 MMA warpgroups (tile_m >= 128)")
+        if self.rescale_o_before_pv and not self.intra_wg_overlap:
+            problems.append("rescale_o_before_pv needs intra_wg_overlap")
+        for name in ("producer_registers", "mma_registers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not (24 <= value <= 256 and value % 8 == 0):
+                problems.append(f"{name}={value!r} must be a multiple of 8 in [24, 256] (setmaxnreg)")
+        if not problems:
+            total = THREADS_PER_WARPGROUP * (
+                self.producer_registers + self.num_mma_warpgroups * self.mma_registers
+            )
+            if total > REGISTERS_PER_SM:
+                problems.append(
+                    f"register split uses {total} registers per CTA, more than the SM's "
+                    f"{REGISTERS_PER_SM}"
+                )
+            acc = self.accumulator_registers(head_dim)
+            if acc > self.mma_registers - REGISTER_HEADROOM:
+                problems.append(
+                    f"accumulators need ~{acc} registers per MMA thread, more than "
+                    f"mma_registers - {REGISTER_HEADROOM} = {self.mma_registers - REGISTER_HEADROOM}"
+                )
+        smem = self.smem_bytes(head_dim)
+        if smem > MAX_SMEM_BYTES_PER_BLOCK:
+            problems.append(
+                f"needs {smem} bytes of shared memory for head_dim={head_dim}, more than the "
+                f"{MAX_SMEM_BYTES_PER_BLOCK} a Hopper CTA can have"
+            )
+        if problems:
+            raise ValueError(f"invalid {self} for head_dim={head_dim}: " + "; ".join(problems))
+        return self
+
+
+# (head_dim, dtype, causal) -> config. Starting points are FlashAttention-3 (hopper/tile_size.h)
+# and FlashAttention's CuTe DSL package (_tile_size_fwd_sm90); see BENCHMARKS.md for what was
+# measured with them.
+def _row(tile_m, tile_n, **knobs) -> AttentionConfig:
+    return AttentionConfig(tile_m=tile_m, tile_n=tile_n, **knobs)
+
+
+_BY_HEAD_DIM = {
+    # 3 warpgroups; 192 x 128 keeps S + P + O inside the 160-register budget.
+    (64, False): _row(192, 128),
+    (64, True): _row(192, 128),
+    # P from registers with 192-row tiles spills at head dim 96, so P goes through smem.
+    (96, False): _row(192, 144, pv_from_registers=False),
+    (96, True): _row(192, 128, pv_from_registers=False),
+    (128, False): _row(128, 128),
+    (128, True): _row(128, 128),
+    # Large O accumulators: no ping-pong; rescale O under the Q K^T instead.
+    (192, False): _row(128, 112, pingpong=False, rescale_o_before_pv=True),
+    (192, True): _row(128, 112, pingpong=False, rescale_o_before_pv=True),
+    # 128 x 80 is the largest tile whose two-stage K/V ring fits in shared memory.
+    (256, False): _row(128, 80, pingpong=False, rescale_o_before_pv=True),
+    (256, True): _row(128, 80, pingpong=False, rescale_o_before_pv=True),
+}
+
+FORWARD_CONFIGS = {
+    (head_dim, dtype, causal): config
+    for (head_dim, causal), config in _BY_HEAD_DIM.items()
+    for dtype in SUPPORTED_DTYPES
+}
+
+
+def default_config(head_dim: int, dtype: str, causal: bool) -> AttentionConfig:
+    """The table's config for this problem; ValueError for an unsupported head dim or dtype."""
+    try:
+        return FORWARD_CONFIGS[(head_dim, dtype, bool(causal))]
+    except KeyError:
+        raise ValueError(
+            f"no forward config for head_dim={head_dim}, dtype={dtype}: supported head dims are "
+            f"{SUPPORTED_HEAD_DIMS} and dtypes {SUPPORTED_DTYPES}"
+        ) from None

@@ -1,0 +1,5 @@
+"""Device side of flash_cute: CuTe DSL kernels for Hopper (sm_90a) and the pieces they share."""
+
+from .flash_fwd_sm90 import FlashAttentionForwardSm90
+
+__all__ = ["FlashAttentionForwardSm90"]

@@ -1,0 +1,158 @@
+"""WGMMA plumbing for Hopper attention kernels.
+
+Shared-memory layouts for row-major tiles, tiled-MMA construction, issuing a warpgroup GEMM,
+and the register-layout views of a WGMMA accumulator (as rows x columns, and as the A operand
+of a following register-sourced WGMMA).
+
+Accumulator layout of one m64nNk16 WGMMA, per thread: ((2, 2, N/8), MMA_M, MMA_N) where the
+first mode is (column pair, row half, column group of 8). A thread owns rows lane/4 and
+lane/4 + 8 of its warp's 16 rows, and columns 2*(lane%4) + {0, 1} + 8*j.
+"""
+
+from typing import Optional, Type
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as hopper_helpers
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.utils import LayoutEnum
+
+
+def make_row_major_smem_layout(
+    dtype: Type[cutlass.Numeric], rows: int, cols: int, stages: Optional[int] = None
+):
+    """Swizzled smem layout of a (rows, cols) tile whose cols are contiguous, optionally staged.
+
+    The swizzle width is the widest (128/64/32 bytes) that divides one row, so the same layout
+    serves TMA, the K-major WGMMA operand and (through a transposed view) the MN-major one.
+    """
+    atom_kind = hopper_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols)
+    atom = warpgroup.make_smem_layout_atom(atom_kind, dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def transpose_smem_view(t: cute.Tensor) -> cute.Tensor:
+    """View a (rows, cols, ...) smem tensor as (cols, rows, ...) without moving data."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+def permute_modes(t: cute.Tensor, modes) -> cute.Tensor:
+    """Reorder the modes of a tensor (a view)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=list(modes)))
+
+
+def make_tiled_mma(
+    dtype: Type[cutlass.Numeric],
+    num_warpgroups: int,
+    tile_n: int,
+    b_mn_major: bool,
+    a_from_registers: bool,
+) -> cute.TiledMma:
+    """A 16-bit WGMMA with fp32 accumulation, warpgroups stacked along M (64 rows each)."""
+    return hopper_helpers.make_trivial_tiled_mma(
+        dtype,
+        dtype,
+        warpgroup.OperandMajorMode.K,
+        warpgroup.OperandMajorMode.MN if b_mn_major else warpgroup.OperandMajorMode.K,
+        Float32,
+        atom_layout_mnk=(num_warpgroups, 1, 1),
+        tiler_mn=(64, tile_n),
+        a_source=warpgroup.OperandSource.RMEM if a_from_registers else warpgroup.OperandSource.SMEM,
+    )
+
+
+@cute.jit
+def warpgroup_gemm(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    frag_a: cute.Tensor,
+    frag_b: cute.Tensor,
+    zero_init: cutlass.Constexpr[bool],
+    wait_groups: cutlass.Constexpr[int],
+):
+    """acc (+)= A @ B over all k-blocks as one WGMMA commit group.
+
+    wait_groups >= 0 waits until at most that many groups are in flight; -1 returns at once.
+    """
+    warpgroup.fence()
+    # A fresh atom: its ACCUMULATE field is mutated per k-block.
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
+        cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if const_expr(wait_groups >= 0):
+        warpgroup.wait_group(wait_groups)
+
+
+def _acc_rows_cols_layout(acc_layout: cute.Layout) -> cute.Layout:
+    # ((2, 2, N/8), MMA_M, MMA_N) -> ((2, MMA_M), (2, N/8, MMA_N)): rows first, then columns.
+    flat = cute.make_layout(acc_layout.shape)
+    shape = (
+        (flat.shape[0][1], flat.shape[1]),
+        (flat.shape[0][0], flat.shape[0][2], flat.shape[2]),
+    )
+    stride = (
+        (flat.stride[0][1], flat.stride[1]),
+        (flat.stride[0][0], flat.stride[0][2], flat.stride[2]),
+    )
+    return cute.composition(acc_layout, cute.make_layout(shape, stride=stride))
+
+
+def acc_as_rows_cols(acc: cute.Tensor) -> cute.Tensor:
+    """View a WGMMA accumulator (or its partition of an identity tensor) as (rows, cols)."""
+    return cute.make_tensor(acc.iterator, _acc_rows_cols_layout(acc.layout))
+
+
+def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
+    """View an accumulator ((2, 2, N/8), MMA_M, MMA_N) as a register A operand
+    ((2, 2, 2), MMA_M, (N/16, MMA_N)) of a following k16 WGMMA (N a multiple of 16)."""
+    layout = acc.layout
+    split = cute.logical_divide(layout, ((None, None, 2), None, None))
+    shape = (
+        (split.shape[0][0], split.shape[0][1], split.shape[0][2][0]),
+        split.shape[1],
+        (split.shape[0][2][1], split.shape[2]),
+    )
+    stride = (
+        (split.stride[0][0], split.stride[0][1], split.stride[0][2][0]),
+        split.stride[1],
+        (split.stride[0][2][1], split.stride[2]),
+    )
+    return cute.make_tensor(acc.iterator, cute.make_layout(shape, stride=stride))
+
+
+@dsl_user_op
+def pack_f32x2_to_16bit(a: Float32, b: Float32, dtype, *, loc=None, ip=None) -> Int32:
+    """Round two fp32 values to one packed bf16x2/f16x2 register (a in the low half)."""
+    kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+            f"cvt.rn.{kind}.f32 $0, $2, $1;",
+            "=r,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@cute.jit
+def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor):
+    """dst = src rounded to dst's 16-bit type, two elements per cvt instruction.
+
+    Written out because TensorSSA.to() does not always pair the conversions.
+    """
+    dst_pairs = cute.recast_tensor(dst, Int32)
+    for i in cutlass.range_constexpr(cute.size(dst_pairs)):
+        dst_pairs[i] = pack_f32x2_to_16bit(src[2 * i], src[2 * i + 1], dst.element_type)

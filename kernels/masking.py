@@ -1,0 +1,57 @@
+"""Score masking for one (m_block, n_block) tile of a WGMMA accumulator.
+
+Causal masking is bottom-right aligned, as in FlashAttention: query row i may attend key j
+iff j <= i + seqlen_k - seqlen_q. Keys at or past seqlen_k are always masked.
+
+Column coordinates of thread 0's accumulator are compile-time constants; every thread's
+columns are those plus one per-thread offset, so each comparison is against a constant.
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from .hopper_mma import acc_as_rows_cols
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    tile_m: cutlass.Constexpr[int]
+    tile_n: cutlass.Constexpr[int]
+    seqlen_q: Int32
+    seqlen_k: Int32
+
+    @cute.jit
+    def apply(
+        self,
+        acc_S: cute.Tensor,
+        thr_mma: cute.ThrMma,
+        m_block: Int32,
+        n_block: Int32,
+        mask_seqlen: cutlass.Constexpr[bool],
+        mask_causal: cutlass.Constexpr[bool],
+    ):
+        if const_expr(mask_seqlen or mask_causal):
+            scores = acc_as_rows_cols(acc_S)
+            coords = cute.make_identity_tensor((self.tile_m, self.tile_n))
+            thr_coords = acc_as_rows_cols(thr_mma.partition_C(coords))
+            t0_coords = acc_as_rows_cols(thr_mma.get_slice(0).partition_C(coords))
+            thr_col_offset = thr_coords[0][1]
+            seqlen_limit = self.seqlen_k - n_block * self.tile_n - thr_col_offset
+            ncols = cute.size(scores, mode=[1])
+            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+                col_limit = seqlen_limit
+                if const_expr(mask_causal):
+                    row = m_block * self.tile_m + thr_coords[r, 0][0]
+                    causal_limit = (
+                        row + 1 + self.seqlen_k - self.seqlen_q - n_block * self.tile_n - thr_col_offset
+                    )
+                    if const_expr(mask_seqlen):
+                        col_limit = cutlass.min(causal_limit, seqlen_limit)
+                    else:
+                        col_limit = causal_limit
+                for c in cutlass.range_constexpr(ncols):
+                    # A select, not a branch: the compiler keeps it predicated.
+                    scores[r, c] = -Float32.inf if t0_coords[0, c][1] >= col_limit else scores[r, c]

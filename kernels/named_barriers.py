@@ -1,0 +1,11 @@
+"""Named-barrier ids of the forward kernel (id 0 is __syncthreads)."""
+
+import enum
+
+
+class NamedBarrier(enum.IntEnum):
+    EPILOGUE = 1  # MMA warpgroups' smem writes of O, then the TMA store warp
+    # Ping-pong: MMA warpgroup i waits on WG_SCHEDULE_1 + i before issuing its GEMMs.
+    WG_SCHEDULE_1 = 2
+    WG_SCHEDULE_2 = 3
+    WG_SCHEDULE_3 = 4

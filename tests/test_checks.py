@@ -1,0 +1,121 @@
+"""Argument checks of the public API (CPU: every check here runs before a GPU is needed)."""
+
+import pytest
+import torch
+
+import flash_cute
+from flash_cute import AttentionConfig, checks
+
+
+def qkv(b=2, sq=8, sk=8, h=4, hk=2, d=64, dtype=torch.bfloat16):
+    return (torch.randn(b, sq, h, d, dtype=dtype), torch.randn(b, sk, hk, d, dtype=dtype),
+            torch.randn(b, sk, hk, d, dtype=dtype))
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, message",
+    [
+        (lambda q, k, v: (q.tolist(), k, v), TypeError, "q must be a torch.Tensor"),
+        (lambda q, k, v: (q[0], k, v), ValueError, "q must have 4 dimensions"),
+        (lambda q, k, v: (q, k[0], v), ValueError, "k must have 4 dimensions"),
+        (lambda q, k, v: (q.float(), k, v), TypeError, "q must be float16 or bfloat16"),
+        (lambda q, k, v: (q, k.half(), v), TypeError, "k must have the same dtype as q"),
+        (lambda q, k, v: (q, k, v.half()), TypeError, "v must have the same dtype as q"),
+        (lambda q, k, v: (q.transpose(1, 3), k, v), ValueError, "contiguous last dimension"),
+        (lambda q, k, v: (q, k[:1], v[:1]), ValueError, "batch size 2"),
+        (lambda q, k, v: (q, k, v[:, :5]), ValueError, "v must have the shape of k"),
+        (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), ValueError, "head dimension must be one of"),
+        (lambda q, k, v: (q, k[..., :32], v[..., :32]), ValueError, "k must have headdim 64"),
+        (lambda q, k, v: (q[:, :, :3], k, v), ValueError, "multiple of nheads of k"),
+        (lambda q, k, v: (q, k, v), ValueError, "q must be a CUDA tensor"),
+    ],
+)
+def test_bad_inputs(mutate, exc, message):
+    q, k, v = mutate(*qkv())
+    with pytest.raises(exc, match=message):
+        flash_cute.flash_attn_func(q, k, v)
+
+
+def test_bad_flags():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flash_cute.flash_attn_func(q, k, v, causal="yes")
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        flash_cute.flash_attn_func(q, k, v, return_lse=None)
+    with pytest.raises(TypeError, match="config must be"):
+        flash_cute.flash_attn_func(q, k, v, config=(128, 128))
+
+
+@pytest.mark.parametrize("scale, exc", [("0.1", TypeError), (float("nan"), ValueError), (float("inf"), ValueError), (True, TypeError)])
+def test_bad_softmax_scale(scale, exc):
+    with pytest.raises(exc, match="softmax_scale"):
+        checks.softmax_scale_log2(scale, 64)
+
+
+def test_softmax_scale_default():
+    import math
+    assert checks.softmax_scale_log2(None, 64) == pytest.approx(math.log2(math.e) / 8)
+
+
+def test_bad_config():
+    with pytest.raises(TypeError, match="config must be a flash_cute.AttentionConfig"):
+        checks.check_config({"tile_m": 128}, 128, "bfloat16")
+    with pytest.raises(ValueError, match="shared memory"):
+        checks.check_config(AttentionConfig(128, 128), 256, "bfloat16")
+    assert checks.check_config(None, 128, "bfloat16") is None
+
+
+def test_out_checks():
+    q, k, v = qkv()
+    shape = tuple(q.shape)
+    with pytest.raises(TypeError, match="out must be a torch.Tensor"):
+        checks.check_out([1], shape, q, (q, k, v))
+    with pytest.raises(ValueError, match="out must have shape"):
+        checks.check_out(torch.empty(1, 2, 3, 4, dtype=q.dtype), shape, q, (q, k, v))
+    with pytest.raises(TypeError, match="out must have dtype"):
+        checks.check_out(torch.empty(shape, dtype=torch.float16), shape, q, (q, k, v))
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        checks.check_out(torch.empty(shape[::-1], dtype=q.dtype).permute(3, 2, 1, 0), shape, q, (q, k, v))
+    with pytest.raises(ValueError, match="broadcast"):
+        checks.check_out(torch.empty(1, 1, 1, 64, dtype=q.dtype).expand(shape), shape, q, (q, k, v))
+    with pytest.raises(ValueError, match="overlap q"):
+        checks.check_out(q, shape, q, (q, k, v))
+    checks.check_out(torch.empty(shape, dtype=q.dtype), shape, q, (q, k, v))
+
+
+def test_devices_must_match():
+    from types import SimpleNamespace
+
+    gpu0 = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    gpu1 = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))
+    checks.check_cuda((("q", gpu0), ("k", gpu0)))
+    with pytest.raises(ValueError, match="k must be on q's device"):
+        checks.check_cuda((("q", gpu0), ("k", gpu1)))
+
+
+def test_non_hopper_gpu_is_refused(monkeypatch):
+    checks._capability_ok.clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA A100")
+    with pytest.raises(RuntimeError, match="compute capability 8.0"):
+        checks.check_hopper(torch.device("cuda", 0))
+    checks._capability_ok.clear()
+
+
+def test_grid_limits():
+    with pytest.raises(ValueError, match="nheads must be at most"):
+        checks.check_grid(70000, 1)
+    with pytest.raises(ValueError, match="batch size must be at most"):
+        checks.check_grid(8, 70000)
+
+
+def test_tma_layout_fixups():
+    t = torch.randn(2, 1, 4, 64, dtype=torch.bfloat16)
+    assert checks.for_tma(t) is t
+    odd = t.as_strided((2, 1, 4, 64), (256, 3, 64, 1))  # size-1 dim with an odd stride
+    fixed = checks.for_tma(odd)
+    assert fixed.data_ptr() == odd.data_ptr() and fixed.stride()[1] % 8 == 0
+    assert torch.equal(fixed, odd)
+    sliced = torch.randn(2, 5, 4, 65, dtype=torch.bfloat16)[..., :64]  # head stride 65: not 16-byte
+    copied = checks.for_tma(sliced)
+    assert copied.is_contiguous() and torch.equal(copied, sliced)

@@ -1,0 +1,74 @@
+"""The config table and the override check (CPU)."""
+
+import pytest
+
+from flash_cute import FORWARD_CONFIGS, AttentionConfig, default_config
+from flash_cute.config import MAX_SMEM_BYTES_PER_BLOCK, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+
+
+def test_table_covers_every_problem():
+    for head_dim in SUPPORTED_HEAD_DIMS:
+        for dtype in SUPPORTED_DTYPES:
+            for causal in (False, True):
+                assert (head_dim, dtype, causal) in FORWARD_CONFIGS
+
+
+@pytest.mark.parametrize("key", sorted(FORWARD_CONFIGS, key=str), ids=str)
+def test_table_entries_are_valid(key):
+    head_dim, dtype, causal = key
+    config = FORWARD_CONFIGS[key]
+    assert config.validate(head_dim, dtype) is config
+    assert config.smem_bytes(head_dim) <= MAX_SMEM_BYTES_PER_BLOCK
+    assert default_config(head_dim, dtype, causal) is config
+
+
+def test_register_split_defaults_follow_warpgroups():
+    assert (AttentionConfig(64, 128).producer_registers, AttentionConfig(64, 128).mma_registers) == (56, 256)
+    assert (AttentionConfig(128, 128).producer_registers, AttentionConfig(128, 128).mma_registers) == (24, 240)
+    assert (AttentionConfig(192, 128).producer_registers, AttentionConfig(192, 128).mma_registers) == (32, 160)
+    assert AttentionConfig(128, 128).num_threads == 384
+    changed = AttentionConfig(128, 128).replace(tile_m=192)
+    assert (changed.producer_registers, changed.mma_registers) == (32, 160)
+
+
+def test_smem_estimate_matches_layout():
+    # hdim 128, 128 x 128, 2 stages: Q 32 KB + K 64 KB + V 64 KB + one 1 KB barrier block.
+    assert AttentionConfig(128, 128).smem_bytes(128) == (32 + 64 + 64 + 1) * 1024
+    # P through smem adds tile_m x tile_n x 2 bytes.
+    assert AttentionConfig(128, 128, pv_from_registers=False).smem_bytes(128) == (32 + 64 + 64 + 32 + 1) * 1024
+
+
+@pytest.mark.parametrize(
+    "kwargs, head_dim, message",
+    [
+        (dict(tile_m=128, tile_n=72), 128, "multiple of 16"),
+        (dict(tile_m=128, tile_n=272), 128, "multiple of 16"),
+        (dict(tile_m=128, tile_n=128, num_stages=1), 128, "num_stages"),
+        (dict(tile_m=128, tile_n=128, num_stages=4), 128, "shared memory"),
+        (dict(tile_m=128, tile_n=128), 256, "shared memory"),
+        (dict(tile_m=128, tile_n=256), 128, "accumulators"),
+        (dict(tile_m=64, tile_n=128), 128, "pingpong"),
+        (dict(tile_m=128, tile_n=128, intra_wg_overlap=False, rescale_o_before_pv=True), 128, "rescale_o_before_pv"),
+        (dict(tile_m=128, tile_n=128, mma_registers=244), 128, "multiple of 8"),
+        (dict(tile_m=128, tile_n=128, mma_registers=256, producer_registers=40), 128, "registers per CTA"),
+    ],
+)
+def test_invalid_configs_are_refused(kwargs, head_dim, message):
+    with pytest.raises(ValueError, match=message):
+        AttentionConfig(**kwargs).validate(head_dim)
+
+
+def test_bad_tile_m_and_types():
+    with pytest.raises(ValueError, match="tile_m"):
+        AttentionConfig(tile_m=100, tile_n=128)
+    with pytest.raises(TypeError, match="tile_n"):
+        AttentionConfig(tile_m=128, tile_n=128.0)
+    with pytest.raises(ValueError, match="head_dim"):
+        AttentionConfig(128, 128).validate(80)
+
+
+def test_unsupported_lookup():
+    with pytest.raises(ValueError, match="head_dim=80"):
+        default_config(80, "bfloat16", False)
+    with pytest.raises(ValueError, match="float32"):
+        default_config(128, "float32", False)

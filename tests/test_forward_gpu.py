@@ -1,0 +1,175 @@
+"""Forward kernel against the float32 reference on a Hopper GPU (marker: gpu).
+
+Bar: max |out - ref| <= 2 x max |out_lowp - ref| + a rounding floor, where out_lowp is the
+same math done by PyTorch in the input dtype. Outputs are poisoned (NaN) before each call so
+unwritten elements fail.
+"""
+
+import math
+
+import pytest
+import torch
+
+import flash_cute
+from flash_cute import AttentionConfig
+from flash_cute.reference import attention_ref, error_bound
+
+pytestmark = pytest.mark.gpu
+
+HEAD_DIMS = [64, 96, 128, 192, 256]
+DTYPES = [torch.bfloat16, torch.float16]
+SEQLENS = [(1, 1), (17, 17), (113, 203), (128, 128), (1000, 1000), (1, 1000), (1000, 17), (239, 1), (4097, 4097)]
+GQA = [(8, 8), (8, 2), (8, 1)]  # ratios 1, 4, 8
+
+
+def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype):
+    q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(batch, seqlen_k, nheads_kv, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn(batch, seqlen_k, nheads_kv, head_dim, device="cuda", dtype=dtype)
+    return q, k, v
+
+
+def check_against_reference(q, k, v, out, lse, causal, softmax_scale=None):
+    ref, lse_ref = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    lowp, _ = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal, upcast=False)
+    assert not out.isnan().any(), "output has NaN: some elements were not written"
+    err = (out.float() - ref).abs().max().item()
+    bound = error_bound(lowp, ref)
+    assert err <= bound, f"max error {err:.3e} > bound {bound:.3e}"
+    if lse is not None:
+        assert lse.shape == lse_ref.shape
+        finite = torch.isfinite(lse_ref)
+        assert torch.equal(torch.isfinite(lse), finite), "lse is finite where the reference is not"
+        assert (lse[~finite] == float("-inf")).all()
+        if finite.any():
+            lse_err = (lse[finite] - lse_ref[finite]).abs().max().item()
+            assert lse_err < 1e-3 * max(1.0, lse_ref[finite].abs().max().item()), f"lse error {lse_err}"
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"h{h[0]}kv{h[1]}")
+def test_forward(head_dim, dtype, causal, seqlens, heads):
+    seqlen_q, seqlen_k = seqlens
+    if max(seqlens) > 4000 and heads != (8, 1):
+        pytest.skip("long sequences: one GQA ratio is enough")
+    torch.manual_seed(hash((head_dim, causal, seqlens, heads)) % 2**31)
+    batch = 2
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, *heads, head_dim, dtype)
+    out = torch.full_like(q, float("nan"))
+    out_ret, lse = flash_cute.flash_attn_func(q, k, v, causal=causal, return_lse=True, out=out)
+    assert out_ret is out
+    check_against_reference(q, k, v, out, lse, causal)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_strided_inputs(head_dim):
+    """q, k, v sliced out of packed buffers; out a slice too."""
+    torch.manual_seed(1)
+    batch, seqlen, nheads, nheads_kv = 2, 300, 4, 2
+    qkv = torch.randn(batch, seqlen, nheads + 2 * nheads_kv + 1, head_dim, device="cuda", dtype=torch.bfloat16)
+    q = qkv[:, :, :nheads]
+    k = qkv[:, :, nheads:nheads + nheads_kv]
+    v = qkv[:, :, nheads + nheads_kv:nheads + 2 * nheads_kv]
+    big_out = torch.full((batch, seqlen, nheads + 3, head_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = big_out[:, :, 1:nheads + 1]
+    for causal in (False, True):
+        out.fill_(float("nan"))
+        flash_cute.flash_attn_func(q, k, v, causal=causal, out=out)
+        check_against_reference(q, k, v, out, None, causal)
+    assert big_out[:, :, 0].isnan().all() and big_out[:, :, nheads + 1:].isnan().all(), "wrote outside out"
+
+
+def test_odd_strides_are_copied():
+    """Strides that are not multiples of 16 bytes still give the right answer (via a copy)."""
+    torch.manual_seed(2)
+    base = torch.randn(2, 100, 3, 136, device="cuda", dtype=torch.float16)
+    q = base[:, :, 0:1, :128]  # row stride 3*136 elements = 816 bytes: TMA reads it in place
+    odd = torch.randn(2, 100, 2, 129, device="cuda", dtype=torch.float16)[..., :128]
+    k, v = odd[:, :, :1], odd[:, :, 1:]  # head stride 129 elements = 258 bytes: copied
+    out, lse = flash_cute.flash_attn_func(q, k, v, return_lse=True)
+    check_against_reference(q, k, v, out, lse, False)
+
+
+def test_softmax_scale_and_default():
+    torch.manual_seed(3)
+    q, k, v = make_qkv(1, 257, 300, 4, 4, 128, torch.bfloat16)
+    out = flash_cute.flash_attn_func(q, k, v, softmax_scale=0.3)
+    check_against_reference(q, k, v, out, None, False, softmax_scale=0.3)
+    default = flash_cute.flash_attn_func(q, k, v)
+    explicit = flash_cute.flash_attn_func(q, k, v, softmax_scale=1 / math.sqrt(128))
+    assert torch.equal(default, explicit)
+
+
+def test_empty_inputs():
+    q, k, v = make_qkv(2, 5, 0, 4, 2, 64, torch.bfloat16)
+    out, lse = flash_cute.flash_attn_func(q, k, v, return_lse=True)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+    q, k, v = make_qkv(0, 5, 7, 4, 2, 64, torch.bfloat16)
+    out, lse = flash_cute.flash_attn_func(q, k, v, return_lse=True)
+    assert out.shape == (0, 5, 4, 64) and lse.shape == (0, 4, 5)
+    q, k, v = make_qkv(2, 0, 7, 4, 2, 64, torch.bfloat16)
+    out = flash_cute.flash_attn_func(q, k, v, causal=True)
+    assert out.shape == (2, 0, 4, 64)
+
+
+def test_deterministic():
+    """Same inputs, same bits: a moving result would mean a race."""
+    torch.manual_seed(4)
+    q, k, v = make_qkv(3, 1111, 1234, 8, 2, 128, torch.bfloat16)
+    first = flash_cute.flash_attn_func(q, k, v, causal=True)
+    for _ in range(3):
+        assert torch.equal(flash_cute.flash_attn_func(q, k, v, causal=True), first)
+
+
+CONFIG_VARIANTS = [
+    AttentionConfig(tile_m=128, tile_n=128, intra_wg_overlap=False),
+    AttentionConfig(tile_m=128, tile_n=128, pingpong=False),
+    AttentionConfig(tile_m=128, tile_n=128, pv_from_registers=False),
+    AttentionConfig(tile_m=128, tile_n=64, num_stages=3),
+    AttentionConfig(tile_m=128, tile_n=176),
+    AttentionConfig(tile_m=64, tile_n=128, pingpong=False),
+    AttentionConfig(tile_m=192, tile_n=96, intra_wg_overlap=False),
+    AttentionConfig(tile_m=128, tile_n=128, rescale_o_before_pv=True, pingpong=False),
+]
+
+
+@pytest.mark.parametrize("config", CONFIG_VARIANTS, ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_explicit_configs(config, causal):
+    torch.manual_seed(5)
+    q, k, v = make_qkv(2, 700, 555, 4, 2, 128, torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    _, lse = flash_cute.flash_attn_func(q, k, v, causal=causal, return_lse=True, out=out, config=config)
+    check_against_reference(q, k, v, out, lse, causal)
+
+
+def test_cuda_graph_replay():
+    torch.manual_seed(6)
+    q, k, v = make_qkv(2, 513, 513, 8, 8, 128, torch.bfloat16)
+    out = flash_cute.flash_attn_func(q, k, v, causal=True)  # warm-up: compiles
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            graph_out = flash_cute.flash_attn_func(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(2):
+        q.copy_(torch.randn_like(q))
+        graph_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_against_reference(q, k, v, graph_out, None, True)
+
+
+def test_runs_on_current_stream():
+    torch.manual_seed(7)
+    q, k, v = make_qkv(2, 2048, 2048, 8, 8, 128, torch.bfloat16)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out = flash_cute.flash_attn_func(q, k, v)
+    stream.synchronize()
+    check_against_reference(q, k, v, out, None, False)
