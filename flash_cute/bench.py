@@ -3,11 +3,21 @@
     python -m flash_cute.bench prefill [--dtype bf16] [--hdim 64 128 256] [--causal both]
                                        [--seqlens 512 ... 16384] [--json PATH]
 
+    python -m flash_cute.bench decode [--batch 1 8 32 128] [--seqlens 1024 ... 131072]
+                                      [--pages 0 16 64] [--json PATH]
+
 prefill: the FlashAttention-3 paper's grid (batch * seqlen = 16k tokens, nheads * hdim = 2048)
 timed for flash_cute, torch SDPA with the cuDNN and flash backends, and flash-attn-4
 (`flash_attn.cute`) when importable. Prints TFLOP/s per peer and flash_cute's ratio to the
 best peer. Times are CUDA-event medians after warm-up; FLOPs = 4 * b * h * s^2 * d, halved
 when causal.
+
+decode: one new token per sequence against a KV cache (32 q heads, 8 kv heads, hdim 128,
+bf16), contiguous and paged (page 16, 64, random page order), for flash_cute
+(flash_attn_with_kvcache, auto split count), torch SDPA and flash-attn-4 (paged through its
+varlen API), eager and as CUDA-graph replays. Reports microseconds and the K+V read bandwidth
+(bytes / time) beside the device-to-device copy bandwidth measured in the same run, plus a
+varlen batch mixing prefills and decodes.
 """
 
 from __future__ import annotations
@@ -149,6 +159,188 @@ def prefill_table(rows: List[PrefillRow]) -> str:
     return "\n".join(lines)
 
 
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written (GB/s)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_cuda(lambda: dst.copy_(src), 3, 20)
+    del src, dst
+    return 2 * nbytes / ms / 1e6
+
+
+def time_graph(fn: Callable[[], object], calls: int = 20, reps: int = 10) -> float:
+    """Median milliseconds per call of `calls` back-to-back calls captured in one CUDA graph."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()  # warm-up on the capture stream
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return time_cuda(graph.replay, 2, reps) / calls
+
+
+@dataclass
+class DecodeRow:
+    batch: int
+    seqlen_k: int
+    page_size: int  # 0: contiguous cache
+    kv_bytes: int
+    us: Dict[str, float] = field(default_factory=dict)  # "peer" eager, "peer/graph" replayed
+
+    def tbs(self, name: str) -> float:
+        return self.kv_bytes / self.us[name] / 1e6
+
+
+def decode_peers(q, k, v, page_size: int, seqlens: torch.Tensor, gen) -> Dict[str, Callable[[], object]]:
+    """(batch, 1, 32, 128) decode against k/v (batch, seqlen_k, 8, 128), paged when page_size."""
+    import flash_cute
+
+    batch, seqlen_k = k.shape[0], k.shape[1]
+    peers = {}
+    if page_size:
+        pages = seqlen_k // page_size
+        num_pages = batch * pages
+        perm = torch.randperm(num_pages, device="cuda", generator=gen)
+        page_table = perm.view(batch, pages).to(torch.int32)
+        k_cache = torch.empty(num_pages, page_size, *k.shape[2:], dtype=k.dtype, device="cuda")
+        v_cache = torch.empty_like(k_cache)
+        k_cache[perm] = k.reshape(num_pages, page_size, *k.shape[2:])
+        v_cache[perm] = v.reshape(num_pages, page_size, *v.shape[2:])
+        peers["flash_cute"] = lambda: flash_cute.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seqlens, page_table=page_table)
+        try:
+            from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
+
+            cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+            q_packed = q.reshape(batch, *q.shape[2:])
+
+            def run_fa4():
+                return fa4_varlen(q_packed, k_cache, v_cache, cu_seqlens_q=cu_q, seqused_k=seqlens,
+                                  page_table=page_table, max_seqlen_q=1)
+
+            run_fa4()
+            peers["fa4"] = run_fa4
+        except Exception as exc:
+            print(f"# fa4 paged unavailable: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+        return peers
+    peers["flash_cute"] = lambda: flash_cute.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens)
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    try:
+        sdpa(qt, kt, vt, enable_gqa=True)
+        peers["sdpa"] = lambda: sdpa(qt, kt, vt, enable_gqa=True)
+    except Exception as exc:
+        print(f"# sdpa unavailable: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+    try:
+        from flash_attn.cute import flash_attn_func as fa4_func
+
+        fa4_func(q, k, v)
+        peers["fa4"] = lambda: fa4_func(q, k, v)
+    except Exception as exc:
+        print(f"# fa4 unavailable: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+    return peers
+
+
+def run_decode(batches: List[int], seqlens: List[int], pages: List[int], graphs: bool = True,
+               memory_fraction: float = 0.4) -> List[DecodeRow]:
+    nheads, nheads_kv, d, dtype = 32, 8, 128, torch.bfloat16
+    free = torch.cuda.mem_get_info()[0]
+    rows = []
+    for batch in batches:
+        for seqlen_k in seqlens:
+            kv_bytes = 2 * batch * seqlen_k * nheads_kv * d * 2
+            if 2 * kv_bytes > memory_fraction * free:  # paged copies double it
+                print(f"# skip batch={batch} seqlen_k={seqlen_k}: {kv_bytes / 1e9:.1f} GB", file=sys.stderr)
+                continue
+            gen = torch.Generator(device="cuda").manual_seed(batch * 7 + seqlen_k)
+            q = torch.randn(batch, 1, nheads, d, device="cuda", dtype=dtype, generator=gen)
+            k = torch.randn(batch, seqlen_k, nheads_kv, d, device="cuda", dtype=dtype, generator=gen)
+            v = torch.randn(batch, seqlen_k, nheads_kv, d, device="cuda", dtype=dtype, generator=gen)
+            seqlens_t = torch.full((batch,), seqlen_k, dtype=torch.int32, device="cuda")
+            for page in pages:
+                if page and seqlen_k % page:
+                    continue
+                row = DecodeRow(batch, seqlen_k, page, kv_bytes)
+                for name, fn in decode_peers(q, k, v, page, seqlens_t, gen).items():
+                    row.us[name] = time_cuda(fn, 3, 20) * 1e3
+                    if graphs:
+                        try:
+                            row.us[name + "/graph"] = time_graph(fn) * 1e3
+                        except Exception as exc:
+                            print(f"# {name} graph capture failed: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+                rows.append(row)
+                print(format_decode_row(row), flush=True)
+                torch.cuda.empty_cache()
+            del q, k, v
+            torch.cuda.empty_cache()
+    return rows
+
+
+def format_decode_row(row: DecodeRow) -> str:
+    cells = "  ".join(f"{name}={us:8.1f}us {row.tbs(name):5.2f}TB/s" for name, us in row.us.items())
+    layout = f"page{row.page_size}" if row.page_size else "contig"
+    return f"batch={row.batch:3d} seqlen_k={row.seqlen_k:6d} {layout:7s} KV={row.kv_bytes / 1e6:8.1f}MB  {cells}"
+
+
+def decode_table(rows: List[DecodeRow], copy_gbs: float) -> str:
+    names = []
+    for row in rows:
+        names += [n for n in row.us if n not in names]
+    lines = [f"K+V read bandwidth in TB/s (us in parentheses); device-to-device copy: {copy_gbs / 1e3:.2f} TB/s",
+             "", "| batch | seqlen_k | KV MB | layout | " + " | ".join(names) + " |",
+             "|---|---|---|---|" + "---|" * len(names)]
+    for r in rows:
+        cells = [f"{r.tbs(n):.2f} ({r.us[n]:.0f})" if n in r.us else "" for n in names]
+        layout = f"page {r.page_size}" if r.page_size else "contiguous"
+        lines.append(f"| {r.batch} | {r.seqlen_k} | {r.kv_bytes / 1e6:.0f} | {layout} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_varlen_mixed() -> str:
+    """A mixed batch: 2 prefill chunks of 2048 tokens and 30 single-token decodes over 8k-key
+    contexts, through one flash_attn_varlen_func call on a paged cache (page 64)."""
+    import flash_cute
+
+    nheads, nheads_kv, d, page = 32, 8, 128, 64
+    q_lens = [2048, 2048] + [1] * 30
+    k_lens = [2048, 4096] + [8192] * 30
+    batch = len(q_lens)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu_q[-1]), nheads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    pages = max(k_lens) // page
+    k_cache = torch.randn(batch * pages, page, nheads_kv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    page_table = torch.randperm(batch * pages, device="cuda", generator=gen).view(batch, pages).to(torch.int32)
+    seqused = torch.tensor(k_lens, device="cuda", dtype=torch.int32)
+    kv_bytes = sum(k_lens) * nheads_kv * d * 2 * 2
+    flops = sum(4 * nheads * ql * kl * d for ql, kl in zip(q_lens, k_lens))
+    lines = []
+    for causal in (False, True):
+        fn = lambda: flash_cute.flash_attn_varlen_func(  # noqa: E731
+            q, k_cache, v_cache, cu_q, max(q_lens), seqused_k=seqused, page_table=page_table, causal=causal,
+            num_splits=0)
+        ms = time_cuda(fn, 3, 20)
+        lines.append(f"varlen mixed batch (2 x 2048-token prefill + 30 decodes at 8k keys, page 64, causal={causal}): "
+                     f"flash_cute {ms * 1e3:.0f} us, {kv_bytes / ms / 1e9:.2f} TB/s of K+V, {flops / ms / 1e9:.0f} TFLOP/s")
+        try:
+            from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
+
+            fa4 = lambda: fa4_varlen(q, k_cache, v_cache, cu_seqlens_q=cu_q, seqused_k=seqused,  # noqa: E731
+                                     page_table=page_table, max_seqlen_q=max(q_lens), causal=causal)
+            fa4()
+            ms = time_cuda(fa4, 3, 20)
+            lines.append(f"    fa4 {ms * 1e3:.0f} us, {kv_bytes / ms / 1e9:.2f} TB/s")
+        except Exception as exc:
+            lines.append(f"    fa4 unavailable: {type(exc).__name__}: {str(exc)[:100]}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -159,10 +351,30 @@ def main(argv=None) -> int:
     pre.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     pre.add_argument("--reps", type=int, default=30)
     pre.add_argument("--json", default=None, help="write the rows here")
+    dec = sub.add_parser("decode", help="KV-cache decoding, contiguous and paged")
+    dec.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
+    dec.add_argument("--seqlens", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
+    dec.add_argument("--pages", type=int, nargs="+", default=[0, 16, 64], help="0: contiguous")
+    dec.add_argument("--no-graphs", action="store_true")
+    dec.add_argument("--no-varlen", action="store_true")
+    dec.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA GPU", file=sys.stderr)
         return 2
+    if args.command == "decode":
+        copy_gbs = copy_bandwidth_gbs()
+        print(f"device-to-device copy: {copy_gbs / 1e3:.2f} TB/s (read + write)", flush=True)
+        rows = run_decode(args.batch, args.seqlens, args.pages, graphs=not args.no_graphs)
+        print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
+        print(decode_table(rows, copy_gbs))
+        if not args.no_varlen:
+            print()
+            print(run_varlen_mixed())
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"copy_gbs": copy_gbs, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        return 0
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     rows = run_prefill(args.dtype, args.hdim, causals, args.seqlens, reps=args.reps)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}\n")

@@ -44,7 +44,7 @@ def check_same_dtype(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tenso
 
 def check_cuda(named_tensors) -> None:
     """All tensors on one CUDA device (the first one's)."""
-    (ref_name, ref), *rest = named_tensors
+    (ref_name, ref), *rest = list(named_tensors)
     if not ref.is_cuda:
         raise ValueError(f"{ref_name} must be a CUDA tensor, got a tensor on {ref.device}")
     for name, t in rest:
@@ -169,3 +169,99 @@ def optional_bool(name: str, value) -> bool:
     if not isinstance(value, (bool, int)) or isinstance(value, float):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return bool(value)
+
+
+ALL_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def check_optional_bool(name: str, value):
+    if value is None:
+        return None
+    return optional_bool(name, value)
+
+
+def check_host_int(name: str, value) -> int:
+    """A non-negative Python int (not a tensor: reading one would synchronize with the GPU)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def check_num_splits(num_splits) -> int:
+    num_splits = check_host_int("num_splits", num_splits)
+    from .splitkv import MAX_SPLITS
+
+    if num_splits > MAX_SPLITS:
+        raise ValueError(f"num_splits must be at most {MAX_SPLITS}, got {num_splits}")
+    return num_splits
+
+
+def _check_int32_vector(name: str, t, length: Optional[int], what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor ({what}), got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != 1 or (length is not None and t.shape[0] != length):
+        want = f"({length},)" if length is not None else "1-D"
+        raise ValueError(f"{name} must have shape {want} ({what}), got {tuple(t.shape)}")
+
+
+def check_cu_seqlens(name: str, t, batch: Optional[int]) -> int:
+    """cu_seqlens: (batch + 1,) int32. Returns batch. Contents are not read (no host sync)."""
+    _check_int32_vector(name, t, None if batch is None else batch + 1, "batch + 1 prefix sums")
+    if t.shape[0] < 1:
+        raise ValueError(f"{name} must have at least one element (batch + 1), got shape {tuple(t.shape)}")
+    if t.stride(0) != 1 and t.shape[0] > 1:
+        raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")
+    return t.shape[0] - 1
+
+
+def check_seqused(name: str, t, batch: int) -> None:
+    _check_int32_vector(name, t, batch, "keys used per sequence")
+    if t.stride(0) != 1 and t.shape[0] > 1:
+        raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")
+
+
+def check_page_table(page_table, batch: int, k_cache: torch.Tensor) -> int:
+    """page_table (batch, max_pages) int32 over k_cache (num_pages, page_size, ...).
+    Returns the key capacity per sequence, max_pages * page_size."""
+    if not isinstance(page_table, torch.Tensor):
+        raise TypeError(f"page_table must be a torch.Tensor, got {type(page_table).__name__}")
+    if page_table.dtype != torch.int32:
+        raise TypeError(f"page_table must be int32, got {page_table.dtype}")
+    if page_table.dim() != 2 or page_table.shape[0] != batch:
+        raise ValueError(
+            f"page_table must have shape (batch={batch}, max_pages_per_seq), got {tuple(page_table.shape)}"
+        )
+    if page_table.shape[1] > 1 and page_table.stride(1) != 1:
+        raise ValueError(f"page_table must have a contiguous last dimension, got strides {page_table.stride()}")
+    page_size = k_cache.shape[1]
+    if page_size == 0 or page_size % 16:
+        raise ValueError(f"page size (k_cache.shape[1]) must be a positive multiple of 16, got {page_size}")
+    return page_table.shape[1] * page_size if k_cache.shape[0] > 0 else 0
+
+
+def vector_aligned(t: torch.Tensor) -> bool:
+    """16-byte aligned base and 16-byte multiple strides (other than the last, unit stride)."""
+    if t.data_ptr() % 16:
+        return False
+    per = 16 // t.element_size()
+    return all(st % per == 0 for size, st in zip(t.shape[:-1], t.stride()[:-1]) if size > 1)
+
+
+def check_out_like(out, shape, dtype, device, inputs) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.dtype != dtype:
+        raise TypeError(f"out must have dtype {dtype}, got {out.dtype}")
+    if out.device != device:
+        raise ValueError(f"out must be on {device}, got {out.device}")
+    if out.numel() > 0 and out.stride(-1) != 1:
+        raise ValueError(f"out must have a contiguous last dimension (stride 1), got strides {out.stride()}")
+    for name, t in inputs:
+        if _overlaps(out, t):
+            raise ValueError(f"out must not overlap {name} in memory")

@@ -181,6 +181,32 @@ FORWARD_CONFIGS = {
 }
 
 
+# Decode-like problems (at most 64 query rows per (batch, kv head) after GQA packing): one MMA
+# warpgroup of 64 rows and the deepest K/V ring that fits, since these are bandwidth bound.
+DECODE_ROWS = 64
+_DECODE_BY_HEAD_DIM = {
+    64: _row(64, 128, num_stages=4, pingpong=False),
+    96: _row(64, 128, num_stages=4, pingpong=False),
+    128: _row(64, 128, num_stages=3, pingpong=False),
+    192: _row(64, 128, num_stages=2, pingpong=False),
+    256: _row(64, 64, num_stages=3, pingpong=False),
+}
+DECODE_CONFIGS = {
+    (head_dim, dtype): config for head_dim, config in _DECODE_BY_HEAD_DIM.items() for dtype in SUPPORTED_DTYPES
+}
+
+
+def decode_config(head_dim: int, dtype: str) -> AttentionConfig:
+    """The config for decode-like problems (few query rows per kv head)."""
+    try:
+        return DECODE_CONFIGS[(head_dim, dtype)]
+    except KeyError:
+        raise ValueError(
+            f"no decode config for head_dim={head_dim}, dtype={dtype}: supported head dims are "
+            f"{SUPPORTED_HEAD_DIMS} and dtypes {SUPPORTED_DTYPES}"
+        ) from None
+
+
 def default_config(head_dim: int, dtype: str, causal: bool) -> AttentionConfig:
     """The table's config for this problem; ValueError for an unsupported head dim or dtype."""
     try:

@@ -1,14 +1,17 @@
-"""Public attention entry points."""
+"""Public attention entry points: padded, varlen and KV-cache forward, and the split combine."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from . import checks
-from .compile_cache import ForwardKernelKey, get_forward_kernel
-from .config import AttentionConfig, default_config
+from .compile_cache import CombineKernelKey, ForwardKernelKey, get_combine_kernel, get_forward_kernel
+from .config import DECODE_ROWS, AttentionConfig, decode_config, default_config
+from .splitkv import num_sms, num_splits_heuristic
 
 
 def flash_attn_func(
@@ -51,56 +54,440 @@ def flash_attn_func(
     checks.check_same_dtype("k", k, "q", q)
     checks.check_same_dtype("v", v, "q", q)
     batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     if k.shape[0] != batch:
         raise ValueError(f"k must have batch size {batch} (that of q), got shape {tuple(k.shape)}")
     if k.shape[3] != head_dim:
         raise ValueError(f"k must have headdim {head_dim} (that of q), got shape {tuple(k.shape)}")
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
-    checks.check_head_dim(head_dim)
-    checks.check_gqa(nheads, nheads_kv)
-    checks.check_grid(nheads, batch)
-    causal = checks.optional_bool("causal", causal)
-    return_lse = checks.optional_bool("return_lse", return_lse)
-    scale_log2 = checks.softmax_scale_log2(softmax_scale, head_dim)
-    dtype = checks.dtype_name(q.dtype)
-    config = checks.check_config(config, head_dim, dtype) or default_config(head_dim, dtype, causal)
+    problem = _Problem(
+        batch=batch, nheads=nheads, nheads_kv=k.shape[2], head_dim=head_dim, dtype=q.dtype,
+        max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1], kv_capacity=k.shape[1],
+    )
+    scale_log2, causal, return_lse, config = _common_checks(
+        problem, softmax_scale, causal, return_lse, config
+    )
     checks.check_cuda((("q", q), ("k", k), ("v", v)))
     checks.check_hopper(q.device)
-
-    shape = (batch, seqlen_q, nheads, head_dim)
-    if out is None:
-        out = torch.empty(shape, dtype=q.dtype, device=q.device)
-    else:
-        checks.check_out(out, shape, q, (q, k, v))
+    out = _prepare_out(out, q, k, v)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
-
+    if config is None:  # the prefill table, whatever seqlen_q is
+        config = default_config(head_dim, checks.dtype_name(q.dtype), causal)
     if out.numel() > 0:
-        if seqlen_k == 0:
+        _run(problem, q, k, v, out, lse, scale_log2, causal, config, num_splits=1, pack_gqa=False)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    max_seqlen_k: Optional[int] = None,
+    page_table: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    num_splits: int = 1,
+    pack_gqa: Optional[bool] = None,
+    return_softmax_lse: bool = False,
+    out: Optional[torch.Tensor] = None,
+):
+    """Attention over a batch of variable-length sequences packed along one token dimension.
+
+    Args:
+        q: (total_q, nheads, headdim); sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b+1].
+        k, v: one of
+            (total_k, nheads_kv, headdim) packed, with cu_seqlens_k;
+            (batch, seqlen_k, nheads_kv, headdim) padded, with seqused_k (valid keys per
+                sequence) or without (all seqlen_k keys);
+            (num_pages, page_size, nheads_kv, headdim) paged, with page_table and usually
+                seqused_k (without it, every slot of the table's pages is a key). page_size
+                must be a multiple of 16; pages need not be contiguous or ordered.
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 prefix sums of the lengths.
+        max_seqlen_q: int, the longest query length (sizes the grid; host value).
+        seqused_k: (batch,) int32 valid keys per sequence (clamped to the cache's capacity).
+        max_seqlen_k: int, the longest key length; only guides the split heuristic.
+        page_table: (batch, max_pages_per_seq) int32 page indices.
+        num_splits: 1 (default) no split-KV; n forces n; 0 picks with the heuristic.
+        pack_gqa: fold the q heads of a kv head into one tile (None: when it helps).
+        Other arguments as in flash_attn_func.
+
+    Returns:
+        out (total_q, nheads, headdim), and with return_softmax_lse also lse
+        (nheads, total_q) float32. A sequence with no keys gets out = 0, lse = -inf.
+
+    cu_seqlens contents are not checked (that would need a host sync): they must start at 0,
+    be non-decreasing and stay within q/k. The call has no host synchronization.
+    """
+    checks.check_tensor("q", q, 3, "(total_q, nheads, headdim)")
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if cu_seqlens_k is not None and seqused_k is not None:
+        raise ValueError("give either cu_seqlens_k or seqused_k, not both")
+    if cu_seqlens_k is not None and page_table is not None:
+        raise ValueError("page_table cannot be combined with cu_seqlens_k (paged keys use seqused_k)")
+    kv_layout = "packed" if cu_seqlens_k is not None else ("paged" if page_table is not None else "padded")
+    kv_ndim = 3 if kv_layout == "packed" else 4
+    kv_doc = {
+        "packed": "(total_k, nheads_kv, headdim) with cu_seqlens_k",
+        "paged": "(num_pages, page_size, nheads_kv, headdim) with page_table",
+        "padded": "(batch, seqlen_k, nheads_kv, headdim)",
+    }[kv_layout]
+    checks.check_tensor("k", k, kv_ndim, kv_doc)
+    checks.check_tensor("v", v, kv_ndim, kv_doc)
+    checks.check_same_dtype("k", k, "q", q)
+    checks.check_same_dtype("v", v, "q", q)
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    total_q, nheads, head_dim = q.shape
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"k must have headdim {head_dim} (that of q), got shape {tuple(k.shape)}")
+    batch = checks.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None)
+    max_seqlen_q = checks.check_host_int("max_seqlen_q", max_seqlen_q)
+    if cu_seqlens_k is not None:
+        checks.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch)
+    if seqused_k is not None:
+        checks.check_seqused("seqused_k", seqused_k, batch)
+    if kv_layout == "paged":
+        capacity = checks.check_page_table(page_table, batch, k)
+    elif kv_layout == "padded":
+        if k.shape[0] != batch:
+            raise ValueError(f"padded k must have batch size {batch} (len(cu_seqlens_q) - 1), got shape {tuple(k.shape)}")
+        capacity = k.shape[1]
+    else:
+        capacity = k.shape[0]
+    if max_seqlen_k is None:
+        max_seqlen_k = capacity
+    max_seqlen_k = min(checks.check_host_int("max_seqlen_k", max_seqlen_k), capacity)
+    problem = _Problem(
+        batch=batch, nheads=nheads, nheads_kv=k.shape[-2], head_dim=head_dim, dtype=q.dtype,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, kv_capacity=capacity if batch > 0 else 0,
+        varlen_q=True, kv_layout=kv_layout,
+        page_size=k.shape[1] if kv_layout == "paged" else None,
+    )
+    scale_log2, causal, return_lse, _ = _common_checks(problem, softmax_scale, causal, return_softmax_lse, None)
+    num_splits = checks.check_num_splits(num_splits)
+    pack_gqa = checks.check_optional_bool("pack_gqa", pack_gqa)
+    named = [("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+             ("seqused_k", seqused_k), ("page_table", page_table)]
+    checks.check_cuda([(n, t) for n, t in named if t is not None])
+    checks.check_hopper(q.device)
+    out = _prepare_out(out, q, k, v)
+    lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device) if return_lse else None
+    if out.numel() > 0:
+        _run(problem, q, k, v, out, lse, scale_log2, causal, None, num_splits, pack_gqa,
+             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, page_table=page_table)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens=None,
+    page_table: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    num_splits: int = 0,
+    pack_gqa: Optional[bool] = None,
+    return_softmax_lse: bool = False,
+    out: Optional[torch.Tensor] = None,
+):
+    """Attention of new queries over a KV cache (decoding, and prefill against a cache).
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim).
+        k_cache, v_cache: (batch, seqlen_cache, nheads_kv, headdim), or with page_table
+            (num_pages, page_size, nheads_kv, headdim) with page_size a multiple of 16.
+        cache_seqlens: valid keys per sequence: an int, a (batch,) int32 tensor, or None for
+            the whole cache. Tensor values above the cache's capacity are clamped (checking
+            them would need a host sync); an int is checked.
+        page_table: (batch, max_pages_per_seq) int32 page indices (any order).
+        causal: bottom-right aligned: the last query sees all cache_seqlens keys.
+        num_splits: 0 (default) picks the split-KV count with a wave-efficiency heuristic;
+            1 disables splitting; n forces n (at most 128).
+        pack_gqa: fold the q heads sharing a kv head into one tile so each K/V tile is read
+            once for all of them (None: on whenever nheads > nheads_kv and it fits the tile).
+        Other arguments as in flash_attn_func.
+
+    Returns:
+        out (batch, seqlen_q, nheads, headdim), and with return_softmax_lse also lse
+        (batch, nheads, seqlen_q) float32. A sequence with 0 keys gets out = 0, lse = -inf.
+
+    No host synchronization, and split buffers are sized from shapes and num_splits only: after
+    one warm-up call a decode step can be captured in a CUDA graph and replayed with new
+    cache_seqlens and page_table contents.
+    """
+    checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    paged = page_table is not None
+    kv_doc = "(num_pages, page_size, nheads_kv, headdim)" if paged else "(batch, seqlen_cache, nheads_kv, headdim)"
+    checks.check_tensor("k_cache", k_cache, 4, kv_doc)
+    checks.check_tensor("v_cache", v_cache, 4, kv_doc)
+    checks.check_same_dtype("k_cache", k_cache, "q", q)
+    checks.check_same_dtype("v_cache", v_cache, "q", q)
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    batch, seqlen_q, nheads, head_dim = q.shape
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache must have headdim {head_dim} (that of q), got shape {tuple(k_cache.shape)}")
+    if paged:
+        capacity = checks.check_page_table(page_table, batch, k_cache)
+    else:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache must have batch size {batch} (that of q), got shape {tuple(k_cache.shape)}")
+        capacity = k_cache.shape[1]
+    seqused_k = None
+    max_seqlen_k = capacity
+    if cache_seqlens is None:
+        pass
+    elif isinstance(cache_seqlens, torch.Tensor):
+        checks.check_seqused("cache_seqlens", cache_seqlens, batch)
+        seqused_k = cache_seqlens
+    else:
+        n = checks.check_host_int("cache_seqlens", cache_seqlens)
+        if n > capacity:
+            raise ValueError(f"cache_seqlens={n} exceeds the cache's capacity of {capacity} keys")
+        max_seqlen_k = n
+        if paged:
+            seqused_k = torch.full((batch,), n, dtype=torch.int32, device=q.device)
+        else:
+            k_cache, v_cache = k_cache[:, :n], v_cache[:, :n]
+    problem = _Problem(
+        batch=batch, nheads=nheads, nheads_kv=k_cache.shape[2], head_dim=head_dim, dtype=q.dtype,
+        max_seqlen_q=seqlen_q, max_seqlen_k=max_seqlen_k, kv_capacity=max_seqlen_k,
+        kv_layout="paged" if paged else "padded",
+        page_size=k_cache.shape[1] if paged else None,
+    )
+    scale_log2, causal, return_lse, _ = _common_checks(problem, softmax_scale, causal, return_softmax_lse, None)
+    num_splits = checks.check_num_splits(num_splits)
+    pack_gqa = checks.check_optional_bool("pack_gqa", pack_gqa)
+    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("page_table", page_table),
+             ("cache_seqlens", seqused_k)]
+    checks.check_cuda([(n, t) for n, t in named if t is not None])
+    checks.check_hopper(q.device)
+    out = _prepare_out(out, q, k_cache, v_cache)
+    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
+    if out.numel() > 0:
+        _run(problem, q, k_cache, v_cache, out, lse, scale_log2, causal, None, num_splits, pack_gqa,
+             seqused_k=seqused_k, page_table=page_table)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_combine(
+    out_partial: torch.Tensor,
+    lse_partial: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    return_lse: bool = False,
+):
+    """Merge attention results computed over disjoint key sets (split-KV, cascade, context
+    parallel): per row, lse = log(sum_k exp(lse_k)) and out = sum_k exp(lse_k - lse) * out_k.
+
+    Args:
+        out_partial: (num_splits, batch, seqlen, nheads, headdim) or
+            (num_splits, total_q, nheads, headdim), float32; split k's output normalized over
+            its own keys. headdim a multiple of 8.
+        lse_partial: (num_splits, batch, seqlen, nheads) or (num_splits, total_q, nheads),
+            float32 natural-log LSE; -inf marks an empty split (its out_k is not read).
+        out: optional output, out_partial's shape without the split dim.
+        out_dtype: dtype of out when it is allocated (float32 default, or float16/bfloat16).
+        return_lse: also return the merged lse, shaped like lse_partial without the split dim.
+
+    A row whose splits are all empty gets out = 0, lse = -inf.
+    """
+    if not isinstance(out_partial, torch.Tensor) or not isinstance(lse_partial, torch.Tensor):
+        raise TypeError("out_partial and lse_partial must be torch.Tensors")
+    if out_partial.dim() not in (4, 5):
+        raise ValueError(
+            "out_partial must be (num_splits, batch, seqlen, nheads, headdim) or "
+            f"(num_splits, total_q, nheads, headdim), got shape {tuple(out_partial.shape)}"
+        )
+    if out_partial.dtype != torch.float32:
+        raise TypeError(f"out_partial must be float32, got {out_partial.dtype}")
+    if lse_partial.dtype != torch.float32:
+        raise TypeError(f"lse_partial must be float32, got {lse_partial.dtype}")
+    if tuple(lse_partial.shape) != tuple(out_partial.shape[:-1]):
+        raise ValueError(f"lse_partial must have shape {tuple(out_partial.shape[:-1])}, got {tuple(lse_partial.shape)}")
+    head_dim = out_partial.shape[-1]
+    if head_dim % 8 or not 8 <= head_dim <= 1024:
+        raise ValueError(f"headdim of out_partial must be a multiple of 8 in [8, 1024], got {head_dim}")
+    if out_partial.stride(-1) != 1 and head_dim > 1:
+        raise ValueError(f"out_partial must have a contiguous last dimension, got strides {out_partial.stride()}")
+    if out_dtype is None:
+        out_dtype = out.dtype if isinstance(out, torch.Tensor) else torch.float32
+    if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
+    return_lse = checks.optional_bool("return_lse", return_lse)
+    checks.check_cuda((("out_partial", out_partial), ("lse_partial", lse_partial)))
+    shape = tuple(out_partial.shape[1:])
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype, device=out_partial.device)
+    else:
+        checks.check_out_like(out, shape, out_dtype, out_partial.device, (("out_partial", out_partial),))
+    lse = torch.empty(shape[:-1], dtype=torch.float32, device=out_partial.device) if return_lse else None
+    if out.numel() > 0:
+        if out_partial.shape[0] == 0:
             out.zero_()
             if lse is not None:
                 lse.fill_(float("-inf"))
         else:
-            _launch_forward(q, k, v, out, lse, scale_log2, causal, config, dtype, head_dim)
+            _combine(out_partial, lse_partial, out, lse)
     return (out, lse) if return_lse else out
 
 
-def _launch_forward(q, k, v, out, lse, scale_log2, causal, config, dtype, head_dim):
-    kernel = get_forward_kernel(
-        ForwardKernelKey(dtype=dtype, head_dim=head_dim, causal=causal, config=config,
-                         writes_lse=lse is not None)
+# ----------------------------------------------------------------------------------------
+# Shared plumbing
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """Host-known sizes of one call (no tensor contents)."""
+
+    batch: int
+    nheads: int
+    nheads_kv: int
+    head_dim: int
+    dtype: torch.dtype
+    max_seqlen_q: int
+    max_seqlen_k: int  # longest key length known on the host (guides the split count)
+    kv_capacity: int = -1  # keys a sequence can have at most; 0 means no keys anywhere
+    varlen_q: bool = False
+    kv_layout: str = "padded"
+    page_size: Optional[int] = None
+
+
+def _common_checks(problem: _Problem, softmax_scale, causal, return_lse, config):
+    checks.check_head_dim(problem.head_dim)
+    checks.check_gqa(problem.nheads, problem.nheads_kv)
+    checks.check_grid(problem.nheads, problem.batch)
+    causal = checks.optional_bool("causal", causal)
+    return_lse = checks.optional_bool("return_lse", return_lse)
+    scale_log2 = checks.softmax_scale_log2(softmax_scale, problem.head_dim)
+    config = checks.check_config(config, problem.head_dim, checks.dtype_name(problem.dtype))
+    return scale_log2, causal, return_lse, config
+
+
+def _prepare_out(out, q, k, v):
+    if out is None:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    checks.check_out(out, tuple(q.shape), q, (q, k, v))
+    return out
+
+
+def _choose(problem: _Problem, causal: bool, config, num_splits: int, pack_gqa, device_index: int):
+    """(config, pack ratio, num_splits) for a call, from host-known sizes only."""
+    dtype = checks.dtype_name(problem.dtype)
+    ratio = problem.nheads // problem.nheads_kv
+    decode_like = problem.max_seqlen_q * ratio <= DECODE_ROWS
+    if config is None:
+        config = decode_config(problem.head_dim, dtype) if decode_like else default_config(problem.head_dim, dtype, causal)
+    if pack_gqa is None:
+        pack_gqa = ratio > 1 and decode_like and config.tile_m % ratio == 0
+    if pack_gqa and ratio > 1 and config.tile_m % ratio:
+        raise ValueError(
+            f"pack_gqa=True needs nheads / nheads_kv ({ratio}) to divide the tile's {config.tile_m} rows"
+        )
+    pack_ratio = ratio if pack_gqa else 1
+    if num_splits == 0:
+        m_blocks = math.ceil(problem.max_seqlen_q * pack_ratio / config.tile_m)
+        tiles = problem.batch * (problem.nheads // pack_ratio) * m_blocks
+        n_blocks = math.ceil(problem.max_seqlen_k / config.tile_n)
+        num_splits = num_splits_heuristic(tiles, n_blocks, num_sms(device_index))
+    return config, pack_ratio, num_splits
+
+
+def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_splits, pack_gqa,
+         cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None):
+    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    config, pack_ratio, num_splits = _choose(problem, causal, config, num_splits, pack_gqa, device_index)
+    if problem.kv_capacity == 0 or problem.max_seqlen_q == 0:
+        # No keys, or no query rows in any sequence: nothing for a kernel (or TMA) to do.
+        out.zero_()
+        if lse is not None:
+            lse.fill_(float("-inf"))
+        return
+    split = num_splits > 1
+    key = ForwardKernelKey(
+        dtype=checks.dtype_name(problem.dtype), head_dim=problem.head_dim, causal=causal,
+        config=config, writes_lse=split or lse is not None, varlen_q=problem.varlen_q,
+        kv_layout=problem.kv_layout, seqused_k=seqused_k is not None,
+        page_box_rows=math.gcd(problem.page_size, config.tile_n) if problem.page_size else None,
+        split=split, pack_gqa_ratio=pack_ratio,
     )
-    # An out TMA cannot address (odd strides or base) is filled through a temporary.
-    if checks.tma_compatible(out):
-        out_kernel = checks.for_tma(out)
+    kernel = get_forward_kernel(key)
+    if split:
+        out_kernel = torch.empty((num_splits, *out.shape), dtype=torch.float32, device=q.device)
+        lse_kernel = torch.empty((num_splits, *_lse_shape(problem, q)), dtype=torch.float32, device=q.device)
     else:
-        out_kernel = torch.empty_like(out, memory_format=torch.contiguous_format)
-    args = (checks.for_tma(q), checks.for_tma(k), checks.for_tma(v), out_kernel, lse, scale_log2)
-    if q.device.index == torch.cuda.current_device():
+        out_kernel = checks.for_tma(out) if checks.tma_compatible(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
+        lse_kernel = lse
+    args = (
+        checks.for_tma(q), checks.for_tma(k), checks.for_tma(v), out_kernel, lse_kernel, scale_log2,
+        cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, problem.max_seqlen_q, num_splits,
+    )
+    with _on_device(q.device):
         kernel(*args)
-    else:
-        with torch.cuda.device(q.device):
-            kernel(*args)
-    if out_kernel.data_ptr() != out.data_ptr():
-        out.copy_(out_kernel)
+        if split:
+            _combine_forward_partials(problem, out_kernel, lse_kernel, out, lse)
+        elif out_kernel.data_ptr() != out.data_ptr():
+            out.copy_(out_kernel)
+
+
+def _lse_shape(problem: _Problem, q):
+    if problem.varlen_q:
+        return (problem.nheads, q.shape[0])
+    return (problem.batch, problem.nheads, problem.max_seqlen_q)
+
+
+def _combine_forward_partials(problem: _Problem, out_partial, lse_partial, out, lse):
+    """Views of the forward kernel's split buffers in the combine's (K, B, S, H[, D]) form."""
+    if problem.varlen_q:  # (K, T, H, D), lse (K, H, T)
+        o_p = out_partial.unsqueeze(1)
+        l_p = lse_partial.transpose(1, 2).unsqueeze(1)
+        o = out.unsqueeze(0)
+        l = lse.t().unsqueeze(0) if lse is not None else None
+    else:  # (K, B, S, H, D), lse (K, B, H, S)
+        o_p, l_p, o = out_partial, lse_partial.transpose(2, 3), out
+        l = lse.transpose(1, 2) if lse is not None else None
+    _combine(o_p, l_p, o, l)
+
+
+def _combine(out_partial, lse_partial, out, lse):
+    """out_partial (K, B, S, H, D) or (K, T, H, D) and matching lse views -> out, lse."""
+    if out_partial.dim() == 4:
+        out_partial, lse_partial = out_partial.unsqueeze(1), lse_partial.unsqueeze(1)
+        out = out.unsqueeze(0)
+        lse = lse.unsqueeze(0) if lse is not None else None
+    if not checks.vector_aligned(out_partial):
+        out_partial = out_partial.contiguous() if out_partial.data_ptr() % 16 == 0 else out_partial.clone(memory_format=torch.contiguous_format)
+    out_kernel = out if checks.vector_aligned(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
+    key = CombineKernelKey(
+        out_dtype=checks.ALL_DTYPE_NAMES[out.dtype], head_dim=out.shape[-1], writes_lse=lse is not None
+    )
+    with _on_device(out.device):
+        get_combine_kernel(key)(out_partial, lse_partial, out_kernel, lse)
+        if out_kernel.data_ptr() != out.data_ptr():
+            out.copy_(out_kernel)
+
+
+class _on_device:
+    """torch.cuda.device(d) only when d is not already current (it costs a few us)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.ctx = None
+
+    def __enter__(self):
+        index = self.device.index
+        if index is not None and index != torch.cuda.current_device():
+            self.ctx = torch.cuda.device(self.device)
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)

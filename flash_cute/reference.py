@@ -65,3 +65,73 @@ def error_bound(out_lowp: torch.Tensor, out_ref: torch.Tensor, factor: float = 2
     lowp_err = (out_lowp.float() - ref).abs().max().item() if ref.numel() else 0.0
     rounding = ((ref + 0.3 - 0.3).to(out_lowp.dtype).float() - ref).abs().max().item() if ref.numel() else 0.0
     return factor * lowp_err + 2.0 * rounding + 1e-5
+
+
+def attention_partial_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_ranges,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention restricted to each key range [lo, hi) in turn (float32), as split-KV computes.
+
+    Returns out_partial (num_splits, batch, seqlen_q, nheads, d), each normalized over its own
+    keys (0 where a row sees none), and lse_partial (num_splits, batch, seqlen_q, nheads)
+    (-inf where a row sees no key of the range). The causal mask stays in global positions.
+    """
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    outs, lses = [], []
+    for lo, hi in key_ranges:
+        allowed = torch.zeros(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
+        allowed[:, lo:hi] = True
+        if causal:
+            allowed &= ~causal_mask(seqlen_q, seqlen_k, q.device)
+        out, lse = _masked_attention(q, k, v, allowed, softmax_scale)
+        outs.append(out)
+        lses.append(lse.transpose(1, 2))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def _masked_attention(q, k, v, allowed, softmax_scale):
+    head_dim = q.shape[-1]
+    nheads, nheads_kv = q.shape[2], k.shape[2]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    q, k, v = q.float(), k.float(), v.float()
+    if nheads != nheads_kv:
+        k = k.repeat_interleave(nheads // nheads_kv, dim=2)
+        v = v.repeat_interleave(nheads // nheads_kv, dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", q * softmax_scale, k)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+    return torch.einsum("bhts,bshd->bthd", probs, v), lse
+
+
+def combine_ref(out_partial: torch.Tensor, lse_partial: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Merge partial results: lse = logsumexp_k lse_k, out = sum_k exp(lse_k - lse) out_k.
+
+    out_partial (K, ..., d), lse_partial (K, ...). Splits with lse -inf contribute nothing
+    (their out is never read); rows with all splits -inf give out 0 and lse -inf."""
+    lse = torch.logsumexp(lse_partial, dim=0)
+    weights = torch.exp(lse_partial - lse.unsqueeze(0))
+    weights = torch.nan_to_num(weights, nan=0.0)  # all -inf: (-inf) - (-inf)
+    safe = torch.where(torch.isfinite(lse_partial).unsqueeze(-1), out_partial, torch.zeros_like(out_partial))
+    return (weights.unsqueeze(-1) * safe).sum(0), lse
+
+
+def split_ranges(seqlen_k: int, tile_n: int, num_splits: int):
+    """Key ranges of the kernel's split rule: key blocks of tile_n shared out evenly
+    (ceil), trailing splits possibly empty."""
+    n_blocks = -(-seqlen_k // tile_n)
+    per = -(-n_blocks // num_splits) if num_splits else 0
+    return [(min(s * per * tile_n, seqlen_k), min((s + 1) * per * tile_n, seqlen_k)) for s in range(num_splits)]
+
+
+def gather_paged(cache: torch.Tensor, page_table: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """Padded (batch, seqlen, nheads_kv, d) view of a paged cache (num_pages, page_size, ...)."""
+    page_size = cache.shape[1]
+    pages = cache[page_table.long()]  # (batch, max_pages, page_size, h, d)
+    return pages.flatten(1, 2)[:, :seqlen]

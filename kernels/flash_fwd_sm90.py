@@ -1,6 +1,6 @@
 """FlashAttention-3-style forward kernel for Hopper (sm_90a), written in the CuTe DSL.
 
-One CTA computes one (query tile, head, batch): tile_m rows of O and their LSE.
+One CTA computes one (query tile, head, batch[, split]): tile_m rows of O and their LSE.
 
 Warp roles (128 * (1 + num_mma_warpgroups) threads):
 - warpgroup 0, the producer, lowers its registers with setmaxnreg; its warp 0 issues the TMA
@@ -8,8 +8,7 @@ Warp roles (128 * (1 + num_mma_warpgroups) threads):
   tracked by a full/empty mbarrier pair (separate rings for K and V).
 - warpgroups 1.., the consumers, raise their registers; each owns 64 query rows and runs
   S = Q K^T (WGMMA, smem x smem), the online softmax in fp32, and O += P V (WGMMA with P
-  from registers, or from smem when the config says so), then writes O through smem and a
-  TMA store, and the LSE from registers.
+  from registers, or from smem when the config says so), then writes O and the LSE.
 
 Scheduling knobs (static config):
 - intra_wg_overlap: issue S = Q K^T of key block n before the softmax of block n+1 finishes
@@ -17,8 +16,21 @@ Scheduling knobs (static config):
 - pingpong: named barriers make the consumer warpgroups take turns issuing GEMMs, so one's
   softmax overlaps another's tensor-core work.
 - rescale_o_before_pv: scale O while Q K^T is in flight instead of after P V (large head dims).
+
+Problem variants (static; each is a separate compiled kernel):
+- varlen_q: q is packed (total_q, nheads, d) with cu_seqlens_q.
+- kv_layout "padded" (batch, seqlen_k, nheads_kv, d), "packed" (total_k, ...) with
+  cu_seqlens_k, or "paged" (num_pages, page_size, nheads_kv, d) with a page table; with
+  seqused_k the valid key count per batch comes from a tensor.
+- split: grid.y covers nheads x num_splits; split s takes the s-th share of the key blocks and
+  writes its partial O (fp32, normalized over its own keys) and LSE (-inf for an empty split).
+- pack_gqa: the qhead_per_kvhead query heads sharing a kv head are folded into the tile's rows
+  (row = token * ratio + head), so each K/V tile is read once for all of them.
+O goes through smem and one TMA store for padded, unsplit problems, and straight from
+registers (row-predicated) otherwise.
 """
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional, Type
 
@@ -33,20 +45,70 @@ from . import hopper_mma
 from .block_range import KeyBlockRange
 from .masking import AttentionMask
 from .named_barriers import NamedBarrier
+from .seqlen_info import SeqlenInfo
 from .softmax import OnlineSoftmax, rescale_rows
-from .tma_loads import TmaBlockLoader
+from .tma_loads import TmaBlockLoader, TmaPagedBlockLoader
 
 THREADS_PER_WARPGROUP = 128
+KV_LAYOUTS = ("padded", "packed", "paged")
+
+
+def _make_packed_gqa_tma_atom(op, mX, smem_layout, tile_m: int, head_dim: int, ratio: int):
+    """TMA atom over rows folded as (q head in group, token): mX (s, d, h[, b]) becomes
+    ((ratio, s), d, h / ratio[, b]), and a box of tile_m rows covers tile_m / ratio tokens
+    of `ratio` consecutive heads. The heads and tokens modes are grouped first so the
+    descriptor keeps the tensor's rank."""
+    rank = cute.rank(mX)
+    grouped = hopper_mma.permute_modes(mX, (2, 0, 1, *range(3, rank)))  # (h, s, d[, b])
+    grouped = cute.group_modes(grouped, 0, 2)  # ((h, s), d[, b])
+    atom, tma = cpasync.make_tiled_tma_atom(
+        op, grouped, smem_layout, ((ratio, tile_m // ratio), head_dim)
+    )
+    # Back to ((ratio, s), d, h / ratio[, b]) coordinates.
+    shape = ((ratio, tma.shape[0][1]), tma.shape[1], tma.shape[0][0] // ratio, *tma.shape[2:])
+    stride = (tma.stride[0], tma.stride[1], tma.stride[0][0] * ratio, *tma.stride[2:])
+    return atom, cute.make_tensor(tma.iterator, cute.make_layout(shape, stride=stride))
+
+
+@dataclass(frozen=True)
+class MainloopOperands:
+    """What an MMA warpgroup's per-key-block steps work on (frozen: read-only to the DSL
+    across dynamic control flow; the accumulators are register tensors it points to)."""
+
+    tiled_mma_qk: cute.TiledMma
+    tiled_mma_pv: cute.TiledMma
+    thr_mma_qk: cute.ThrMma
+    tSrQ: cute.Tensor
+    tSrK: cute.Tensor
+    tOrVt: cute.Tensor
+    tOrP: cute.Tensor
+    smem_copy_P: Optional[cute.ThrCopy]
+    tPsP: Optional[cute.Tensor]
+    acc_S_shape: object
+    acc_O: cute.Tensor
+    softmax: OnlineSoftmax
+    pending_scale: Optional[cute.Tensor]
+    mask: AttentionMask
+    m_block: Int32
+    pipeline_k: pipeline.PipelineAsync
+    pipeline_v: pipeline.PipelineAsync
+    warpgroup_idx: Int32
 
 
 class FlashAttentionForwardSm90:
     """Static configuration plus the host launch (`__call__`) and the device kernel.
 
-    Tensors passed to `__call__` (all 16-byte aligned, last dim contiguous):
-      q, out: (batch, seqlen_q, nheads, head_dim)       dtype
-      k, v:   (batch, seqlen_k, nheads_kv, head_dim)    dtype, nheads % nheads_kv == 0
-      lse:    (batch, nheads, seqlen_q) float32, or None to skip writing it
-    Batch, sequence lengths and head counts are run-time values.
+    Tensors passed to `__call__` (16-byte aligned, last dim contiguous), B = batch, S = splits:
+      q:    (B, seqlen_q, nheads, d), or (total_q, nheads, d) when varlen_q
+      k, v: (B, seqlen_k, nheads_kv, d) padded, (total_k, nheads_kv, d) packed,
+            (num_pages, page_size, nheads_kv, d) paged; nheads % nheads_kv == 0
+      out:  like q in q's dtype; with split fp32 (S, *q.shape)
+      lse:  (B, nheads, seqlen_q) or (nheads, total_q) fp32, with split (S, ...); or None
+      cu_seqlens_q / cu_seqlens_k: (B + 1,) int32; seqused_k: (B,) int32;
+      page_table: (B, max_pages_per_seq) int32
+      max_seqlen_q: rows of the longest sequence (sizes the grid when varlen_q)
+      num_splits: splits of the key range (split kernels)
+    Batch, sequence lengths, head counts, page size and num_splits are run-time values.
     """
 
     def __init__(
@@ -63,9 +125,19 @@ class FlashAttentionForwardSm90:
         rescale_o_before_pv: bool,
         producer_registers: int,
         mma_registers: int,
+        varlen_q: bool = False,
+        kv_layout: str = "padded",
+        seqused_k: bool = False,
+        page_box_rows: Optional[int] = None,
+        split: bool = False,
+        pack_gqa_ratio: int = 1,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         assert tile_m % 64 == 0 and 1 <= tile_m // 64 <= 3
+        assert kv_layout in KV_LAYOUTS
+        assert (kv_layout == "paged") == (page_box_rows is not None)
+        assert page_box_rows is None or (tile_n % page_box_rows == 0 and page_box_rows % 16 == 0)
+        assert tile_m % pack_gqa_ratio == 0
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -78,9 +150,17 @@ class FlashAttentionForwardSm90:
         self.rescale_o_before_pv = rescale_o_before_pv and intra_wg_overlap
         self.producer_registers = producer_registers
         self.mma_registers = mma_registers
+        self.varlen_q = varlen_q
+        self.kv_layout = kv_layout
+        self.seqused_k = seqused_k
+        self.page_box_rows = page_box_rows
+        self.split = split
+        self.pack_gqa_ratio = pack_gqa_ratio
         self.num_mma_warpgroups = tile_m // 64
         self.num_mma_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
         self.num_threads = THREADS_PER_WARPGROUP * (1 + self.num_mma_warpgroups)
+        # O through smem and one TMA store needs tiles that end at the tensor's row bound.
+        self.tma_store_o = not varlen_q and not split
         self.smem_align = 1024
 
     # ------------------------------------------------------------------------------------
@@ -96,12 +176,28 @@ class FlashAttentionForwardSm90:
         mO: cute.Tensor,
         mLSE: Optional[cute.Tensor],
         softmax_scale_log2: Float32,
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],
+        mPageTable: Optional[cute.Tensor],
+        max_seqlen_q: Int32,
+        num_splits: Int32,
         stream: cuda.CUstream,
     ):
-        # (b, s, h, d) -> (s, d, h, b): a TMA box is (rows, head_dim) at coordinate (head, batch).
-        mQ, mK, mV, mO = [hopper_mma.permute_modes(t, (1, 3, 2, 0)) for t in (mQ, mK, mV, mO)]
+        # Rows first, then head_dim, then heads, then batch (and split): a TMA box is
+        # (rows, head_dim) at coordinate (head, batch).
+        q_modes = (0, 2, 1) if const_expr(self.varlen_q) else (1, 3, 2, 0)
+        mQ = hopper_mma.permute_modes(mQ, q_modes)
+        o_modes = q_modes
+        lse_modes = (1, 0) if const_expr(self.varlen_q) else (2, 1, 0)
+        if const_expr(self.split):  # leading split mode goes last
+            o_modes = tuple(m + 1 for m in q_modes) + (0,)
+            lse_modes = tuple(m + 1 for m in lse_modes) + (0,)
+        mO = hopper_mma.permute_modes(mO, o_modes)
         if const_expr(mLSE is not None):
-            mLSE = hopper_mma.permute_modes(mLSE, (2, 1, 0))  # (b, h, s) -> (s, h, b)
+            mLSE = hopper_mma.permute_modes(mLSE, lse_modes)
+        kv_modes = (0, 2, 1) if const_expr(self.kv_layout == "packed") else (1, 3, 2, 0)
+        mK, mV = [hopper_mma.permute_modes(t, kv_modes) for t in (mK, mV)]
 
         d = self.head_dim
         tiled_mma_qk = hopper_mma.make_tiled_mma(
@@ -121,13 +217,26 @@ class FlashAttentionForwardSm90:
         sKV_stage_layout = cute.select(sKV_layout, mode=[0, 1])
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_layout, (self.tile_m, d))
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_load, mK, sKV_stage_layout, (self.tile_n, d), 1)
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, mV, sKV_stage_layout, (self.tile_n, d), 1)
-        # O reuses Q's smem (same shape and swizzle), stored with one TMA per tile.
-        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (self.tile_m, d)
-        )
+        ratio = self.pack_gqa_ratio
+        if const_expr(ratio > 1):
+            tma_atom_Q, tma_Q = _make_packed_gqa_tma_atom(tma_load, mQ, sQ_layout, self.tile_m, d, ratio)
+        else:
+            tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_layout, (self.tile_m, d))
+        kv_box = (self.tile_n, d)
+        kv_box_layout = sKV_stage_layout
+        if const_expr(self.kv_layout == "paged"):
+            kv_box = (self.page_box_rows, d)
+            kv_box_layout = hopper_mma.make_row_major_smem_layout(self.dtype, self.page_box_rows, d)
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_load, mK, kv_box_layout, kv_box, 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, mV, kv_box_layout, kv_box, 1)
+        tma_atom_O, mO_kernel = None, mO
+        if const_expr(self.tma_store_o):
+            # O reuses Q's smem (same shape and swizzle), stored with one TMA per tile.
+            tma_store = cpasync.CopyBulkTensorTileS2GOp()
+            if const_expr(ratio > 1):
+                tma_atom_O, mO_kernel = _make_packed_gqa_tma_atom(tma_store, mO, sQ_layout, self.tile_m, d, ratio)
+            else:
+                tma_atom_O, mO_kernel = cpasync.make_tiled_tma_atom(tma_store, mO, sQ_layout, (self.tile_m, d))
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, sKV_stage_layout)
 
@@ -146,9 +255,16 @@ class FlashAttentionForwardSm90:
 
         self.shared_storage = SharedStorage
 
-        grid = (cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        rows = max_seqlen_q if const_expr(self.varlen_q) else mQ.shape[0]
+        nheads = mQ.shape[2]
+        batch = mCuSeqlensQ.shape[0] - 1 if const_expr(self.varlen_q) else mQ.shape[3]
+        grid_heads = nheads // ratio
+        if const_expr(self.split):
+            grid_heads = grid_heads * num_splits
+        grid = (cute.ceil_div(rows * ratio, self.tile_m), grid_heads, batch)
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_O, mLSE,
+            tma_Q, tma_K, tma_V, mO_kernel, mLSE, mQ, mK,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, num_splits,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             softmax_scale_log2,
             sQ_layout, sKV_layout, sP_layout,
@@ -172,10 +288,17 @@ class FlashAttentionForwardSm90:
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: Optional[cute.Tensor],
+        mQ_shape: cute.Tensor,
+        mK_shape: cute.Tensor,
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],
+        mPageTable: Optional[cute.Tensor],
+        num_splits: Int32,
         tma_atom_Q: cute.CopyAtom,
         tma_atom_K: cute.CopyAtom,
         tma_atom_V: cute.CopyAtom,
-        tma_atom_O: cute.CopyAtom,
+        tma_atom_O: Optional[cute.CopyAtom],
         softmax_scale_log2: Float32,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
@@ -183,10 +306,12 @@ class FlashAttentionForwardSm90:
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
     ):
+        """mQ_shape / mK_shape: q and k in kernel mode order, for their run-time shapes."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
-                cpasync.prefetch_descriptor(atom)
+                if const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         tma_warp = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -215,15 +340,20 @@ class FlashAttentionForwardSm90:
         if const_expr(sP_layout is not None):
             sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
 
-        # Longest causal tiles (largest m_block) launch first.
-        bidx, head_idx, batch_idx = cute.arch.block_idx()
-        m_block = bidx
-        if const_expr(self.causal):
-            m_block = cute.arch.grid_dim()[0] - 1 - bidx
-        seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
-        head_kv_idx = head_idx // (mQ.shape[2] // mK.shape[2])
-        block_range = KeyBlockRange(self.tile_m, self.tile_n, self.causal, seqlen_q, seqlen_k)
+        tile = self._tile_coords(mQ_shape, mK_shape, num_splits)
+        seqlen_k_capacity = mK_shape.shape[0]
+        if const_expr(self.kv_layout == "paged"):
+            seqlen_k_capacity = mK_shape.shape[0] * mPageTable.shape[1]
+        seqlen = SeqlenInfo.create(
+            tile.batch_idx, mQ_shape.shape[0], seqlen_k_capacity, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK
+        )
+        block_range = KeyBlockRange(
+            self.tile_m, self.tile_n, self.causal, self.pack_gqa_ratio, seqlen.seqlen_q, seqlen.seqlen_k
+        )
+        n_block_min, n_block_max = block_range.bounds(
+            tile.m_block, tile.split_idx if const_expr(self.split) else None,
+            num_splits if const_expr(self.split) else None,
+        )
 
         pipeline.pipeline_init_wait()
 
@@ -231,18 +361,50 @@ class FlashAttentionForwardSm90:
             cute.arch.setmaxregister_decrease(self.producer_registers)
             if warp_idx == 0:
                 self.load(
-                    mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                    pipeline_q, pipeline_k, pipeline_v,
-                    block_range, m_block, head_idx, head_kv_idx, batch_idx,
+                    mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                    pipeline_q, pipeline_k, pipeline_v, tile, seqlen, n_block_min, n_block_max,
                 )
         else:
             cute.arch.setmaxregister_increase(self.mma_registers)
+            mask = AttentionMask(
+                self.tile_m, self.tile_n, self.pack_gqa_ratio, seqlen.seqlen_q, seqlen.seqlen_k
+            )
             self.mma(
                 mO, mLSE, sQ, sK, sV, sP, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                 pipeline_q, pipeline_k, pipeline_v, softmax_scale_log2,
-                block_range, AttentionMask(self.tile_m, self.tile_n, seqlen_q, seqlen_k),
-                m_block, head_idx, batch_idx,
+                block_range, mask, tile, seqlen, n_block_min, n_block_max,
             )
+
+    @cute.jit
+    def _tile_coords(self, mQ_shape: cute.Tensor, mK_shape: cute.Tensor, num_splits: Int32):
+        """This CTA's (m_block, head, kv head, batch, split) from the grid."""
+        bidx, bidy, batch_idx = cute.arch.block_idx()
+        # Longest causal tiles (largest m_block) launch first.
+        m_block = bidx
+        if const_expr(self.causal):
+            m_block = cute.arch.grid_dim()[0] - 1 - bidx
+        head_idx = bidy
+        split_idx = Int32(0)
+        if const_expr(self.split):
+            head_idx = bidy // num_splits
+            split_idx = bidy - head_idx * num_splits
+        # With packed GQA the grid runs over kv heads; otherwise over q heads.
+        head_kv_idx = head_idx
+        if const_expr(self.pack_gqa_ratio == 1):
+            head_kv_idx = head_idx // (mQ_shape.shape[2] // mK_shape.shape[2])
+        return SimpleNamespace(
+            m_block=m_block, head_idx=head_idx, head_kv_idx=head_kv_idx, batch_idx=batch_idx,
+            split_idx=split_idx,
+        )
+
+    def _rows_of(self, mX: cute.Tensor, head: Int32, batch: Int32, offset: Int32) -> cute.Tensor:
+        """The (rows, head_dim) slice of a q/k/v-like tensor in kernel mode order for one
+        head and batch; packed (varlen) tensors are offset to the batch's first row."""
+        if const_expr(cute.rank(mX) == 3):
+            x = mX[None, None, head]
+            row_offset = (0, offset) if const_expr(cute.rank(x.shape[0]) == 2) else offset
+            return cute.domain_offset((row_offset, 0), x)
+        return mX[None, None, head, batch]
 
     @cute.jit
     def load(
@@ -250,6 +412,7 @@ class FlashAttentionForwardSm90:
         mQ: cute.Tensor,
         mK: cute.Tensor,
         mV: cute.Tensor,
+        mPageTable: Optional[cute.Tensor],
         sQ: cute.Tensor,
         sK: cute.Tensor,
         sV: cute.Tensor,
@@ -259,56 +422,72 @@ class FlashAttentionForwardSm90:
         pipeline_q: pipeline.PipelineAsync,
         pipeline_k: pipeline.PipelineAsync,
         pipeline_v: pipeline.PipelineAsync,
-        block_range: KeyBlockRange,
-        m_block: Int32,
-        head_idx: Int32,
-        head_kv_idx: Int32,
-        batch_idx: Int32,
+        tile: SimpleNamespace,
+        seqlen: SeqlenInfo,
+        n_block_min: Int32,
+        n_block_max: Int32,
     ):
         """Producer warp: Q once, then K and V blocks from the last to the first.
 
         With intra-warpgroup overlap the consumer needs K(n) one step before V(n), so V runs
         one block behind K: K(n_max-1), Q, [K(n-1), V(n)]..., V(n_min).
+        An empty tile (no rows, no keys, or an empty split) loads nothing.
         """
-        d = self.head_dim
-        gQ = cute.local_tile(mQ[None, None, head_idx, batch_idx], (self.tile_m, d), (m_block, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
-        tile_kv = (self.tile_n, d)
-        k_loader = TmaBlockLoader.create(
-            tma_atom_K, cute.local_tile(mK[None, None, head_kv_idx, batch_idx], tile_kv, (None, 0)),
-            sK, pipeline_k,
-        )
-        v_loader = TmaBlockLoader.create(
-            tma_atom_V, cute.local_tile(mV[None, None, head_kv_idx, batch_idx], tile_kv, (None, 0)),
-            sV, pipeline_v,
-        )
+        if n_block_max > n_block_min:
+            d = self.head_dim
+            q_head = tile.head_idx if const_expr(self.pack_gqa_ratio == 1) else tile.head_kv_idx
+            gQ = cute.local_tile(
+                self._rows_of(mQ, q_head, tile.batch_idx, seqlen.offset_q), (self.tile_m, d), (tile.m_block, 0)
+            )
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            if const_expr(self.kv_layout == "paged"):
+                page_table_row = mPageTable[tile.batch_idx, None]
+                k_loader = TmaPagedBlockLoader.create(
+                    tma_atom_K, mK[None, None, tile.head_kv_idx, None], sK, pipeline_k, page_table_row,
+                    self.tile_n, self.page_box_rows,
+                )
+                v_loader = TmaPagedBlockLoader.create(
+                    tma_atom_V, mV[None, None, tile.head_kv_idx, None], sV, pipeline_v, page_table_row,
+                    self.tile_n, self.page_box_rows,
+                )
+            else:
+                tile_kv = (self.tile_n, d)
+                k_loader = TmaBlockLoader.create(
+                    tma_atom_K,
+                    cute.local_tile(self._rows_of(mK, tile.head_kv_idx, tile.batch_idx, seqlen.offset_k), tile_kv, (None, 0)),
+                    sK, pipeline_k,
+                )
+                v_loader = TmaBlockLoader.create(
+                    tma_atom_V,
+                    cute.local_tile(self._rows_of(mV, tile.head_kv_idx, tile.batch_idx, seqlen.offset_k), tile_kv, (None, 0)),
+                    sV, pipeline_v,
+                )
 
-        n_block_min, n_block_max = block_range.bounds(m_block)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
 
-        k_loader.load(n_block_max - 1, kv_state)
-        pipeline_q.producer_acquire(q_state)
-        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
-        if const_expr(self.intra_wg_overlap):
-            for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
-                n_block_v = n_block_max - 1 - i
-                v_state = kv_state.clone()
+            k_loader.load(n_block_max - 1, kv_state)
+            pipeline_q.producer_acquire(q_state)
+            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+            if const_expr(self.intra_wg_overlap):
+                for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                    n_block_v = n_block_max - 1 - i
+                    v_state = kv_state.clone()
+                    kv_state.advance()
+                    k_loader.load(n_block_v - 1, kv_state)
+                    v_loader.load(n_block_v, v_state)
+                v_loader.load(n_block_min, kv_state)
                 kv_state.advance()
-                k_loader.load(n_block_v - 1, kv_state)
-                v_loader.load(n_block_v, v_state)
-            v_loader.load(n_block_min, kv_state)
-            kv_state.advance()
-        else:
-            v_loader.load(n_block_max - 1, kv_state)
-            kv_state.advance()
-            for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
-                n_block = n_block_max - 2 - i
-                k_loader.load(n_block, kv_state)
-                v_loader.load(n_block, kv_state)
+            else:
+                v_loader.load(n_block_max - 1, kv_state)
                 kv_state.advance()
+                for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                    n_block = n_block_max - 2 - i
+                    k_loader.load(n_block, kv_state)
+                    v_loader.load(n_block, kv_state)
+                    kv_state.advance()
 
     @cute.jit
     def mma(
@@ -319,7 +498,7 @@ class FlashAttentionForwardSm90:
         sK: cute.Tensor,
         sV: cute.Tensor,
         sP: Optional[cute.Tensor],
-        tma_atom_O: cute.CopyAtom,
+        tma_atom_O: Optional[cute.CopyAtom],
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         pipeline_q: pipeline.PipelineAsync,
@@ -328,13 +507,15 @@ class FlashAttentionForwardSm90:
         softmax_scale_log2: Float32,
         block_range: KeyBlockRange,
         mask: AttentionMask,
-        m_block: Int32,
-        head_idx: Int32,
-        batch_idx: Int32,
+        tile: SimpleNamespace,
+        seqlen: SeqlenInfo,
+        n_block_min: Int32,
+        n_block_max: Int32,
     ):
         """Consumer warpgroups: the attention mainloop over key blocks, then the epilogue."""
         tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        m_block = tile.m_block
         # WGMMA operands are per warpgroup: slice at the warpgroup's first thread.
         wg_mma_qk = tiled_mma_qk.get_slice(warpgroup_idx * THREADS_PER_WARPGROUP)
         wg_mma_pv = tiled_mma_pv.get_slice(warpgroup_idx * THREADS_PER_WARPGROUP)
@@ -346,8 +527,8 @@ class FlashAttentionForwardSm90:
             tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_A(sP))
             smem_copy_P = cute.make_tiled_copy_C(self._stmatrix_atom(), tiled_mma_qk).get_slice(tidx)
             tPsP = smem_copy_P.partition_D(sP)
-        softmax = OnlineSoftmax(softmax_scale_log2, cute.size(hopper_mma.acc_as_rows_cols(acc_O), mode=[0]))
-        ctx = SimpleNamespace(
+        softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(hopper_mma.acc_as_rows_cols(acc_O), mode=[0]))
+        ctx = MainloopOperands(
             tiled_mma_qk=tiled_mma_qk,
             tiled_mma_pv=tiled_mma_pv,
             thr_mma_qk=tiled_mma_qk.get_slice(tidx),
@@ -377,53 +558,57 @@ class FlashAttentionForwardSm90:
                     barrier_id=int(NamedBarrier.WG_SCHEDULE_1), number_of_threads=2 * THREADS_PER_WARPGROUP
                 )
 
-        n_block_min, n_block_max = block_range.bounds(m_block)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         acc_O.fill(0.0)
-        pipeline_q.consumer_wait(q_state)
+        lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
+        lse.fill(-Float32.inf)  # an empty tile or split: out = 0, lse = -inf
+        if n_block_max > n_block_min:
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            pipeline_q.consumer_wait(q_state)
 
-        # The last key block goes first: it alone carries the sequence-length mask.
-        if const_expr(self.intra_wg_overlap):
-            pipeline_k.consumer_wait(kv_state)
-            acc_S = self._qk_gemm(ctx, kv_state.index, 0)
-            pipeline_k.consumer_release(kv_state)
-            mask.apply(acc_S, ctx.thr_mma_qk, m_block, n_block_max - 1, mask_seqlen=True, mask_causal=self.causal)
-            softmax.step(acc_S, is_first=True)
-            self._scores_to_p(ctx, acc_S)
-            if const_expr(self.rescale_o_before_pv):
-                ctx.pending_scale.fill(1.0)
-        else:
-            self._schedule_wait(warpgroup_idx)
-            kv_state = self._block_no_overlap(ctx, kv_state, n_block_max - 1, self.causal, is_first=True)
-        n_block_max -= 1
+            # The last key block goes first: it alone carries the sequence-length mask.
+            if const_expr(self.intra_wg_overlap):
+                pipeline_k.consumer_wait(kv_state)
+                acc_S = self._qk_gemm(ctx, kv_state.index, 0)
+                pipeline_k.consumer_release(kv_state)
+                mask.apply(acc_S, ctx.thr_mma_qk, m_block, n_block_max - 1, mask_seqlen=True, mask_causal=self.causal)
+                softmax.step(acc_S, is_first=True)
+                self._scores_to_p(ctx, acc_S)
+                if const_expr(self.rescale_o_before_pv):
+                    ctx.pending_scale.fill(1.0)
+            else:
+                self._schedule_wait(warpgroup_idx)
+                kv_state = self._block_no_overlap(ctx, kv_state, n_block_max - 1, self.causal, is_first=True)
+            n_block_next = n_block_max - 1
 
-        block_step = self._block_overlap if const_expr(self.intra_wg_overlap) else self._block_no_overlap
-        if const_expr(self.causal):
-            n_block_masked_min = cutlass.max(block_range.first_causal_masked_block(m_block), n_block_min)
-            for i in cutlass.range(n_block_max - n_block_masked_min, unroll=1):
-                kv_state = block_step(ctx, kv_state, n_block_max - 1 - i, True)
-            n_block_max = cutlass.min(n_block_max, n_block_masked_min)
-        for i in cutlass.range(n_block_max - n_block_min, unroll=1):
-            kv_state = block_step(ctx, kv_state, n_block_max - 1 - i, False)
-        pipeline_q.consumer_release(q_state)
+            block_step = self._block_overlap if const_expr(self.intra_wg_overlap) else self._block_no_overlap
+            if const_expr(self.causal):
+                n_block_masked_min = cutlass.max(block_range.first_causal_masked_block(m_block), n_block_min)
+                for i in cutlass.range(n_block_next - n_block_masked_min, unroll=1):
+                    kv_state = block_step(ctx, kv_state, n_block_next - 1 - i, True)
+                n_block_next = cutlass.min(n_block_next, n_block_masked_min)
+            for i in cutlass.range(n_block_next - n_block_min, unroll=1):
+                kv_state = block_step(ctx, kv_state, n_block_next - 1 - i, False)
+            pipeline_q.consumer_release(q_state)
 
-        if const_expr(self.intra_wg_overlap):
-            # The P V of the first key block is still to do.
-            if const_expr(self.rescale_o_before_pv):
-                rescale_rows(acc_O, ctx.pending_scale)
-            pipeline_v.consumer_wait(kv_state)
-            self._pv_gemm(ctx, kv_state.index, 0)
-            pipeline_v.consumer_release(kv_state)
-            kv_state.advance()
-        else:
-            self._schedule_signal_next(warpgroup_idx)
+            if const_expr(self.intra_wg_overlap):
+                # The P V of the first key block is still to do.
+                if const_expr(self.rescale_o_before_pv):
+                    rescale_rows(acc_O, ctx.pending_scale)
+                pipeline_v.consumer_wait(kv_state)
+                self._pv_gemm(ctx, kv_state.index, 0)
+                pipeline_v.consumer_release(kv_state)
+                kv_state.advance()
+            else:
+                self._schedule_signal_next(warpgroup_idx)
 
-        inv_row_sum, lse = softmax.finalize()
-        rescale_rows(acc_O, inv_row_sum)
-        self.epilogue(
-            acc_O, lse, mO, mLSE, sQ, tma_atom_O, tiled_mma_pv, tidx, m_block, head_idx, batch_idx
-        )
+            # A split's partial O is normalized by its own row sum; the combine weighs it by
+            # exp(lse_split - lse).
+            inv_row_sum, row_lse = softmax.finalize()
+            rescale_rows(acc_O, inv_row_sum)
+            lse.store(row_lse.load())
+
+        self.epilogue(acc_O, lse, mO, mLSE, sQ, tma_atom_O, tiled_mma_pv, tidx, tile, seqlen)
 
     def _qk_gemm(self, ctx, stage, wait_groups):
         acc_S = cute.make_rmem_tensor(ctx.acc_S_shape, Float32)
@@ -521,6 +706,31 @@ class FlashAttentionForwardSm90:
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
         )
 
+    def _stmatrix_atom(self):
+        return cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+        )
+
+    @cute.jit
+    def _row_of_tile(self, local_row: Int32, tile: SimpleNamespace):
+        """(token index within the batch's sequence, q head) of a tile row."""
+        row = tile.m_block * self.tile_m + local_row
+        if const_expr(self.pack_gqa_ratio > 1):
+            token = row // self.pack_gqa_ratio
+            return token, tile.head_kv_idx * self.pack_gqa_ratio + (row - token * self.pack_gqa_ratio)
+        return row, tile.head_idx
+
+    def _out_index(self, token: Int32, head: Int32, tile: SimpleNamespace, seqlen: SeqlenInfo):
+        """Coordinates of (row, head[, batch][, split]) in out/lse (kernel mode order),
+        without the head_dim mode."""
+        if const_expr(self.varlen_q):
+            idx = (seqlen.offset_q + token, head)
+        else:
+            idx = (token, head, tile.batch_idx)
+        if const_expr(self.split):
+            idx = idx + (tile.split_idx,)
+        return idx
+
     @cute.jit
     def epilogue(
         self,
@@ -529,50 +739,66 @@ class FlashAttentionForwardSm90:
         mO: cute.Tensor,
         mLSE: Optional[cute.Tensor],
         sO: cute.Tensor,
-        tma_atom_O: cute.CopyAtom,
+        tma_atom_O: Optional[cute.CopyAtom],
         tiled_mma_pv: cute.TiledMma,
         tidx: Int32,
-        m_block: Int32,
-        head_idx: Int32,
-        batch_idx: Int32,
+        tile: SimpleNamespace,
+        seqlen: SeqlenInfo,
     ):
-        """O: registers -> smem (over Q's tile) -> one TMA store; LSE straight from registers.
-
-        Each warpgroup writes only the 64 rows of sO whose sQ rows it alone read, so no barrier
-        is needed before the smem writes; TMA clips rows past seqlen_q.
-        """
-        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
-        hopper_mma.convert_to_16bit(acc_O, rO)
-        smem_copy_O = cute.make_tiled_copy_C(self._stmatrix_atom(), tiled_mma_pv).get_slice(tidx)
-        cute.copy(smem_copy_O, smem_copy_O.retile(rO), smem_copy_O.partition_D(sO))
-
+        """O and LSE out. Padded, unsplit: O registers -> smem (over Q's tile) -> one TMA store
+        (which clips rows past seqlen_q); each warpgroup writes only the 64 rows of sO whose sQ
+        rows it alone read, so no barrier is needed before the smem writes. Otherwise: O
+        straight from registers, one column pair per store, rows predicated.
+        The LSE always goes from registers; the 4 threads of a quad share rows and the one
+        holding column 0 writes."""
+        thr_mma = tiled_mma_pv.get_slice(tidx)
+        coords = hopper_mma.acc_as_rows_cols(
+            thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        )
         if const_expr(mLSE is not None):
-            thr_mma = tiled_mma_pv.get_slice(tidx)
-            coords = hopper_mma.acc_as_rows_cols(
-                thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
-            )
-            seqlen_q = mO.shape[0]
-            mLSE_cur = mLSE[None, head_idx, batch_idx]
-            # The 4 threads of a quad hold the same rows; the one holding column 0 writes.
             if coords[0][1] == 0:
                 for r in cutlass.range_constexpr(cute.size(lse)):
-                    row = m_block * self.tile_m + coords[r, 0][0]
-                    if row < seqlen_q:
-                        mLSE_cur[row] = lse[r]
+                    token, head = self._row_of_tile(coords[r, 0][0], tile)
+                    if token < seqlen.seqlen_q:
+                        mLSE[self._out_index(token, head, tile, seqlen)] = lse[r]
 
-        cute.arch.fence_view_async_shared()  # smem writes -> visible to the TMA (async proxy)
-        cute.arch.barrier_arrive(
-            barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads + 32
-        )
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 4:
-            cute.arch.barrier(
+        if const_expr(self.tma_store_o):
+            rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+            hopper_mma.convert_to_16bit(acc_O, rO)
+            smem_copy_O = cute.make_tiled_copy_C(self._stmatrix_atom(), tiled_mma_pv).get_slice(tidx)
+            cute.copy(smem_copy_O, smem_copy_O.retile(rO), smem_copy_O.partition_D(sO))
+            cute.arch.fence_view_async_shared()  # smem writes -> visible to the TMA (async proxy)
+            cute.arch.barrier_arrive(
                 barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads + 32
             )
-            gO = cute.local_tile(mO[None, None, head_idx, batch_idx], (self.tile_m, self.head_dim), (m_block, 0))
-            tOsO, tOgO = cpasync.tma_partition(
-                tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
-            )
-            cute.copy(tma_atom_O, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            if warp_idx == 4:
+                cute.arch.barrier(
+                    barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads + 32
+                )
+                o_head = tile.head_idx if const_expr(self.pack_gqa_ratio == 1) else tile.head_kv_idx
+                gO = cute.local_tile(
+                    mO[None, None, o_head, tile.batch_idx], (self.tile_m, self.head_dim), (tile.m_block, 0)
+                )
+                tOsO, tOgO = cpasync.tma_partition(
+                    tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+                )
+                cute.copy(tma_atom_O, tOsO, tOgO)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        else:
+            out = acc_O
+            if const_expr(mO.element_type != Float32):
+                out = cute.make_rmem_tensor_like(acc_O, mO.element_type)
+                hopper_mma.convert_to_16bit(acc_O, out)
+            out_rc = hopper_mma.acc_as_rows_cols(out)
+            pair = cute.make_rmem_tensor(2, mO.element_type)
+            for r in cutlass.range_constexpr(cute.size(out_rc, mode=[0])):
+                token, head = self._row_of_tile(coords[r, 0][0], tile)
+                if token < seqlen.seqlen_q:
+                    idx = self._out_index(token, head, tile, seqlen)
+                    o_row = mO[(idx[0], None, *idx[1:])]
+                    for c in cutlass.range_constexpr(0, cute.size(out_rc, mode=[1]), 2):
+                        pair[0] = out_rc[r, c]
+                        pair[1] = out_rc[r, c + 1]
+                        cute.autovec_copy(pair, cute.local_tile(o_row, (2,), (coords[r, c][1] // 2,)))

@@ -5,6 +5,7 @@ iff j <= i + seqlen_k - seqlen_q. Keys at or past seqlen_k are always masked.
 
 Column coordinates of thread 0's accumulator are compile-time constants; every thread's
 columns are those plus one per-thread offset, so each comparison is against a constant.
+With packed GQA (rows_per_token > 1) tile row r holds token r // rows_per_token.
 """
 
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from .hopper_mma import acc_as_rows_cols
 class AttentionMask:
     tile_m: cutlass.Constexpr[int]
     tile_n: cutlass.Constexpr[int]
+    rows_per_token: cutlass.Constexpr[int]
     seqlen_q: Int32
     seqlen_k: Int32
 
@@ -44,7 +46,7 @@ class AttentionMask:
             for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
                 col_limit = seqlen_limit
                 if const_expr(mask_causal):
-                    row = m_block * self.tile_m + thr_coords[r, 0][0]
+                    row = (m_block * self.tile_m + thr_coords[r, 0][0]) // self.rows_per_token
                     causal_limit = (
                         row + 1 + self.seqlen_k - self.seqlen_q - n_block * self.tile_n - thr_col_offset
                     )

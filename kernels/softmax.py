@@ -7,6 +7,7 @@ in finalize.
 """
 
 import math
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
@@ -49,14 +50,24 @@ def _row_sum(row: cute.Tensor, ncols: cutlass.Constexpr[int]) -> Float32:
     return (s[0] + s[1]) + (s[2] + s[3])
 
 
+@dataclass(frozen=True)
 class OnlineSoftmax:
-    """Running row max and (per-thread partial) row sum for the rows a thread owns."""
+    """Running row max and (per-thread partial) row sum for the rows a thread owns.
 
-    def __init__(self, scale_log2: Float32, num_rows: int):
-        self.scale_log2 = scale_log2
-        self.num_rows = num_rows
-        self.row_max = cute.make_rmem_tensor(num_rows, Float32)
-        self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
+    Frozen: the DSL then treats it as read-only across dynamic control flow; the state lives in
+    the register tensors it points to."""
+
+    scale_log2: Float32
+    num_rows: cutlass.Constexpr[int]
+    row_max: cute.Tensor
+    row_sum: cute.Tensor
+
+    @staticmethod
+    def create(scale_log2: Float32, num_rows: int) -> "OnlineSoftmax":
+        return OnlineSoftmax(
+            scale_log2, num_rows, cute.make_rmem_tensor(num_rows, Float32),
+            cute.make_rmem_tensor(num_rows, Float32),
+        )
 
     @cute.jit
     def step(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:

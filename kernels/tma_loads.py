@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Int32
@@ -34,3 +35,48 @@ class TmaBlockLoader:
             self.atom, self.src_blocks[None, n_block], self.dst_stages[None, state.index],
             tma_bar_ptr=self.ring.producer_get_barrier(state),
         )
+
+
+@dataclass(frozen=True)
+class TmaPagedBlockLoader:
+    """Copies key block n of a paged cache into one ring stage as tile_n / box_rows TMA boxes.
+
+    box_rows divides both the page size and tile_n, so no box straddles a page; each box's
+    page comes from this batch's row of the page table. Positions past the table's width
+    (only in the masked tail of the last block) reuse its last entry.
+    """
+
+    atom: cute.CopyAtom
+    src_boxes: cute.Tensor  # (TMA, boxes_per_page, 1, num_pages)
+    dst_boxes: cute.Tensor  # (TMA, boxes_per_stage, 1, num_stages)
+    ring: pipeline.PipelineAsync
+    page_table_row: cute.Tensor  # (max_pages_per_seq,) int32
+    page_size: Int32
+    tile_n: int
+    box_rows: int
+
+    @staticmethod
+    def create(atom, gmem_pages: cute.Tensor, smem_stages: cute.Tensor, ring, page_table_row,
+               tile_n: int, box_rows: int) -> "TmaPagedBlockLoader":
+        """gmem_pages: (page_size, cols, num_pages); smem_stages: (tile_n, cols, num_stages)."""
+        cols = cute.size(smem_stages, mode=[1])
+        dst, src = cpasync.tma_partition(
+            atom, 0, cute.make_layout(1),
+            cute.group_modes(cute.flat_divide(smem_stages, (box_rows, cols)), 0, 2),
+            cute.group_modes(cute.flat_divide(gmem_pages, (box_rows, cols)), 0, 2),
+        )
+        return TmaPagedBlockLoader(atom, src, dst, ring, page_table_row, gmem_pages.shape[0],
+                                   tile_n, box_rows)
+
+    @cute.jit
+    def load(self, n_block: Int32, state: pipeline.PipelineState):
+        self.ring.producer_acquire(state)
+        last_page = cute.size(self.page_table_row) - 1
+        for j in cutlass.range_constexpr(self.tile_n // self.box_rows):
+            key = n_block * self.tile_n + j * self.box_rows
+            page = self.page_table_row[cutlass.min(key // self.page_size, last_page)]
+            box_in_page = (key % self.page_size) // self.box_rows
+            cute.copy(
+                self.atom, self.src_boxes[None, box_in_page, 0, page], self.dst_boxes[None, j, 0, state.index],
+                tma_bar_ptr=self.ring.producer_get_barrier(state),
+            )

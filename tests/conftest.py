@@ -22,10 +22,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _add_xdist_groups(items):  # noqa: D401
-    """Under pytest-xdist --dist loadgroup, send tests sharing a compiled kernel to one worker."""
+def _add_xdist_groups(items):
+    """Under pytest-xdist --dist loadgroup, send tests sharing a compiled kernel to one worker.
+
+    A test module may define xdist_group_key(test_name, params) -> hashable or None;
+    otherwise tests are grouped by their head_dim/dtype/causal parameters."""
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if "head_dim" in params and "causal" in params:
-            group = f"{params['head_dim']}-{params.get('dtype')}-{params['causal']}"
-            item.add_marker(pytest.mark.xdist_group(group))
+        custom = getattr(item.module, "xdist_group_key", None)
+        key = custom(item.originalname, params) if custom else None
+        if key is None and "head_dim" in params and "causal" in params:
+            key = (params["head_dim"], params.get("dtype"), params["causal"])
+        if key is not None:
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{key}"))

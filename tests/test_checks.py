@@ -119,3 +119,102 @@ def test_tma_layout_fixups():
     sliced = torch.randn(2, 5, 4, 65, dtype=torch.bfloat16)[..., :64]  # head stride 65: not 16-byte
     copied = checks.for_tma(sliced)
     assert copied.is_contiguous() and torch.equal(copied, sliced)
+
+
+# ---- varlen, KV cache and combine entry points ----
+
+def varlen_args(total_q=10, batch=3, h=4, hk=2, d=64):
+    q = torch.randn(total_q, h, d, dtype=torch.bfloat16)
+    k = torch.randn(20, hk, d, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 3, 7, total_q], dtype=torch.int32)
+    return q, k, k.clone(), cu
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, message",
+    [
+        (dict(cu_seqlens_q=torch.tensor([0, 3, 10])), TypeError, "cu_seqlens_q must be int32"),
+        (dict(cu_seqlens_q=torch.zeros(2, 2, dtype=torch.int32)), ValueError, "cu_seqlens_q must have shape"),
+        (dict(max_seqlen_q=torch.tensor(5)), TypeError, "max_seqlen_q must be a Python int"),
+        (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q must be >= 0"),
+        (dict(cu_seqlens_k=torch.tensor([0, 5, 9, 20], dtype=torch.int32),
+              seqused_k=torch.tensor([5, 4, 11], dtype=torch.int32)), ValueError, "either cu_seqlens_k or seqused_k"),
+        (dict(cu_seqlens_k=torch.tensor([0, 5, 20], dtype=torch.int32)), ValueError, r"cu_seqlens_k must have shape \(4,\)"),
+        (dict(num_splits=-1), ValueError, "num_splits must be >= 0"),
+        (dict(num_splits=129), ValueError, "num_splits must be at most 128"),
+        (dict(pack_gqa="yes"), TypeError, "pack_gqa must be a bool"),
+        (dict(), ValueError, "q must be a CUDA tensor"),
+    ],
+)
+def test_varlen_bad_inputs(kwargs, exc, message):
+    q, k, v, cu = varlen_args()
+    args = dict(cu_seqlens_q=cu, max_seqlen_q=4, cu_seqlens_k=torch.tensor([0, 5, 9, 20], dtype=torch.int32))
+    args.update(kwargs)
+    if "seqused_k" in kwargs and "cu_seqlens_k" not in kwargs:
+        args.pop("cu_seqlens_k")
+    with pytest.raises(exc, match=message):
+        flash_cute.flash_attn_varlen_func(q, k, v, **args)
+
+
+def test_varlen_paged_rules():
+    q, _, _, cu = varlen_args()
+    cache = torch.randn(6, 16, 2, 64, dtype=torch.bfloat16)
+    table = torch.zeros(3, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="page_table cannot be combined with cu_seqlens_k"):
+        flash_cute.flash_attn_varlen_func(q, cache, cache, cu, 4, cu_seqlens_k=cu, page_table=table)
+    with pytest.raises(ValueError, match="k must have 3 dimensions"):
+        flash_cute.flash_attn_varlen_func(q, cache, cache, cu, 4, cu_seqlens_k=cu)
+
+
+def kvcache_args(batch=2, h=8, hk=2, d=128, page_size=16, pages=4):
+    q = torch.randn(batch, 1, h, d, dtype=torch.bfloat16)
+    cache = torch.randn(batch * pages, page_size, hk, d, dtype=torch.bfloat16)
+    table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
+    return q, cache, cache.clone(), table
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, message",
+    [
+        (lambda q, k, v, t: dict(page_table=t.long()), TypeError, "page_table must be int32"),
+        (lambda q, k, v, t: dict(page_table=t[:1]), ValueError, r"page_table must have shape \(batch=2"),
+        (lambda q, k, v, t: dict(k_cache=k[:, :8], v_cache=v[:, :8]), ValueError, "positive multiple of 16"),
+        (lambda q, k, v, t: dict(cache_seqlens=65), ValueError, "exceeds the cache's capacity of 64"),
+        (lambda q, k, v, t: dict(cache_seqlens=torch.tensor([3, 4])), TypeError, "cache_seqlens must be int32"),
+        (lambda q, k, v, t: dict(cache_seqlens=torch.tensor([3], dtype=torch.int32)), ValueError, r"cache_seqlens must have shape \(2,\)"),
+        (lambda q, k, v, t: dict(cache_seqlens=3.0), TypeError, "cache_seqlens must be a Python int"),
+        (lambda q, k, v, t: dict(v_cache=v[:, :, :1]), ValueError, "v_cache must have the shape of k_cache"),
+        (lambda q, k, v, t: dict(num_splits=1.5), TypeError, "num_splits must be a Python int"),
+        (lambda q, k, v, t: dict(), ValueError, "q must be a CUDA tensor"),
+    ],
+)
+def test_kvcache_bad_inputs(mutate, exc, message):
+    q, k, v, t = kvcache_args()
+    args = dict(k_cache=k, v_cache=v, page_table=t, cache_seqlens=torch.tensor([3, 4], dtype=torch.int32))
+    args.update(mutate(q, k, v, t))
+    with pytest.raises(exc, match=message):
+        flash_cute.flash_attn_with_kvcache(q, **args)
+
+
+def test_kvcache_contiguous_batch_mismatch():
+    q = torch.randn(2, 1, 8, 128, dtype=torch.bfloat16)
+    cache = torch.randn(3, 64, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="k_cache must have batch size 2"):
+        flash_cute.flash_attn_with_kvcache(q, cache, cache)
+
+
+@pytest.mark.parametrize(
+    "out_p, lse_p, kwargs, exc, message",
+    [
+        (torch.randn(2, 3, 4, 64).half(), torch.randn(2, 3, 4), {}, TypeError, "out_partial must be float32"),
+        (torch.randn(2, 3, 4, 64), torch.randn(2, 3, 4).double(), {}, TypeError, "lse_partial must be float32"),
+        (torch.randn(2, 3, 4, 64), torch.randn(2, 3, 5), {}, ValueError, "lse_partial must have shape"),
+        (torch.randn(2, 3, 64), torch.randn(2, 3), {}, ValueError, "out_partial must be"),
+        (torch.randn(2, 3, 4, 12), torch.randn(2, 3, 4), {}, ValueError, "multiple of 8"),
+        (torch.randn(2, 3, 4, 64), torch.randn(2, 3, 4), dict(out_dtype=torch.int8), TypeError, "out_dtype"),
+        (torch.randn(2, 3, 4, 64), torch.randn(2, 3, 4), {}, ValueError, "out_partial must be a CUDA tensor"),
+    ],
+)
+def test_combine_bad_inputs(out_p, lse_p, kwargs, exc, message):
+    with pytest.raises(exc, match=message):
+        flash_cute.flash_attn_combine(out_p, lse_p, **kwargs)

@@ -7,8 +7,8 @@ with ptxas reporting zero spill bytes and not ignoring setmaxnreg.
 
 import pytest
 
-from flash_cute import AttentionConfig
-from flash_cute.compile_cache import ForwardKernelKey
+from flash_cute import AttentionConfig, decode_config
+from flash_cute.compile_cache import CombineKernelKey, ForwardKernelKey, compile_combine
 from flash_cute.precompile import compile_with_ptx_report, table_keys
 
 pytestmark = pytest.mark.compile
@@ -27,15 +27,43 @@ KNOB_KEYS = [
 ]
 
 
+# The split-KV, paged, varlen and packed-GQA variants (decode configs and prefill configs).
+_DECODE_128 = decode_config(128, "bfloat16")
+SPLITKV_KEYS = [
+    ForwardKernelKey("bfloat16", 128, False, _DECODE_128, True, seqused_k=True, split=True, pack_gqa_ratio=4),
+    ForwardKernelKey("bfloat16", 128, True, _DECODE_128, True, kv_layout="paged", seqused_k=True,
+                     page_box_rows=16, split=True, pack_gqa_ratio=8),
+    ForwardKernelKey("float16", 64, True, decode_config(64, "float16"), True, kv_layout="paged", seqused_k=True,
+                     page_box_rows=64, pack_gqa_ratio=16),
+    ForwardKernelKey("bfloat16", 256, False, decode_config(256, "bfloat16"), True, seqused_k=True, split=True),
+    ForwardKernelKey("bfloat16", 128, True, AttentionConfig(128, 128), True, varlen_q=True, kv_layout="packed"),
+    ForwardKernelKey("bfloat16", 128, True, AttentionConfig(128, 128), True, varlen_q=True, kv_layout="paged",
+                     seqused_k=True, page_box_rows=32, split=True),
+    ForwardKernelKey("bfloat16", 96, False, AttentionConfig(192, 144, pv_from_registers=False), False,
+                     varlen_q=True, kv_layout="padded", seqused_k=True, pack_gqa_ratio=4),
+]
+
+
 def _id(key):
     c = key.config
     return (f"d{key.head_dim}-{key.dtype}-{'causal' if key.causal else 'full'}-{c.tile_m}x{c.tile_n}"
             f"-st{c.num_stages}-rs{int(c.pv_from_registers)}-ov{int(c.intra_wg_overlap)}"
-            f"-pp{int(c.pingpong)}-lse{int(key.writes_lse)}")
+            f"-pp{int(c.pingpong)}-lse{int(key.writes_lse)}"
+            + (f"-varlen" if key.varlen_q else "") + (f"-{key.kv_layout}{key.page_box_rows or ''}")
+            + ("-seqused" if key.seqused_k else "") + ("-split" if key.split else "")
+            + (f"-pack{key.pack_gqa_ratio}" if key.pack_gqa_ratio > 1 else ""))
 
 
-@pytest.mark.parametrize("key", TABLE_KEYS + KNOB_KEYS, ids=_id)
+@pytest.mark.parametrize("key", TABLE_KEYS + KNOB_KEYS + SPLITKV_KEYS, ids=_id)
 def test_variant_compiles_clean(key):
     report = compile_with_ptx_report(key)
     assert not report.problems(), report.problems()
     assert report.instruction_counts["wgmma.mma_async"] > 0
+
+
+@pytest.mark.parametrize("key", [CombineKernelKey("bfloat16", 128, True), CombineKernelKey("float32", 96, False),
+                                 CombineKernelKey("float16", 256, True)], ids=str)
+def test_combine_compiles(key, tmp_path):
+    compile_combine(key, options=f"--keep-ptx --dump-dir={tmp_path}")
+    ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    assert "ld.global.v4" in ptx, "partial O is not read with 16-byte loads"

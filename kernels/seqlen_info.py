@@ -1,0 +1,45 @@
+"""Per-batch sequence lengths and offsets, read once per tile.
+
+Queries are either padded (batch, seqlen_q, ...) or packed (total_q, ...) with cu_seqlens_q.
+Keys are padded (batch, seqlen_k, ...), packed (total_k, ...) with cu_seqlens_k, or paged;
+with seqused_k the number of valid keys of each batch comes from that tensor instead (clamped
+to the cache's capacity, so a bad value cannot read past the cache).
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+
+
+@dataclass(frozen=True)
+class SeqlenInfo:
+    offset_q: Int32  # first row of this batch in a packed q (0 when padded)
+    seqlen_q: Int32
+    offset_k: Int32  # first row of this batch in packed k/v (0 when padded or paged)
+    seqlen_k: Int32
+
+    @staticmethod
+    def create(
+        batch_idx: Int32,
+        seqlen_q_padded: Int32,
+        seqlen_k_capacity: Int32,
+        mCuSeqlensQ: Optional[cute.Tensor] = None,
+        mCuSeqlensK: Optional[cute.Tensor] = None,
+        mSeqUsedK: Optional[cute.Tensor] = None,
+    ) -> "SeqlenInfo":
+        offset_q = Int32(0)
+        seqlen_q = seqlen_q_padded
+        if const_expr(mCuSeqlensQ is not None):
+            offset_q = mCuSeqlensQ[batch_idx]
+            seqlen_q = mCuSeqlensQ[batch_idx + 1] - offset_q
+        offset_k = Int32(0)
+        seqlen_k = seqlen_k_capacity
+        if const_expr(mCuSeqlensK is not None):
+            offset_k = mCuSeqlensK[batch_idx]
+            seqlen_k = mCuSeqlensK[batch_idx + 1] - offset_k
+        if const_expr(mSeqUsedK is not None):
+            seqlen_k = cutlass.max(cutlass.min(mSeqUsedK[batch_idx], seqlen_k_capacity), 0)
+        return SeqlenInfo(offset_q, seqlen_q, offset_k, seqlen_k)

@@ -1,0 +1,244 @@
+"""KV-cache, varlen and split-KV forward against the float32 reference on a Hopper GPU.
+
+Same bar as test_forward_gpu: error <= 2 x the input-dtype PyTorch error + a rounding floor,
+outputs poisoned (NaN) before each call.
+"""
+
+import pytest
+import torch
+
+import flash_cute
+from flash_cute.reference import attention_ref, combine_ref, error_bound, gather_paged
+
+pytestmark = pytest.mark.gpu
+
+
+def xdist_group_key(name, params):
+    """Tests that compile the same kernels share a pytest-xdist worker."""
+    if name == "test_decode":
+        return (params["page_size"], params["heads"], params["num_splits"] != 1, params["causal"])
+    return None
+
+
+def reference_per_sequence(q_list, k_list, v_list, causal):
+    """Reference over a list of per-sequence (1, s, h, d) tensors: (out, lowp, lse) lists."""
+    refs, lowps, lses = [], [], []
+    for q, k, v in zip(q_list, k_list, v_list):
+        ref, lse = attention_ref(q, k, v, causal=causal)
+        lowp, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+        refs.append(ref)
+        lowps.append(lowp)
+        lses.append(lse)
+    return refs, lowps, lses
+
+
+def assert_close_to_reference(outs, lses, refs, lowps, lse_refs):
+    for i, (out, ref, lowp) in enumerate(zip(outs, refs, lowps)):
+        assert not out.isnan().any(), f"sequence {i}: NaN in output (unwritten?)"
+        err = (out.float() - ref).abs().max().item() if out.numel() else 0.0
+        bound = error_bound(lowp, ref)
+        assert err <= bound, f"sequence {i}: max error {err:.3e} > bound {bound:.3e}"
+    if lses is not None:
+        for i, (lse, lse_ref) in enumerate(zip(lses, lse_refs)):
+            finite = torch.isfinite(lse_ref)
+            assert torch.equal(torch.isfinite(lse), finite), f"sequence {i}: lse finiteness differs"
+            if finite.any():
+                err = (lse[finite] - lse_ref[finite]).abs().max().item()
+                assert err < 1e-3 * max(1.0, lse_ref[finite].abs().max().item()), f"sequence {i}: lse error {err}"
+
+
+def make_cache(batch, capacity, nheads_kv, head_dim, dtype, page_size, gen):
+    """K/V caches (padded, or paged with a random page order) and their padded views."""
+    if page_size is None:
+        k = torch.randn(batch, capacity, nheads_kv, head_dim, device="cuda", dtype=dtype, generator=gen)
+        v = torch.randn(batch, capacity, nheads_kv, head_dim, device="cuda", dtype=dtype, generator=gen)
+        return k, v, None, k, v
+    pages_per_seq = -(-capacity // page_size)
+    num_pages = batch * pages_per_seq + 3  # spare pages that no sequence uses
+    k_cache = torch.randn(num_pages, page_size, nheads_kv, head_dim, device="cuda", dtype=dtype, generator=gen)
+    v_cache = torch.randn(num_pages, page_size, nheads_kv, head_dim, device="cuda", dtype=dtype, generator=gen)
+    perm = torch.randperm(num_pages, device="cuda", generator=gen)[: batch * pages_per_seq]
+    page_table = perm.view(batch, pages_per_seq).to(torch.int32)
+    k_pad = gather_paged(k_cache, page_table, pages_per_seq * page_size)
+    v_pad = gather_paged(v_cache, page_table, pages_per_seq * page_size)
+    return k_cache, v_cache, page_table, k_pad, v_pad
+
+
+def ragged_lengths(batch, capacity, gen):
+    lengths = torch.randint(0, capacity + 1, (batch,), device="cuda", generator=gen, dtype=torch.int32)
+    lengths[0] = 0
+    lengths[1 % batch] = 1
+    lengths[2 % batch] = capacity
+    return lengths
+
+
+def run_kvcache_case(batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, page_size, capacity,
+                     num_splits, causal, seed, pack_gqa=None):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=dtype, generator=gen)
+    k_cache, v_cache, page_table, k_pad, v_pad = make_cache(batch, capacity, nheads_kv, head_dim, dtype, page_size, gen)
+    lengths = ragged_lengths(batch, capacity, gen)
+    out = torch.full_like(q, float("nan"))
+    _, lse = flash_cute.flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=lengths, page_table=page_table, causal=causal,
+        num_splits=num_splits, pack_gqa=pack_gqa, return_softmax_lse=True, out=out,
+    )
+    n = lengths.tolist()
+    refs, lowps, lse_refs = reference_per_sequence(
+        [q[b:b + 1] for b in range(batch)], [k_pad[b:b + 1, :n[b]] for b in range(batch)],
+        [v_pad[b:b + 1, :n[b]] for b in range(batch)], causal,
+    )
+    assert_close_to_reference([out[b:b + 1] for b in range(batch)], [lse[b:b + 1] for b in range(batch)],
+                              refs, lowps, lse_refs)
+
+
+PAGE_SIZES = [None, 16, 32, 48, 64, 128, 256]
+GQA = [(8, 8), (32, 8), (64, 8), (128, 8)]  # ratios 1, 4, 8, 16
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES, ids=lambda p: f"page{p}" if p else "contiguous")
+@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 0], ids=lambda s: f"splits{s}" if s else "splits_auto")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+def test_decode(page_size, heads, num_splits, causal, seqlen_q):
+    run_kvcache_case(5, seqlen_q, *heads, 128, torch.bfloat16, page_size, 1000, num_splits, causal,
+                     seed=hash((page_size, heads, num_splits, causal, seqlen_q)) % 2**31)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 192, 256])
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_decode_other_head_dims(head_dim, page_size):
+    run_kvcache_case(3, 2, 16, 2, head_dim, torch.float16, page_size, 777, 0, True, seed=head_dim)
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 128])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_prefill_against_cache(page_size, num_splits, causal):
+    """Long query chunks against a cache (chunked prefill): the prefill tile configs."""
+    run_kvcache_case(3, 300, 8, 2, 128, torch.bfloat16, page_size, 1500, num_splits, causal, seed=11)
+
+
+def test_pack_gqa_off_and_forced():
+    for pack in (False, True):
+        run_kvcache_case(4, 1, 32, 4, 128, torch.bfloat16, 32, 600, 0, True, seed=3, pack_gqa=pack)
+    q = torch.randn(1, 1, 12, 128, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, 64, 1, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="pack_gqa=True"):  # 12 q heads per kv head do not divide 64 rows
+        flash_cute.flash_attn_with_kvcache(q, kv, kv.clone(), pack_gqa=True, num_splits=1)
+
+
+def test_int_and_missing_cache_seqlens():
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(2, 3, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(2, 500, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(2, 500, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    for seqlens, keys in ((None, 500), (123, 123), (0, 0)):
+        out = flash_cute.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True)
+        refs, lowps, _ = reference_per_sequence([q], [k[:, :keys]], [v[:, :keys]], True)
+        assert_close_to_reference([out], None, refs, lowps, None)
+    with pytest.raises(ValueError, match="exceeds the cache's capacity"):
+        flash_cute.flash_attn_with_kvcache(q, k, v, cache_seqlens=501)
+
+
+@pytest.mark.parametrize("kv_layout", ["packed", "padded", "paged"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("num_splits", [1, 3, 0], ids=lambda s: f"splits{s}" if s else "splits_auto")
+def test_varlen_mixed_batch(kv_layout, causal, num_splits):
+    """Long prefills and single-token decodes in one varlen batch."""
+    gen = torch.Generator(device="cuda").manual_seed(hash((kv_layout, causal, num_splits)) % 2**31)
+    q_lens = [1, 300, 1, 77, 0, 1, 513]
+    k_lens = [900, 300, 1, 200, 50, 0, 513]
+    nheads, nheads_kv, d, dtype = 16, 4, 128, torch.bfloat16
+    batch = len(q_lens)
+    cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu_q[-1]), nheads, d, device="cuda", dtype=dtype, generator=gen)
+    kwargs = {}
+    if kv_layout == "packed":
+        cu_k = torch.tensor([0] + k_lens, device="cuda").cumsum(0).to(torch.int32)
+        k = torch.randn(int(cu_k[-1]), nheads_kv, d, device="cuda", dtype=dtype, generator=gen)
+        v = torch.randn_like(k)
+        k_seqs = [k[cu_k[b]:cu_k[b + 1]].unsqueeze(0) for b in range(batch)]
+        v_seqs = [v[cu_k[b]:cu_k[b + 1]].unsqueeze(0) for b in range(batch)]
+        kwargs["cu_seqlens_k"] = cu_k
+    else:
+        page_size = 64 if kv_layout == "paged" else None
+        k, v, page_table, k_pad, v_pad = make_cache(batch, 960, nheads_kv, d, dtype, page_size, gen)
+        k_seqs = [k_pad[b:b + 1, :k_lens[b]] for b in range(batch)]
+        v_seqs = [v_pad[b:b + 1, :k_lens[b]] for b in range(batch)]
+        kwargs["seqused_k"] = torch.tensor(k_lens, device="cuda", dtype=torch.int32)
+        kwargs["page_table"] = page_table
+    out = torch.full_like(q, float("nan"))
+    _, lse = flash_cute.flash_attn_varlen_func(
+        q, k, v, cu_q, max(q_lens), max_seqlen_k=max(k_lens), causal=causal, num_splits=num_splits,
+        return_softmax_lse=True, out=out, **kwargs,
+    )
+    q_seqs = [q[cu_q[b]:cu_q[b + 1]].unsqueeze(0) for b in range(batch)]
+    refs, lowps, lse_refs = reference_per_sequence(q_seqs, k_seqs, v_seqs, causal)
+    outs = [out[cu_q[b]:cu_q[b + 1]].unsqueeze(0) for b in range(batch)]
+    lses = [lse[:, cu_q[b]:cu_q[b + 1]].unsqueeze(0) for b in range(batch)]
+    assert_close_to_reference(outs, lses, refs, lowps, lse_refs)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_combine(out_dtype, head_dim):
+    gen = torch.Generator(device="cuda").manual_seed(head_dim)
+    splits, batch, seqlen, nheads = 9, 3, 33, 5
+    out_p = torch.randn(splits, batch, seqlen, nheads, head_dim, device="cuda", generator=gen)
+    lse_p = torch.randn(splits, batch, seqlen, nheads, device="cuda", generator=gen) * 3
+    lse_p[::2, 0] = float("-inf")  # empty splits ...
+    out_p[::2, 0] = float("nan")  # ... whose partial out must not be read
+    lse_p[:, 1, 3, 2] = float("-inf")  # a row with no keys at all
+    out, lse = flash_cute.flash_attn_combine(out_p, lse_p, out_dtype=out_dtype, return_lse=True)
+    want, want_lse = combine_ref(out_p, lse_p)
+    assert out.dtype == out_dtype
+    tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    assert (out[1, 3, 2] == 0).all() and lse[1, 3, 2] == float("-inf")
+    # varlen form and strided (transposed-lse) inputs
+    lse_t = lse_p.transpose(2, 3).contiguous().transpose(2, 3)
+    out4 = flash_cute.flash_attn_combine(out_p.flatten(1, 2), lse_t.flatten(1, 2), out_dtype=out_dtype)
+    torch.testing.assert_close(out4.float(), want.flatten(0, 1), atol=tol, rtol=tol)
+
+
+def test_decode_graph_replay_with_new_lengths_and_pages():
+    """Capture one decode step; replay after changing cache_seqlens and the page table."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    batch, nheads, nheads_kv, d, page = 4, 32, 8, 128, 16
+    q = torch.randn(batch, 1, nheads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_cache, v_cache, page_table, _, _ = make_cache(batch, 2048, nheads_kv, d, torch.bfloat16, page, gen)
+    lengths = torch.full((batch,), 100, device="cuda", dtype=torch.int32)
+
+    def step():
+        return flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                                  page_table=page_table, causal=True)
+
+    step()  # warm-up compiles
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            graph_out = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    for trial in range(3):
+        lengths.copy_(torch.randint(0, 2049, (batch,), device="cuda", generator=gen, dtype=torch.int32))
+        lengths[0] = [0, 1, 2048][trial]
+        num_pages = k_cache.shape[0]
+        page_table.copy_(torch.randperm(num_pages, device="cuda", generator=gen)[: page_table.numel()]
+                         .view_as(page_table).to(torch.int32))
+        q.copy_(torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen))
+        graph_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        n = lengths.tolist()
+        k_pad = gather_paged(k_cache, page_table, page_table.shape[1] * page)
+        v_pad = gather_paged(v_cache, page_table, page_table.shape[1] * page)
+        refs, lowps, _ = reference_per_sequence(
+            [q[b:b + 1] for b in range(batch)], [k_pad[b:b + 1, :n[b]] for b in range(batch)],
+            [v_pad[b:b + 1, :n[b]] for b in range(batch)], True,
+        )
+        assert_close_to_reference([graph_out[b:b + 1] for b in range(batch)], None, refs, lowps, None)
