@@ -1,6 +1,13 @@
 """flash_cute: FlashAttention-3-style attention kernels for Hopper GPUs, in the CuTe DSL."""
 
-from .config import DECODE_CONFIGS, FORWARD_CONFIGS, AttentionConfig, decode_config, default_config
+from .config import (
+    DECODE_CONFIGS,
+    FORWARD_CONFIGS,
+    SHORT_SEQUENCE_CONFIGS,
+    AttentionConfig,
+    decode_config,
+    default_config,
+)
 from .interface import flash_attn_combine, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 __version__ = "0.1.0"
@@ -9,6 +16,7 @@ __all__ = [
     "AttentionConfig",
     "DECODE_CONFIGS",
     "FORWARD_CONFIGS",
+    "SHORT_SEQUENCE_CONFIGS",
     "decode_config",
     "default_config",
     "flash_attn_combine",

@@ -5,6 +5,8 @@
 
     python -m flash_cute.bench decode [--batch 1 8 32 128] [--seqlens 1024 ... 131072]
                                       [--pages 0 16 64] [--json PATH]
+    python -m flash_cute.bench sweep --hdim 128 [--causal] [knob lists] [--json PATH] [--plot PNG]
+    python -m flash_cute.bench host
 
 prefill: the FlashAttention-3 paper's grid (batch * seqlen = 16k tokens, nheads * hdim = 2048)
 timed for flash_cute, torch SDPA with the cuDNN and flash backends, and flash-attn-4
@@ -18,14 +20,27 @@ bf16), contiguous and paged (page 16, 64, random page order), for flash_cute
 varlen API), eager and as CUDA-graph replays. Reports microseconds and the K+V read bandwidth
 (bytes / time) beside the device-to-device copy bandwidth measured in the same run, plus a
 varlen batch mixing prefills and decodes.
+
+sweep: every valid config of the given knob lists (tile M/N, stages, P source, overlap,
+ping-pong, rescale point, CTAs per SM) on the paper-grid shapes of one head dim; prints a table
+ranked by geometric-mean TFLOP/s, writes JSON, and with --plot draws TFLOP/s per config against
+sequence length. Configs compile in parallel worker processes first (into the disk cache).
+
+host: host microseconds per eager call on tiny problems (the GPU keeps up), for each entry
+point and the peers, and the first-call time of a new config with an empty and a warm disk cache.
+
+Times are per call with calls issued back to back (CUDA events around each, median), so a
+call's time is its GPU time unless the host cannot keep up.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -35,19 +50,33 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 30) -> float:
-    """Median milliseconds of fn() over reps calls, each bracketed by CUDA events."""
+    """Median milliseconds per call of fn(), each call bracketed by CUDA events, calls issued
+    back to back (as triton.testing.do_bench does): a call's time is its GPU time, or its host
+    time when the host cannot keep the GPU busy."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for start, end in zip(starts, ends):
         start.record()
         fn()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def host_us_per_call(fn: Callable[[], object], calls: int = 500) -> float:
+    """Host microseconds per call of fn() issued back to back (tiny problems: the GPU keeps up)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def prefill_peers(q, k, v, causal: bool) -> Dict[str, Callable[[], object]]:
@@ -341,6 +370,186 @@ def run_varlen_mixed() -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------
+# Config sweep
+# ----------------------------------------------------------------------------------------
+
+ON_OFF = {"on": True, "off": False}
+
+
+def sweep_configs(head_dim: int, dtype: str, tile_m, tile_n, stages, pv, overlap, pingpong, rescale, ctas):
+    """Every valid AttentionConfig of the product of the knob lists."""
+    import itertools
+
+    from flash_cute import AttentionConfig
+
+    configs = []
+    for tm, tn, st, p, ov, pp, rb, c in itertools.product(tile_m, tile_n, stages, pv, overlap, pingpong, rescale, ctas):
+        if pp and tm == 64 or rb and not ov:
+            continue
+        try:
+            cfg = AttentionConfig(tile_m=tm, tile_n=tn, num_stages=st, pv_from_registers=p == "regs",
+                                  intra_wg_overlap=ov, pingpong=pp, rescale_o_before_pv=rb, ctas_per_sm=c)
+            cfg.validate(head_dim, "bfloat16" if dtype == "bf16" else "float16")
+        except ValueError:
+            continue
+        configs.append(cfg)
+    return configs
+
+
+def _compile_worker(key):
+    from flash_cute.compile_cache import get_forward_kernel
+
+    try:
+        get_forward_kernel(key)
+        return None
+    except Exception as exc:  # reported, and the config is skipped
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def precompile_parallel(keys, workers: int) -> dict:
+    """Compile keys in worker processes into the disk cache; returns {key: error} failures."""
+    import concurrent.futures
+    import multiprocessing
+
+    from flash_cute.compile_cache import disk_cache_dir
+
+    if workers <= 1 or disk_cache_dir() is None:
+        return {}
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        errors = dict(zip(keys, pool.map(_compile_worker, keys)))
+    return {k: e for k, e in errors.items() if e}
+
+
+@dataclass
+class SweepRow:
+    config: dict
+    label: str
+    tflops: Dict[int, float] = field(default_factory=dict)  # seqlen -> TFLOP/s
+
+    @property
+    def geomean(self) -> float:
+        values = [t for t in self.tflops.values() if t > 0]
+        return float(torch.tensor(values).log().mean().exp()) if values else 0.0
+
+
+def config_label(cfg) -> str:
+    label = (f"{cfg.tile_m}x{cfg.tile_n} st{cfg.num_stages} {'RS' if cfg.pv_from_registers else 'SS'}"
+             f"{' ov' if cfg.intra_wg_overlap else ''}{' pp' if cfg.pingpong else ''}"
+             f"{' rb' if cfg.rescale_o_before_pv else ''}")
+    return label + (f" {cfg.ctas_per_sm}cta" if cfg.ctas_per_sm > 1 else "")
+
+
+def run_sweep(head_dim: int, causal: bool, dtype: str, seqlens: List[int], configs, workers: int,
+              reps: int = 20) -> List[SweepRow]:
+    import flash_cute
+    from flash_cute.compile_cache import ForwardKernelKey
+
+    dtype_name = "bfloat16" if dtype == "bf16" else "float16"
+    keys = [ForwardKernelKey(dtype_name, head_dim, causal, cfg, False) for cfg in configs]
+    failed = precompile_parallel(keys, workers)
+    for key, err in failed.items():
+        print(f"# skip {config_label(key.config)}: {err}", file=sys.stderr)
+    configs = [k.config for k in keys if k not in failed]
+    rows = [SweepRow(asdict(cfg), config_label(cfg)) for cfg in configs]
+    nheads = 2048 // head_dim
+    for seqlen in seqlens:
+        batch = max(1, 16384 // seqlen)
+        gen = torch.Generator(device="cuda").manual_seed(seqlen)
+        q, k, v = (torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=DTYPES[dtype], generator=gen)
+                   for _ in range(3))
+        flops = 4 * batch * nheads * seqlen * seqlen * head_dim / (2 if causal else 1)
+        for row, cfg in zip(rows, configs):
+            ms = time_cuda(lambda: flash_cute.flash_attn_func(q, k, v, causal=causal, config=cfg), 3, reps)
+            row.tflops[seqlen] = flops / ms / 1e9
+        best = max(rows, key=lambda r: r.tflops[seqlen])
+        print(f"seqlen {seqlen}: best {best.label} {best.tflops[seqlen]:.0f} TFLOP/s", flush=True)
+        del q, k, v
+    return sorted(rows, key=lambda r: -r.geomean)
+
+
+def sweep_table(rows: List[SweepRow], seqlens: List[int], top: int = 30) -> str:
+    lines = ["| rank | config | geomean | " + " | ".join(str(s) for s in seqlens) + " |",
+             "|---|---|---|" + "---|" * len(seqlens)]
+    for rank, r in enumerate(rows[:top], 1):
+        cells = " | ".join(f"{r.tflops.get(s, 0):.0f}" for s in seqlens)
+        lines.append(f"| {rank} | {r.label} | {r.geomean:.0f} | {cells} |")
+    return "\n".join(lines)
+
+
+def plot_sweep(rows: List[SweepRow], seqlens: List[int], title: str, path: str, highlight: int = 8) -> None:
+    """TFLOP/s against sequence length, one line per config; the best `highlight` in color."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 6))
+    for r in rows[highlight:]:
+        ax.plot(seqlens, [r.tflops.get(s, float("nan")) for s in seqlens], color="0.8", lw=0.8, zorder=1)
+    for r in rows[:highlight]:
+        ax.plot(seqlens, [r.tflops.get(s, float("nan")) for s in seqlens], marker="o", lw=1.8, zorder=2,
+                label=f"{r.label} ({r.geomean:.0f})")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(seqlens, [str(s) for s in seqlens])
+    ax.set_xlabel("sequence length (batch x seqlen = 16k tokens)")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, title="best configs (geomean TFLOP/s)", loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_host() -> List[str]:
+    """Host cost per eager call on tiny problems, for flash_cute's entry points and the peers,
+    and the disk cache's first-call times."""
+    import subprocess
+
+    import flash_cute
+
+    dev, bf16 = "cuda", torch.bfloat16
+    q = torch.randn(1, 1, 8, 128, device=dev, dtype=bf16)
+    k, v = torch.randn(1, 256, 8, 128, device=dev, dtype=bf16), torch.randn(1, 256, 8, 128, device=dev, dtype=bf16)
+    qd = torch.randn(1, 1, 16, 128, device=dev, dtype=bf16)
+    kc, vc = (torch.randn(1, 1024, 2, 128, device=dev, dtype=bf16) for _ in range(2))
+    seqlens = torch.full((1,), 1024, dtype=torch.int32, device=dev)
+    out = torch.empty_like(q)
+    calls = {
+        "flash_cute.flash_attn_func": lambda: flash_cute.flash_attn_func(q, k, v),
+        "flash_cute.flash_attn_func(out=)": lambda: flash_cute.flash_attn_func(q, k, v, out=out),
+        "flash_cute.flash_attn_with_kvcache (no split)": lambda: flash_cute.flash_attn_with_kvcache(
+            qd, kc, vc, cache_seqlens=seqlens, num_splits=1),
+        "flash_cute.flash_attn_with_kvcache (auto split: 2 kernels)": lambda: flash_cute.flash_attn_with_kvcache(
+            qd, kc, vc, cache_seqlens=seqlens),
+    }
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    calls["torch sdpa"] = lambda: sdpa(qt, kt, vt)
+    try:
+        from flash_attn.cute import flash_attn_func as fa4_func
+
+        fa4_func(q, k, v)
+        calls["fa4 flash_attn_func"] = lambda: fa4_func(q, k, v)
+    except Exception as exc:
+        print(f"# fa4 unavailable: {type(exc).__name__}", file=sys.stderr)
+    lines = [f"{name}: {host_us_per_call(fn):.1f} us/call" for name, fn in calls.items()]
+    code = ("import time, torch, flash_cute; q = torch.randn(1, 77, 4, 96, device='cuda', dtype=torch.float16); "
+            "t = time.time(); flash_cute.flash_attn_func(q, q, q, causal=True); torch.cuda.synchronize(); "
+            "print(f'{time.time() - t:.3f}')")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as cache_dir:
+        env = dict(os.environ, FLASH_CUTE_CACHE_DIR=cache_dir)
+        for label in ("first call of a new config, empty disk cache", "first call in a new process, warm disk cache"):
+            r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+            lines.append(f"{label}: {r.stdout.strip() or r.stderr[-200:]} s")
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -351,6 +560,25 @@ def main(argv=None) -> int:
     pre.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     pre.add_argument("--reps", type=int, default=30)
     pre.add_argument("--json", default=None, help="write the rows here")
+    sw = sub.add_parser("sweep", help="rank a grid of configs on one problem")
+    sw.add_argument("--hdim", type=int, default=128)
+    sw.add_argument("--causal", action="store_true")
+    sw.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    sw.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    sw.add_argument("--tile-m", type=int, nargs="+", default=[64, 128, 192])
+    sw.add_argument("--tile-n", type=int, nargs="+", default=[64, 80, 96, 112, 128, 144, 160, 176, 192])
+    sw.add_argument("--stages", type=int, nargs="+", default=[2])
+    sw.add_argument("--pv", choices=["regs", "smem"], nargs="+", default=["regs", "smem"])
+    sw.add_argument("--overlap", choices=["on", "off"], nargs="+", default=["on"])
+    sw.add_argument("--pingpong", choices=["on", "off"], nargs="+", default=["on", "off"])
+    sw.add_argument("--rescale-before-pv", choices=["on", "off"], nargs="+", default=["off", "on"])
+    sw.add_argument("--ctas-per-sm", type=int, nargs="+", default=[1])
+    sw.add_argument("--compile-workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    sw.add_argument("--reps", type=int, default=20)
+    sw.add_argument("--list", action="store_true", help="print the valid configs and exit (no GPU)")
+    sw.add_argument("--json", default=None)
+    sw.add_argument("--plot", default=None, help="PNG of TFLOP/s per config and sequence length")
+    sub.add_parser("host", help="host time per eager call, and the disk cache's first-call times")
     dec = sub.add_parser("decode", help="KV-cache decoding, contiguous and paged")
     dec.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
     dec.add_argument("--seqlens", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
@@ -359,9 +587,38 @@ def main(argv=None) -> int:
     dec.add_argument("--no-varlen", action="store_true")
     dec.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.command == "sweep":
+        configs = sweep_configs(
+            args.hdim, args.dtype, args.tile_m, args.tile_n, args.stages, args.pv,
+            [ON_OFF[x] for x in args.overlap], [ON_OFF[x] for x in args.pingpong],
+            [ON_OFF[x] for x in args.rescale_before_pv], args.ctas_per_sm,
+        )
+        print(f"{len(configs)} valid configs for hdim {args.hdim}", flush=True)
+        if args.list:
+            for cfg in configs:
+                print(config_label(cfg))
+            return 0
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA GPU", file=sys.stderr)
         return 2
+    if args.command == "sweep":
+        rows = run_sweep(args.hdim, args.causal, args.dtype, args.seqlens, configs, args.compile_workers, args.reps)
+        title = (f"flash_cute config sweep: hdim {args.hdim}, {'causal' if args.causal else 'non-causal'}, "
+                 f"{args.dtype}, {torch.cuda.get_device_name()}")
+        print(f"\n{title}\n")
+        print(sweep_table(rows, args.seqlens))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"title": title, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        if args.plot:
+            plot_sweep(rows, args.seqlens, title, args.plot)
+            print(f"plot: {args.plot}")
+        return 0
+    if args.command == "host":
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+        for line in run_host():
+            print(line)
+        return 0
     if args.command == "decode":
         copy_gbs = copy_bandwidth_gbs()
         print(f"device-to-device copy: {copy_gbs / 1e3:.2f} TB/s (read + write)", flush=True)

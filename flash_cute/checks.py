@@ -110,12 +110,16 @@ def check_out(out, shape: Tuple[int, ...], ref: torch.Tensor, inputs: Tuple[torc
             raise ValueError(f"out must not overlap {name} in memory")
 
 
-def _span(t: torch.Tensor) -> Tuple[int, int]:
+def byte_extent(t: torch.Tensor) -> int:
+    """Bytes from t's first to one past its last element (0 when empty)."""
     if t.numel() == 0:
-        return (0, 0)
+        return 0
+    return (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _span(t: torch.Tensor) -> Tuple[int, int]:
     start = t.data_ptr()
-    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
-    return start, start + extent * t.element_size()
+    return start, start + byte_extent(t)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

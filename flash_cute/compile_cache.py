@@ -1,9 +1,16 @@
 """Compile forward kernels on fake tensors, once per static configuration, into a cache.
 
-A compiled kernel depends only on (dtype, head_dim, causal, config, writes_lse): batch,
-sequence lengths, head counts and strides are run-time values, so a new shape never
-recompiles. Kernels are compiled for the TVM-FFI calling convention: the compiled function
-takes torch tensors directly and launches on torch's current CUDA stream.
+A compiled kernel depends only on its static key (dtype, head_dim, causal, config, variant
+flags): batch, sequence lengths, head counts and strides are run-time values, so a new shape
+never recompiles. Kernels are compiled for the TVM-FFI calling convention: the compiled
+function takes torch tensors directly and launches on torch's current CUDA stream.
+
+Compiled kernels also persist on disk as object files, so another process loads them in
+milliseconds instead of compiling for seconds. The directory is FLASH_CUTE_CACHE_DIR (default
+$XDG_CACHE_HOME/flash_cute or ~/.cache/flash_cute), namespaced by a fingerprint of this
+package's sources and the DSL/TVM-FFI versions; FLASH_CUTE_DISK_CACHE=0 turns it off. Several
+processes may fill it at once: a per-kernel file lock makes one compile while the others wait
+and then load, and files appear atomically (write to a temporary name, then rename).
 
 Compiling needs no GPU: with no device, the target architecture comes from CUTE_DSL_ARCH
 (set to sm_90a by `ensure_target_arch`).
@@ -11,9 +18,16 @@ Compiling needs no GPU: with no device, the target architecture comes from CUTE_
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
+import sys
+import tempfile
 import threading
+import warnings
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 from typing import Callable, Dict, Optional
 
 from .config import AttentionConfig
@@ -61,6 +75,13 @@ def ensure_target_arch(arch: Optional[str] = None) -> None:
             os.environ["CUTE_DSL_ARCH"] = TARGET_ARCH
 
 
+# Import the DSL with the package (about a second, once) rather than inside the first call,
+# so a process whose kernels are in the disk cache serves its first call in milliseconds.
+ensure_target_arch()
+import cutlass  # noqa: E402
+import cutlass.cute  # noqa: E402,F401
+
+
 def _cutlass_dtype(name: str):
     import cutlass
 
@@ -96,6 +117,7 @@ def compile_forward(key: ForwardKernelKey, options: str = "") -> Callable:
         page_box_rows=key.page_box_rows,
         split=key.split,
         pack_gqa_ratio=key.pack_gqa_ratio,
+        ctas_per_sm=cfg.ctas_per_sm,
     )
     sym = cute.sym_int
     batch, seqlen_q, nheads, seqlen_k, nheads_kv, splits = (sym() for _ in range(6))
@@ -140,6 +162,7 @@ class CombineKernelKey:
     out_dtype: str  # "float16" | "bfloat16" | "float32"
     head_dim: int
     writes_lse: bool
+    lse_heads_major: bool = False  # LSE given as (K, B, H, S) / (B, H, S), the forward's layout
 
 
 def compile_combine(key: CombineKernelKey, options: str = "") -> Callable:
@@ -160,42 +183,166 @@ def compile_combine(key: CombineKernelKey, options: str = "") -> Callable:
 
     fp32 = cutlass.Float32
     out_partial = tensor(fp32, (splits, batch, seqlen, nheads, d), 4, 16)
+    rows = (nheads, seqlen) if key.lse_heads_major else (seqlen, nheads)
     lse_partial = cute.runtime.make_fake_tensor(
-        fp32, (splits, batch, seqlen, nheads), stride=tuple(cute.sym_int64() for _ in range(4)), assumed_align=4
+        fp32, (splits, batch, *rows), stride=tuple(cute.sym_int64() for _ in range(4)), assumed_align=4
     )
     out = tensor(out_dtype, (batch, seqlen, nheads, d), 16 // (out_dtype.width // 8), 16)
     lse = None
     if key.writes_lse:
         lse = cute.runtime.make_fake_tensor(
-            fp32, (batch, seqlen, nheads), stride=tuple(cute.sym_int64() for _ in range(3)), assumed_align=4
+            fp32, (batch, *rows), stride=tuple(cute.sym_int64() for _ in range(3)), assumed_align=4
         )
-    kernel = FlashAttentionCombine(out_dtype, d, key.writes_lse)
+    kernel = FlashAttentionCombine(out_dtype, d, key.writes_lse, key.lse_heads_major)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     opts = ("--enable-tvm-ffi " + options).strip()
     return cute.compile(kernel, out_partial, lse_partial, out, lse, stream, options=opts)
 
 
 def get_combine_kernel(key: CombineKernelKey) -> Callable:
-    fn = _cache.get(key)
-    if fn is None:
-        with _lock:
-            fn = _cache.get(key)
-            if fn is None:
-                fn = compile_combine(key)
-                _cache[key] = fn
-    return fn
+    """The compiled combine kernel for `key` (memory, then disk, then compile)."""
+    return _get(key, compile_combine)
+
+
+def raw_function(compiled: Callable) -> Callable:
+    """The underlying tvm_ffi.Function of a compiled kernel, when the DSL wraps it in its
+    Python kwargs adapter (several microseconds per call); the compiled object otherwise.
+    Call it with every argument, positionally, in the compiled signature's order."""
+    return getattr(compiled, "_tvm_ffi_function", None) or compiled
 
 
 def get_forward_kernel(key: ForwardKernelKey) -> Callable:
-    """The compiled kernel for `key`, compiling it on first use (thread-safe)."""
+    """The compiled forward kernel for `key` (memory, then disk, then compile; thread-safe)."""
+    return _get(key, compile_forward)
+
+
+def _get(key, compile_fn) -> Callable:
     fn = _cache.get(key)
     if fn is None:
         with _lock:
             fn = _cache.get(key)
             if fn is None:
-                fn = compile_forward(key)
+                fn = _load_or_compile(key, compile_fn)
                 _cache[key] = fn
     return fn
+
+
+# ----------------------------------------------------------------------------------------
+# On-disk cache
+# ----------------------------------------------------------------------------------------
+
+EXPORTED_SYMBOL = "flash_cute_kernel"
+LOCK_TIMEOUT_S = 300.0
+
+
+def disk_cache_dir() -> Optional[Path]:
+    """The directory holding this build's compiled kernels, or None when disabled."""
+    if os.environ.get("FLASH_CUTE_DISK_CACHE", "1") == "0":
+        return None
+    root = os.environ.get("FLASH_CUTE_CACHE_DIR")
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "flash_cute")
+    return Path(root) / _source_fingerprint()
+
+
+@lru_cache(maxsize=1)
+def _source_fingerprint() -> str:
+    """Changes whenever a host or kernel source file, the DSL, TVM-FFI or Python changes."""
+    import cutlass
+    import tvm_ffi
+
+    from flash_cute import kernels
+
+    h = hashlib.sha256()
+    h.update(f"py{sys.version_info[:2]} cutlass={cutlass.__version__} tvm_ffi={tvm_ffi.__version__}".encode())
+    h.update(TARGET_ARCH.encode())
+    for package_dir in (Path(__file__).resolve().parent, Path(kernels.__file__).resolve().parent):
+        for src in sorted(package_dir.glob("*.py")):
+            h.update(src.name.encode())
+            h.update(src.read_bytes())
+    return h.hexdigest()[:24]
+
+
+def _key_hash(key) -> str:
+    return hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+
+
+class _FileLock:
+    """Advisory lock on a file (fcntl), shared or exclusive, with a timeout."""
+
+    def __init__(self, path: Path, exclusive: bool):
+        self.path, self.exclusive, self.fd = path, exclusive, None
+
+    def __enter__(self):
+        import time
+
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        mode = (fcntl.LOCK_EX if self.exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(self.fd, mode)
+                return self
+            except OSError:
+                if time.monotonic() > deadline:
+                    os.close(self.fd)
+                    raise TimeoutError(f"timed out waiting for the kernel cache lock {self.path}")
+                time.sleep(0.05)
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+@lru_cache(maxsize=1)
+def _load_runtime_libraries() -> None:
+    """Exported objects resolve DSL runtime symbols from the process: load them globally."""
+    import ctypes
+
+    import cutlass.cute as cute
+
+    for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False):
+        if os.path.exists(lib):
+            ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+
+
+def _load(path: Path) -> Callable:
+    import cutlass.cute as cute
+
+    _load_runtime_libraries()
+    module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
+    return getattr(module, EXPORTED_SYMBOL)
+
+
+def _load_or_compile(key, compile_fn) -> Callable:
+    directory = disk_cache_dir()
+    if directory is None:
+        return compile_fn(key)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        name = _key_hash(key)
+        obj, lock = directory / f"{name}.o", directory / f"{name}.lock"
+        if obj.exists():
+            with _FileLock(lock, exclusive=False):
+                return _load(obj)
+        with _FileLock(lock, exclusive=True):
+            if obj.exists():  # another process compiled it while we waited
+                return _load(obj)
+            fn = compile_fn(key)
+            fd, tmp = tempfile.mkstemp(dir=directory, suffix=".o.tmp")
+            os.close(fd)
+            os.chmod(tmp, 0o644)
+            try:
+                fn.export_to_c(object_file_path=tmp, function_name=EXPORTED_SYMBOL)
+                os.replace(tmp, obj)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            return fn
+    except (OSError, TimeoutError) as exc:
+        warnings.warn(f"flash_cute: kernel disk cache unavailable ({exc}); compiling in memory only")
+        return compile_fn(key)
 
 
 def cached_keys():

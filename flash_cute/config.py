@@ -17,6 +17,7 @@ SUPPORTED_DTYPES = ("float16", "bfloat16")
 
 # Hopper limits used by validation.
 MAX_SMEM_BYTES_PER_BLOCK = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on H100/H200
+SMEM_BYTES_PER_SM = 233472  # 228 KB, of which each resident CTA reserves 1 KB
 REGISTERS_PER_SM = 65536
 THREADS_PER_WARPGROUP = 128
 # Registers per MMA thread kept free of accumulators (addresses, softmax temporaries, masks).
@@ -37,6 +38,8 @@ class AttentionConfig:
     pingpong: MMA warpgroups take turns issuing GEMMs (needs >= 2 warpgroups).
     rescale_o_before_pv: rescale O while Q K^T runs rather than after P V (needs overlap).
     producer_registers, mma_registers: setmaxnreg targets; None picks the standard split.
+    ctas_per_sm: CTAs the launch asks to fit on one SM (1 or 2); 2 halves the registers and
+        shared memory each may use, for short, bandwidth-bound tiles.
     """
 
     tile_m: int
@@ -48,9 +51,10 @@ class AttentionConfig:
     rescale_o_before_pv: bool = False
     producer_registers: Optional[int] = None
     mma_registers: Optional[int] = None
+    ctas_per_sm: int = 1
 
     def __post_init__(self):
-        for name in ("tile_m", "tile_n", "num_stages"):
+        for name in ("tile_m", "tile_n", "num_stages", "ctas_per_sm"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"AttentionConfig.{name} must be an int, got {value!r}")
@@ -59,7 +63,13 @@ class AttentionConfig:
                 f"AttentionConfig.tile_m must be 64, 128 or 192 (64 rows per MMA warpgroup), "
                 f"got {self.tile_m}"
             )
+        if self.ctas_per_sm not in (1, 2):
+            raise ValueError(f"AttentionConfig.ctas_per_sm must be 1 or 2, got {self.ctas_per_sm}")
         split = DEFAULT_REGISTER_SPLIT[self.tile_m // 64]
+        if self.ctas_per_sm == 2:  # half the register file each: scale the split down
+            per_thread = self.entry_registers
+            split = (max(24, per_thread // 4 // 8 * 8), None)
+            split = (split[0], (per_thread * (1 + self.num_mma_warpgroups) - split[0]) // self.num_mma_warpgroups // 8 * 8)
         if self.producer_registers is None:
             object.__setattr__(self, "producer_registers", split[0])
         if self.mma_registers is None:
@@ -73,9 +83,16 @@ class AttentionConfig:
     def num_threads(self) -> int:
         return THREADS_PER_WARPGROUP * (1 + self.num_mma_warpgroups)
 
+    @property
+    def entry_registers(self) -> int:
+        """Registers per thread at launch: the SM's file shared by ctas_per_sm CTAs (ptxas
+        rounds down to a multiple of 8, at most 255); setmaxnreg then moves them between
+        warpgroups."""
+        return min(255, REGISTERS_PER_SM // (self.num_threads * self.ctas_per_sm)) // 8 * 8
+
     def replace(self, **changes) -> "AttentionConfig":
         """A copy with some fields changed (registers re-derived unless given)."""
-        if "tile_m" in changes:
+        if "tile_m" in changes or "ctas_per_sm" in changes:
             changes.setdefault("producer_registers", None)
             changes.setdefault("mma_registers", None)
         return dataclasses.replace(self, **changes)
@@ -128,10 +145,11 @@ class AttentionConfig:
             total = THREADS_PER_WARPGROUP * (
                 self.producer_registers + self.num_mma_warpgroups * self.mma_registers
             )
-            if total > REGISTERS_PER_SM:
+            pool = self.entry_registers * self.num_threads
+            if total > pool:
                 problems.append(
-                    f"register split uses {total} registers per CTA, more than the SM's "
-                    f"{REGISTERS_PER_SM}"
+                    f"register split uses {total} registers per CTA, more than the {pool} a CTA "
+                    f"gets at launch ({self.entry_registers} per thread with {self.ctas_per_sm} CTA(s) per SM)"
                 )
             acc = self.accumulator_registers(head_dim)
             if acc > self.mma_registers - REGISTER_HEADROOM:
@@ -140,36 +158,42 @@ class AttentionConfig:
                     f"mma_registers - {REGISTER_HEADROOM} = {self.mma_registers - REGISTER_HEADROOM}"
                 )
         smem = self.smem_bytes(head_dim)
-        if smem > MAX_SMEM_BYTES_PER_BLOCK:
+        smem_limit = min(MAX_SMEM_BYTES_PER_BLOCK, SMEM_BYTES_PER_SM // self.ctas_per_sm - 1024)
+        if smem > smem_limit:
             problems.append(
                 f"needs {smem} bytes of shared memory for head_dim={head_dim}, more than the "
-                f"{MAX_SMEM_BYTES_PER_BLOCK} a Hopper CTA can have"
+                f"{smem_limit} a Hopper CTA can have with {self.ctas_per_sm} CTA(s) per SM"
             )
         if problems:
             raise ValueError(f"invalid {self} for head_dim={head_dim}: " + "; ".join(problems))
         return self
 
 
-# (head_dim, dtype, causal) -> config. Starting points are FlashAttention-3 (hopper/tile_size.h)
-# and FlashAttention's CuTe DSL package (_tile_size_fwd_sm90); see BENCHMARKS.md for what was
-# measured with them.
+# (head_dim, dtype, causal) -> config for long sequences. Starting points were FlashAttention-3
+# (hopper/tile_size.h) and FlashAttention's CuTe DSL package (_tile_size_fwd_sm90); each row
+# says what the H200 sweeps (benchmarks/sweeps, BENCHMARKS.md) measured for it.
 def _row(tile_m, tile_n, **knobs) -> AttentionConfig:
     return AttentionConfig(tile_m=tile_m, tile_n=tile_n, **knobs)
 
 
 _BY_HEAD_DIM = {
-    # 3 warpgroups; 192 x 128 keeps S + P + O inside the 160-register budget.
+    # 3 warpgroups, P in registers: best of 36 configs at 512-8k (511 TFLOP/s at 8k; the next,
+    # 192x96, 500). Ping-pong is worth 7% here.
     (64, False): _row(192, 128),
+    # Best from 2k up (416 at 4k, 473 at 8k); short sequences use SHORT_SEQUENCE_CONFIGS.
     (64, True): _row(192, 128),
     # P from registers with 192-row tiles spills at head dim 96, so P goes through smem.
     (96, False): _row(192, 144, pv_from_registers=False),
     (96, True): _row(192, 128, pv_from_registers=False),
-    (128, False): _row(128, 128),
+    # 3 warpgroups with P through smem win from 4k (655 vs 628 TFLOP/s at 4k, 673 vs 660 at 8k).
+    (128, False): _row(192, 128, pv_from_registers=False),
+    # 128x128 RS leads at every length (600 at 8k); ping-pong on or off within 1%.
     (128, True): _row(128, 128),
     # Large O accumulators: no ping-pong; rescale O under the Q K^T instead.
     (192, False): _row(128, 112, pingpong=False, rescale_o_before_pv=True),
     (192, True): _row(128, 112, pingpong=False, rescale_o_before_pv=True),
-    # 128 x 80 is the largest tile whose two-stage K/V ring fits in shared memory.
+    # 128 x 80 is the largest tile whose two-stage K/V ring fits in shared memory; rescaling O
+    # before P V is worth 24% at 8k (753 vs 609), ping-pong costs 7%.
     (256, False): _row(128, 80, pingpong=False, rescale_o_before_pv=True),
     (256, True): _row(128, 80, pingpong=False, rescale_o_before_pv=True),
 }
@@ -177,6 +201,20 @@ _BY_HEAD_DIM = {
 FORWARD_CONFIGS = {
     (head_dim, dtype, causal): config
     for (head_dim, causal), config in _BY_HEAD_DIM.items()
+    for dtype in SUPPORTED_DTYPES
+}
+
+# (head_dim, causal) -> (longest seqlen_q it serves, config): fewer, shorter tiles win while
+# there are few query rows per (batch, head).
+_SHORT_BY_HEAD_DIM = {
+    # 176 / 253 TFLOP/s at 512 / 1k against 164 / 244 for 192x96 (192x128: 163 / 236).
+    (64, True): (1024, _row(128, 128)),
+    # 397 / 522 / 589 at 512 / 1k / 2k against 353 / 466 / 598 for 192x128 SS.
+    (128, False): (2048, _row(128, 128)),
+}
+SHORT_SEQUENCE_CONFIGS = {
+    (head_dim, dtype, causal): entry
+    for (head_dim, causal), entry in _SHORT_BY_HEAD_DIM.items()
     for dtype in SUPPORTED_DTYPES
 }
 
@@ -207,8 +245,12 @@ def decode_config(head_dim: int, dtype: str) -> AttentionConfig:
         ) from None
 
 
-def default_config(head_dim: int, dtype: str, causal: bool) -> AttentionConfig:
-    """The table's config for this problem; ValueError for an unsupported head dim or dtype."""
+def default_config(head_dim: int, dtype: str, causal: bool, seqlen_q: Optional[int] = None) -> AttentionConfig:
+    """The table's config for this problem; ValueError for an unsupported head dim or dtype.
+    With seqlen_q, short sequences may get their own config (SHORT_SEQUENCE_CONFIGS)."""
+    short = SHORT_SEQUENCE_CONFIGS.get((head_dim, dtype, bool(causal)))
+    if short is not None and seqlen_q is not None and seqlen_q <= short[0]:
+        return short[1]
     try:
         return FORWARD_CONFIGS[(head_dim, dtype, bool(causal))]
     except KeyError:

@@ -9,7 +9,13 @@ from typing import Optional
 import torch
 
 from . import checks
-from .compile_cache import CombineKernelKey, ForwardKernelKey, get_combine_kernel, get_forward_kernel
+from .compile_cache import (
+    CombineKernelKey,
+    ForwardKernelKey,
+    get_combine_kernel,
+    get_forward_kernel,
+    raw_function,
+)
 from .config import DECODE_ROWS, AttentionConfig, decode_config, default_config
 from .splitkv import num_sms, num_splits_heuristic
 
@@ -48,6 +54,16 @@ def flash_attn_func(
     Runs on torch's current CUDA stream, with no host synchronization, so a call can be
     captured in a CUDA graph after one warm-up call (which compiles the kernel).
     """
+    try:  # repeated calls with the same metadata skip the checks (see _LaunchPlan); inlined: hot
+        key = (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype, k.get_device(),
+               v.shape, v.stride(), v.dtype, v.get_device(),
+               None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()),
+               softmax_scale, causal, return_lse, config)
+        plan = _FUNC_PLANS.get(key)
+    except (AttributeError, TypeError):
+        key = plan = None
+    if plan is not None and plan.usable(q, k, v, out):
+        return plan.launch(q, k, v, out)
     checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     checks.check_tensor("k", k, 4, "(batch, seqlen_k, nheads_kv, headdim)")
     checks.check_tensor("v", v, 4, "(batch, seqlen_k, nheads_kv, headdim)")
@@ -72,9 +88,10 @@ def flash_attn_func(
     out = _prepare_out(out, q, k, v)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     if config is None:  # the prefill table, whatever seqlen_q is
-        config = default_config(head_dim, checks.dtype_name(q.dtype), causal)
+        config = default_config(head_dim, checks.dtype_name(q.dtype), causal, seqlen_q)
     if out.numel() > 0:
-        _run(problem, q, k, v, out, lse, scale_log2, causal, config, num_splits=1, pack_gqa=False)
+        plan = _run(problem, q, k, v, out, lse, scale_log2, causal, config, num_splits=1, pack_gqa=False)
+        _remember(_FUNC_PLANS, key, plan)
     return (out, lse) if return_lse else out
 
 
@@ -107,7 +124,8 @@ def flash_attn_varlen_func(
                 seqused_k (without it, every slot of the table's pages is a key). page_size
                 must be a multiple of 16; pages need not be contiguous or ordered.
         cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 prefix sums of the lengths.
-        max_seqlen_q: int, the longest query length (sizes the grid; host value).
+        max_seqlen_q: int, the longest query length (host value; picks the tile config — the
+            grid covers every sequence's tiles whatever it says).
         seqused_k: (batch,) int32 valid keys per sequence (clamped to the cache's capacity).
         max_seqlen_k: int, the longest key length; only guides the split heuristic.
         page_table: (batch, max_pages_per_seq) int32 page indices.
@@ -120,7 +138,8 @@ def flash_attn_varlen_func(
         (nheads, total_q) float32. A sequence with no keys gets out = 0, lse = -inf.
 
     cu_seqlens contents are not checked (that would need a host sync): they must start at 0,
-    be non-decreasing and stay within q/k. The call has no host synchronization.
+    be non-decreasing and stay within q/k. Rows of q past cu_seqlens_q[-1] are not written.
+    The call has no host synchronization.
     """
     checks.check_tensor("q", q, 3, "(total_q, nheads, headdim)")
     for name, t in (("k", k), ("v", v)):
@@ -222,6 +241,23 @@ def flash_attn_with_kvcache(
     one warm-up call a decode step can be captured in a CUDA graph and replayed with new
     cache_seqlens and page_table contents.
     """
+    try:  # repeated calls with the same metadata skip the checks (see _LaunchPlan); inlined: hot
+        seqlens_meta = (
+            (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.get_device())
+            if isinstance(cache_seqlens, torch.Tensor) else cache_seqlens
+        )
+        key = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
+               k_cache.get_device(), v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.get_device(),
+               seqlens_meta, None if page_table is None else (page_table.shape, page_table.stride(),
+                                                              page_table.dtype, page_table.get_device()),
+               None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()),
+               softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse)
+        plan = _KVCACHE_PLANS.get(key)
+    except (AttributeError, TypeError):
+        key = plan = None
+    if plan is not None and plan.usable(q, k_cache, v_cache, out):
+        seqused = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+        return plan.launch(q, k_cache, v_cache, out, seqused_k=seqused, page_table=page_table)
     checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     paged = page_table is not None
     kv_doc = "(num_pages, page_size, nheads_kv, headdim)" if paged else "(batch, seqlen_cache, nheads_kv, headdim)"
@@ -272,8 +308,10 @@ def flash_attn_with_kvcache(
     out = _prepare_out(out, q, k_cache, v_cache)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     if out.numel() > 0:
-        _run(problem, q, k_cache, v_cache, out, lse, scale_log2, causal, None, num_splits, pack_gqa,
-             seqused_k=seqused_k, page_table=page_table)
+        plan = _run(problem, q, k_cache, v_cache, out, lse, scale_log2, causal, None, num_splits, pack_gqa,
+                    seqused_k=seqused_k, page_table=page_table)
+        if isinstance(cache_seqlens, torch.Tensor) or cache_seqlens is None:  # ints slice the cache
+            _remember(_KVCACHE_PLANS, key, plan)
     return (out, lse) if return_lse else out
 
 
@@ -385,9 +423,10 @@ def _choose(problem: _Problem, causal: bool, config, num_splits: int, pack_gqa, 
     ratio = problem.nheads // problem.nheads_kv
     decode_like = problem.max_seqlen_q * ratio <= DECODE_ROWS
     if config is None:
-        config = decode_config(problem.head_dim, dtype) if decode_like else default_config(problem.head_dim, dtype, causal)
-    if pack_gqa is None:
-        pack_gqa = ratio > 1 and decode_like and config.tile_m % ratio == 0
+        config = (decode_config(problem.head_dim, dtype) if decode_like
+                  else default_config(problem.head_dim, dtype, causal, problem.max_seqlen_q))
+    if pack_gqa is None:  # K/V tiles read once for all q heads of a kv head
+        pack_gqa = ratio > 1 and config.tile_m % ratio == 0
     if pack_gqa and ratio > 1 and config.tile_m % ratio:
         raise ValueError(
             f"pack_gqa=True needs nheads / nheads_kv ({ratio}) to divide the tile's {config.tile_m} rows"
@@ -397,7 +436,7 @@ def _choose(problem: _Problem, causal: bool, config, num_splits: int, pack_gqa, 
         m_blocks = math.ceil(problem.max_seqlen_q * pack_ratio / config.tile_m)
         tiles = problem.batch * (problem.nheads // pack_ratio) * m_blocks
         n_blocks = math.ceil(problem.max_seqlen_k / config.tile_n)
-        num_splits = num_splits_heuristic(tiles, n_blocks, num_sms(device_index))
+        num_splits = num_splits_heuristic(tiles, n_blocks, num_sms(device_index) * config.ctas_per_sm)
     return config, pack_ratio, num_splits
 
 
@@ -405,8 +444,7 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
          cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None):
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     config, pack_ratio, num_splits = _choose(problem, causal, config, num_splits, pack_gqa, device_index)
-    if problem.kv_capacity == 0 or problem.max_seqlen_q == 0:
-        # No keys, or no query rows in any sequence: nothing for a kernel (or TMA) to do.
+    if problem.kv_capacity == 0:  # no keys: nothing for a kernel (or TMA) to read
         out.zero_()
         if lse is not None:
             lse.fill_(float("-inf"))
@@ -426,8 +464,9 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
     else:
         out_kernel = checks.for_tma(out) if checks.tma_compatible(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
         lse_kernel = lse
+    q_k, k_k, v_k = checks.for_tma(q), checks.for_tma(k), checks.for_tma(v)
     args = (
-        checks.for_tma(q), checks.for_tma(k), checks.for_tma(v), out_kernel, lse_kernel, scale_log2,
+        q_k, k_k, v_k, out_kernel, lse_kernel, scale_log2,
         cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, problem.max_seqlen_q, num_splits,
     )
     with _on_device(q.device):
@@ -436,6 +475,89 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
             _combine_forward_partials(problem, out_kernel, lse_kernel, out, lse)
         elif out_kernel.data_ptr() != out.data_ptr():
             out.copy_(out_kernel)
+    # A call that needed no layout fix-ups can be replayed from its metadata alone.
+    if problem.varlen_q or q_k is not q or k_k is not k or v_k is not v:
+        return None
+    if (out_kernel is not out and not split) or (split and not checks.vector_aligned(out)):
+        return None
+    combine = None
+    if split:
+        combine = raw_function(get_combine_kernel(CombineKernelKey(
+            out_dtype=checks.ALL_DTYPE_NAMES[out.dtype], head_dim=problem.head_dim,
+            writes_lse=lse is not None, lse_heads_major=True)))
+    return _LaunchPlan(
+        forward=raw_function(kernel), combine=combine, device=q.device, dtype=q.dtype,
+        out_shape=tuple(out.shape), lse_shape=tuple(lse.shape) if lse is not None else None,
+        scale_log2=scale_log2, max_seqlen_q=problem.max_seqlen_q, num_splits=num_splits,
+        partial_lse_shape=(num_splits, *_lse_shape(problem, q)),
+        extents=tuple(checks.byte_extent(t) for t in (q, k, v, out)),
+    )
+
+
+try:
+    _current_device = torch._C._cuda_getDevice  # torch.cuda.current_device without its wrappers
+except AttributeError:  # pragma: no cover - other torch builds
+    _current_device = torch.cuda.current_device
+
+_FUNC_PLANS: dict = {}
+_KVCACHE_PLANS: dict = {}
+_MAX_PLANS = 4096
+
+
+def _remember(plans: dict, key, plan) -> None:
+    if key is None or plan is None:
+        return
+    if len(plans) >= _MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
+
+
+class _LaunchPlan:
+    """Everything a call derived from its arguments' metadata: the raw kernel functions, split
+    count, buffer shapes. A later call with identical metadata (shapes, strides, dtypes,
+    devices, flags) passed the same checks and makes the same choices, so it only re-checks
+    what metadata does not capture (16-byte pointer alignment, out not overlapping inputs, the
+    current device) and launches."""
+
+    __slots__ = ("forward", "combine", "device", "device_index", "dtype", "out_shape", "lse_shape",
+                 "scale_log2", "max_seqlen_q", "num_splits", "partial_lse_shape", "extents")
+
+    def __init__(self, forward, combine, device, dtype, out_shape, lse_shape, scale_log2,
+                 max_seqlen_q, num_splits, partial_lse_shape, extents):
+        self.forward, self.combine = forward, combine
+        self.extents = extents  # bytes spanned by q, k, v, out
+        self.device, self.device_index, self.dtype = device, device.index, dtype
+        self.out_shape, self.lse_shape = out_shape, lse_shape
+        self.scale_log2, self.max_seqlen_q, self.num_splits = scale_log2, max_seqlen_q, num_splits
+        self.partial_lse_shape = partial_lse_shape
+
+    def usable(self, q, k, v, out) -> bool:
+        qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        if (qp | kp | vp) & 15 or _current_device() != self.device_index:
+            return False
+        if out is None:
+            return True
+        op = out.data_ptr()
+        if op & 15:
+            return False
+        # Byte extents come from the metadata the plan was made for.
+        oe = self.extents[3]
+        return all(op >= p + e or p >= op + oe for p, e in zip((qp, kp, vp), self.extents))
+
+    def launch(self, q, k, v, out, seqused_k=None, page_table=None):
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        if self.num_splits == 1:
+            self.forward(q, k, v, out, lse, self.scale_log2, None, None, seqused_k, page_table,
+                         self.max_seqlen_q, 1)
+        else:
+            out_partial = torch.empty((self.num_splits, *self.out_shape), dtype=torch.float32, device=self.device)
+            lse_partial = torch.empty(self.partial_lse_shape, dtype=torch.float32, device=self.device)
+            self.forward(q, k, v, out_partial, lse_partial, self.scale_log2, None, None, seqused_k,
+                         page_table, self.max_seqlen_q, self.num_splits)
+            self.combine(out_partial, lse_partial, out, lse)
+        return out if self.lse_shape is None else (out, lse)
 
 
 def _lse_shape(problem: _Problem, q):
@@ -451,14 +573,15 @@ def _combine_forward_partials(problem: _Problem, out_partial, lse_partial, out, 
         l_p = lse_partial.transpose(1, 2).unsqueeze(1)
         o = out.unsqueeze(0)
         l = lse.t().unsqueeze(0) if lse is not None else None
-    else:  # (K, B, S, H, D), lse (K, B, H, S)
-        o_p, l_p, o = out_partial, lse_partial.transpose(2, 3), out
-        l = lse.transpose(1, 2) if lse is not None else None
+    else:  # (K, B, S, H, D), lse (K, B, H, S): the combine reads this layout directly
+        _combine(out_partial, lse_partial, out, lse, lse_heads_major=True)
+        return
     _combine(o_p, l_p, o, l)
 
 
-def _combine(out_partial, lse_partial, out, lse):
-    """out_partial (K, B, S, H, D) or (K, T, H, D) and matching lse views -> out, lse."""
+def _combine(out_partial, lse_partial, out, lse, lse_heads_major=False):
+    """out_partial (K, B, S, H, D) or (K, T, H, D) and matching lse views -> out, lse.
+    With lse_heads_major the LSE tensors are (K, B, H, S) and (B, H, S)."""
     if out_partial.dim() == 4:
         out_partial, lse_partial = out_partial.unsqueeze(1), lse_partial.unsqueeze(1)
         out = out.unsqueeze(0)
@@ -467,7 +590,8 @@ def _combine(out_partial, lse_partial, out, lse):
         out_partial = out_partial.contiguous() if out_partial.data_ptr() % 16 == 0 else out_partial.clone(memory_format=torch.contiguous_format)
     out_kernel = out if checks.vector_aligned(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
     key = CombineKernelKey(
-        out_dtype=checks.ALL_DTYPE_NAMES[out.dtype], head_dim=out.shape[-1], writes_lse=lse is not None
+        out_dtype=checks.ALL_DTYPE_NAMES[out.dtype], head_dim=out.shape[-1], writes_lse=lse is not None,
+        lse_heads_major=lse_heads_major,
     )
     with _on_device(out.device):
         get_combine_kernel(key)(out_partial, lse_partial, out_kernel, lse)

@@ -1,10 +1,13 @@
-"""Compile every kernel variant of the config table ahead of time.
+"""Compile every kernel variant of the config tables ahead of time (into the disk cache).
 
-    python -m flash_cute.precompile [--arch sm_90a] [--head-dims 64 128] [--check-ptx]
+    python -m flash_cute.precompile [--arch sm_90a] [--head-dims 64 128] [--gqa-ratios 4 8]
+                                    [--check-ptx]
 
-With --arch sm_90a it runs on a machine with no GPU. --check-ptx keeps each kernel's PTX and
-ptxas report and fails unless the PTX has WGMMA, TMA loads and setmaxnreg and ptxas reports
-zero spill bytes.
+Covers the prefill table (and its short-sequence rows), with and without the LSE, and the decode
+configs as flash_attn_with_kvcache uses them (cache_seqlens, split and not, GQA packed at each
+--gqa-ratios). With --arch sm_90a it runs on a machine with no GPU. --check-ptx keeps each
+kernel's PTX and ptxas report and fails unless the PTX has WGMMA, TMA loads and setmaxnreg and
+ptxas reports zero spill bytes.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 from typing import Iterable, List, Optional
 
 from .compile_cache import ForwardKernelKey, compile_forward, ensure_target_arch, get_forward_kernel
-from .config import FORWARD_CONFIGS
+from .config import DECODE_CONFIGS, FORWARD_CONFIGS, SHORT_SEQUENCE_CONFIGS
 
 REQUIRED_PTX = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg")
 
@@ -45,12 +48,29 @@ class PtxReport:
 
 
 def table_keys(head_dims: Optional[Iterable[int]] = None, writes_lse=(True, False)) -> List[ForwardKernelKey]:
+    """Prefill kernels of the config table, long and short-sequence rows."""
+    rows = list(FORWARD_CONFIGS.items()) + [(k, entry[1]) for k, entry in SHORT_SEQUENCE_CONFIGS.items()]
     keys = []
-    for (head_dim, dtype, causal), config in sorted(FORWARD_CONFIGS.items(), key=str):
+    for (head_dim, dtype, causal), config in sorted(rows, key=str):
         if head_dims is not None and head_dim not in head_dims:
             continue
         for lse in writes_lse:
             keys.append(ForwardKernelKey(dtype, head_dim, causal, config, lse))
+    return keys
+
+
+def decode_keys(head_dims: Optional[Iterable[int]] = None, gqa_ratios=(4, 8)) -> List[ForwardKernelKey]:
+    """Decode kernels as flash_attn_with_kvcache launches them for a padded cache with
+    cache_seqlens: causal or not, split or not, GQA packed at each ratio."""
+    keys = []
+    for (head_dim, dtype), config in sorted(DECODE_CONFIGS.items(), key=str):
+        if head_dims is not None and head_dim not in head_dims:
+            continue
+        for causal in (False, True):
+            for split in (False, True):
+                for ratio in gqa_ratios:
+                    keys.append(ForwardKernelKey(dtype, head_dim, causal, config, True, seqused_k=True,
+                                                 split=split, pack_gqa_ratio=ratio))
     return keys
 
 
@@ -89,13 +109,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default=None, help="target arch when there is no GPU, e.g. sm_90a")
     parser.add_argument("--head-dims", type=int, nargs="*", default=None)
+    parser.add_argument("--gqa-ratios", type=int, nargs="*", default=[4, 8],
+                        help="q heads per kv head to prepare decode kernels for")
     parser.add_argument("--check-ptx", action="store_true")
     args = parser.parse_args(argv)
     ensure_target_arch(args.arch)
     failures = 0
-    for key in table_keys(args.head_dims):
+    for key in table_keys(args.head_dims) + decode_keys(args.head_dims, args.gqa_ratios):
         label = (f"hdim={key.head_dim} {key.dtype} causal={key.causal} lse={key.writes_lse} "
-                 f"tile={key.config.tile_m}x{key.config.tile_n}")
+                 f"tile={key.config.tile_m}x{key.config.tile_n}"
+                 + (f" decode split={key.split} gqa={key.pack_gqa_ratio}" if key.seqused_k else ""))
         try:
             if args.check_ptx:
                 report = compile_with_ptx_report(key)

@@ -31,13 +31,17 @@ class FlashAttentionCombine:
     Tensors (any strides, last dim contiguous; partials 16-byte aligned):
       out_partial (K, B, S, H, D) fp32, lse_partial (K, B, S, H) fp32,
       out (B, S, H, D) in out_dtype, lse (B, S, H) fp32 or None.
+    With lse_heads_major the LSE tensors come as (K, B, H, S) and (B, H, S) instead, the
+    forward kernel's own layout, so its buffers pass through without views.
     """
 
-    def __init__(self, out_dtype: Type[cutlass.Numeric], head_dim: int, writes_lse: bool):
+    def __init__(self, out_dtype: Type[cutlass.Numeric], head_dim: int, writes_lse: bool,
+                 lse_heads_major: bool = False):
         assert head_dim % 8 == 0
         self.out_dtype = out_dtype
         self.head_dim = head_dim
         self.writes_lse = writes_lse
+        self.lse_heads_major = lse_heads_major
         # Lanes per row: a power of two (rows stay inside a warp for the butterfly reductions)
         # dividing head_dim / 4, so each lane takes whole 16-byte chunks of the head dim.
         self.lanes_per_row = 32
@@ -55,6 +59,10 @@ class FlashAttentionCombine:
         mLSE: Optional[cute.Tensor],
         stream: cuda.CUstream,
     ):
+        if const_expr(self.lse_heads_major):
+            mLSE_partial = cute.make_tensor(mLSE_partial.iterator, cute.select(mLSE_partial.layout, mode=[0, 1, 3, 2]))
+            if const_expr(mLSE is not None):
+                mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[0, 2, 1]))
         rows = mO.shape[1] * mO.shape[2]
         grid = (cute.ceil_div(rows, self.rows_per_cta), mO.shape[0], 1)
         self.kernel(mO_partial, mLSE_partial, mO, mLSE).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)

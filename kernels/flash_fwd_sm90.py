@@ -48,6 +48,7 @@ from .named_barriers import NamedBarrier
 from .seqlen_info import SeqlenInfo
 from .softmax import OnlineSoftmax, rescale_rows
 from .tma_loads import TmaBlockLoader, TmaPagedBlockLoader
+from .varlen_tiles import varlen_tile
 
 THREADS_PER_WARPGROUP = 128
 KV_LAYOUTS = ("padded", "packed", "paged")
@@ -106,7 +107,7 @@ class FlashAttentionForwardSm90:
       lse:  (B, nheads, seqlen_q) or (nheads, total_q) fp32, with split (S, ...); or None
       cu_seqlens_q / cu_seqlens_k: (B + 1,) int32; seqused_k: (B,) int32;
       page_table: (B, max_pages_per_seq) int32
-      max_seqlen_q: rows of the longest sequence (sizes the grid when varlen_q)
+      max_seqlen_q: unused by the kernel (the varlen grid comes from total_q and batch)
       num_splits: splits of the key range (split kernels)
     Batch, sequence lengths, head counts, page size and num_splits are run-time values.
     """
@@ -131,6 +132,7 @@ class FlashAttentionForwardSm90:
         page_box_rows: Optional[int] = None,
         split: bool = False,
         pack_gqa_ratio: int = 1,
+        ctas_per_sm: int = 1,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         assert tile_m % 64 == 0 and 1 <= tile_m // 64 <= 3
@@ -156,6 +158,7 @@ class FlashAttentionForwardSm90:
         self.page_box_rows = page_box_rows
         self.split = split
         self.pack_gqa_ratio = pack_gqa_ratio
+        self.ctas_per_sm = ctas_per_sm
         self.num_mma_warpgroups = tile_m // 64
         self.num_mma_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
         self.num_threads = THREADS_PER_WARPGROUP * (1 + self.num_mma_warpgroups)
@@ -255,13 +258,17 @@ class FlashAttentionForwardSm90:
 
         self.shared_storage = SharedStorage
 
-        rows = max_seqlen_q if const_expr(self.varlen_q) else mQ.shape[0]
         nheads = mQ.shape[2]
-        batch = mCuSeqlensQ.shape[0] - 1 if const_expr(self.varlen_q) else mQ.shape[3]
         grid_heads = nheads // ratio
         if const_expr(self.split):
             grid_heads = grid_heads * num_splits
-        grid = (cute.ceil_div(rows * ratio, self.tile_m), grid_heads, batch)
+        if const_expr(self.varlen_q):
+            # Every sequence's tiles, flattened: sum ceil(len * ratio / tile_m) is at most
+            # ceil(total * ratio / tile_m) + batch (the spare CTAs exit at once).
+            batch = mCuSeqlensQ.shape[0] - 1
+            grid = (cute.ceil_div(mQ.shape[0] * ratio, self.tile_m) + batch, grid_heads, 1)
+        else:
+            grid = (cute.ceil_div(mQ.shape[0] * ratio, self.tile_m), grid_heads, mQ.shape[3])
         self.kernel(
             tma_Q, tma_K, tma_V, mO_kernel, mLSE, mQ, mK,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, num_splits,
@@ -273,7 +280,11 @@ class FlashAttentionForwardSm90:
             grid=grid,
             block=[self.num_threads, 1, 1],
             stream=stream,
-            min_blocks_per_mp=1,  # gives ptxas the entry register cap setmaxnreg needs
+            # Gives ptxas the entry register cap setmaxnreg needs (and fits that many CTAs).
+            min_blocks_per_mp=self.ctas_per_sm,
+            # All of the SM's unified memory as shared memory (stated, so the DSL need not ask
+            # the device when ctas_per_sm > 1: compiling stays GPU-free).
+            preferred_smem_carveout=100 if const_expr(self.ctas_per_sm > 1) else None,
         )
 
     # ------------------------------------------------------------------------------------
@@ -340,7 +351,7 @@ class FlashAttentionForwardSm90:
         if const_expr(sP_layout is not None):
             sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
 
-        tile = self._tile_coords(mQ_shape, mK_shape, num_splits)
+        tile = self._tile_coords(mQ_shape, mK_shape, mCuSeqlensQ, num_splits)
         seqlen_k_capacity = mK_shape.shape[0]
         if const_expr(self.kv_layout == "paged"):
             seqlen_k_capacity = mK_shape.shape[0] * mPageTable.shape[1]
@@ -376,12 +387,17 @@ class FlashAttentionForwardSm90:
             )
 
     @cute.jit
-    def _tile_coords(self, mQ_shape: cute.Tensor, mK_shape: cute.Tensor, num_splits: Int32):
+    def _tile_coords(self, mQ_shape: cute.Tensor, mK_shape: cute.Tensor,
+                     mCuSeqlensQ: Optional[cute.Tensor], num_splits: Int32):
         """This CTA's (m_block, head, kv head, batch, split) from the grid."""
         bidx, bidy, batch_idx = cute.arch.block_idx()
-        # Longest causal tiles (largest m_block) launch first.
         m_block = bidx
-        if const_expr(self.causal):
+        if const_expr(self.varlen_q):
+            batch_idx, m_block, num_tiles = varlen_tile(bidx, mCuSeqlensQ, self.pack_gqa_ratio, self.tile_m)
+            if const_expr(self.causal):  # longest causal tiles of a sequence first
+                if m_block < num_tiles:  # (not a spare CTA)
+                    m_block = num_tiles - 1 - m_block
+        elif const_expr(self.causal):  # longest causal tiles (largest m_block) launch first
             m_block = cute.arch.grid_dim()[0] - 1 - bidx
         head_idx = bidy
         split_idx = Int32(0)

@@ -9,12 +9,13 @@ import pytest
 
 from flash_cute import AttentionConfig, decode_config
 from flash_cute.compile_cache import CombineKernelKey, ForwardKernelKey, compile_combine
-from flash_cute.precompile import compile_with_ptx_report, table_keys
+from flash_cute.precompile import compile_with_ptx_report, decode_keys, table_keys
 
 pytestmark = pytest.mark.compile
 
-# Every (head_dim, dtype, causal) row, writing the LSE (the larger variant).
-TABLE_KEYS = table_keys(writes_lse=(True,))
+# Every (head_dim, dtype, causal) row (and short-sequence row), writing the LSE (the larger
+# variant), and every decode row as the KV-cache path launches it (split, GQA packed by 8).
+TABLE_KEYS = table_keys(writes_lse=(True,)) + [k for k in decode_keys(gqa_ratios=(8,)) if k.split and k.causal]
 
 # Knobs off the table's path, and the no-LSE variant.
 KNOB_KEYS = [
@@ -24,6 +25,8 @@ KNOB_KEYS = [
     ForwardKernelKey("bfloat16", 128, True, AttentionConfig(128, 64, num_stages=3), True),
     ForwardKernelKey("bfloat16", 64, False, AttentionConfig(64, 128, pingpong=False), True),
     ForwardKernelKey("bfloat16", 64, True, AttentionConfig(192, 96, intra_wg_overlap=False), True),
+    ForwardKernelKey("bfloat16", 128, False, AttentionConfig(64, 64, num_stages=3, pingpong=False, ctas_per_sm=2),
+                     True, seqused_k=True, split=True, pack_gqa_ratio=4),
 ]
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from flash_cute import FORWARD_CONFIGS, AttentionConfig, default_config
+from flash_cute import DECODE_CONFIGS, FORWARD_CONFIGS, SHORT_SEQUENCE_CONFIGS, AttentionConfig, default_config
 from flash_cute.config import MAX_SMEM_BYTES_PER_BLOCK, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 
 
@@ -72,3 +72,31 @@ def test_unsupported_lookup():
         default_config(80, "bfloat16", False)
     with pytest.raises(ValueError, match="float32"):
         default_config(128, "float32", False)
+
+
+@pytest.mark.parametrize("key", sorted(SHORT_SEQUENCE_CONFIGS, key=str), ids=str)
+def test_short_sequence_rows(key):
+    head_dim, dtype, causal = key
+    longest, config = SHORT_SEQUENCE_CONFIGS[key]
+    config.validate(head_dim, dtype)
+    assert default_config(head_dim, dtype, causal, longest) is config
+    assert default_config(head_dim, dtype, causal, longest + 1) is FORWARD_CONFIGS[key]
+    assert default_config(head_dim, dtype, causal) is FORWARD_CONFIGS[key]
+
+
+@pytest.mark.parametrize("key", sorted(DECODE_CONFIGS, key=str), ids=str)
+def test_decode_rows(key):
+    head_dim, dtype = key
+    config = DECODE_CONFIGS[key].validate(head_dim, dtype)
+    assert config.tile_m == 64  # one query tile covers the packed heads of a decode step
+
+
+def test_two_ctas_per_sm_budget():
+    config = AttentionConfig(64, 64, num_stages=3, pingpong=False, ctas_per_sm=2)
+    assert config.entry_registers == 128
+    assert config.producer_registers + config.mma_registers == 256
+    config.validate(128)
+    with pytest.raises(ValueError, match="2 CTA"):
+        AttentionConfig(64, 128, num_stages=3, pingpong=False, ctas_per_sm=2).validate(128)
+    with pytest.raises(ValueError, match="ctas_per_sm"):
+        AttentionConfig(64, 64, ctas_per_sm=3)

@@ -133,6 +133,7 @@ CONFIG_VARIANTS = [
     AttentionConfig(tile_m=64, tile_n=128, pingpong=False),
     AttentionConfig(tile_m=192, tile_n=96, intra_wg_overlap=False),
     AttentionConfig(tile_m=128, tile_n=128, rescale_o_before_pv=True, pingpong=False),
+    AttentionConfig(tile_m=64, tile_n=64, num_stages=3, pingpong=False, ctas_per_sm=2),
 ]
 
 

@@ -181,6 +181,30 @@ def test_varlen_mixed_batch(kv_layout, causal, num_splits):
     assert_close_to_reference(outs, lses, refs, lowps, lse_refs)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_varlen_many_sequences(causal, num_splits):
+    """More sequences than a warp scans at once (the varlen tile lookup walks 32 at a time)."""
+    gen = torch.Generator(device="cuda").manual_seed(int(causal) + 2 * num_splits)
+    batch, nheads, nheads_kv, d, dtype = 70, 8, 2, 64, torch.float16
+    q_lens = torch.tensor([0, 1, 2, 5, 17, 100], device="cuda")[torch.randint(0, 6, (batch,), generator=gen, device="cuda")]
+    k_lens = torch.randint(0, 300, (batch,), generator=gen, device="cuda")
+    cu_q = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0)).to(torch.int32)
+    cu_k = torch.nn.functional.pad(k_lens.cumsum(0), (1, 0)).to(torch.int32)
+    q = torch.randn(int(cu_q[-1]), nheads, d, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(int(cu_k[-1]), nheads_kv, d, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn_like(k)
+    out = torch.full_like(q, float("nan"))
+    _, lse = flash_cute.flash_attn_varlen_func(q, k, v, cu_q, int(q_lens.max()), cu_seqlens_k=cu_k,
+                                               causal=causal, num_splits=num_splits, return_softmax_lse=True, out=out)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    seq = lambda t, c, b: t[c[b]:c[b + 1]].unsqueeze(0)  # noqa: E731
+    refs, lowps, lse_refs = reference_per_sequence([seq(q, cq, b) for b in range(batch)], [seq(k, ck, b) for b in range(batch)],
+                                                   [seq(v, ck, b) for b in range(batch)], causal)
+    assert_close_to_reference([seq(out, cq, b) for b in range(batch)],
+                              [lse[:, cq[b]:cq[b + 1]].unsqueeze(0) for b in range(batch)], refs, lowps, lse_refs)
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_combine(out_dtype, head_dim):
