@@ -52,6 +52,7 @@ from .varlen_tiles import varlen_tile
 
 THREADS_PER_WARPGROUP = 128
 KV_LAYOUTS = ("padded", "packed", "paged")
+L2_BUDGET_BYTES = 24 << 20  # about half the L2 of an H100 (50 MB) / H200 (60 MB)
 
 
 def _make_packed_gqa_tma_atom(op, mX, smem_layout, tile_m: int, head_dim: int, ratio: int):
@@ -164,6 +165,9 @@ class FlashAttentionForwardSm90:
         self.num_threads = THREADS_PER_WARPGROUP * (1 + self.num_mma_warpgroups)
         # O through smem and one TMA store needs tiles that end at the tensor's row bound.
         self.tma_store_o = not varlen_q and not split
+        # Causal tiles have unequal work: order them longest first across heads (in sections of
+        # heads whose K/V fit in L2) so the last wave holds the shortest ones.
+        self.causal_lpt_grid = causal and not varlen_q and not split
         self.smem_align = 1024
 
     # ------------------------------------------------------------------------------------
@@ -267,6 +271,9 @@ class FlashAttentionForwardSm90:
             # ceil(total * ratio / tile_m) + batch (the spare CTAs exit at once).
             batch = mCuSeqlensQ.shape[0] - 1
             grid = (cute.ceil_div(mQ.shape[0] * ratio, self.tile_m) + batch, grid_heads, 1)
+        elif const_expr(self.causal_lpt_grid):
+            # One flat index over (batch, head section, m_block, head): see _tile_coords.
+            grid = (cute.ceil_div(mQ.shape[0] * ratio, self.tile_m) * grid_heads * mQ.shape[3], 1, 1)
         else:
             grid = (cute.ceil_div(mQ.shape[0] * ratio, self.tile_m), grid_heads, mQ.shape[3])
         self.kernel(
@@ -397,8 +404,8 @@ class FlashAttentionForwardSm90:
             if const_expr(self.causal):  # longest causal tiles of a sequence first
                 if m_block < num_tiles:  # (not a spare CTA)
                     m_block = num_tiles - 1 - m_block
-        elif const_expr(self.causal):  # longest causal tiles (largest m_block) launch first
-            m_block = cute.arch.grid_dim()[0] - 1 - bidx
+        elif const_expr(self.causal_lpt_grid):
+            m_block, bidy, batch_idx = self._causal_lpt_tile(bidx, mQ_shape, mK_shape)
         head_idx = bidy
         split_idx = Int32(0)
         if const_expr(self.split):
@@ -412,6 +419,25 @@ class FlashAttentionForwardSm90:
             m_block=m_block, head_idx=head_idx, head_kv_idx=head_kv_idx, batch_idx=batch_idx,
             split_idx=split_idx,
         )
+
+    @cute.jit
+    def _causal_lpt_tile(self, tile_idx: Int32, mQ_shape: cute.Tensor, mK_shape: cute.Tensor):
+        """(m_block, head, batch) of flat causal tile tile_idx. Order: batch, then sections of
+        heads whose K and V fit in half the L2 together, then m_block from the last (the
+        longest causal tile) to the first, then head within the section."""
+        num_m = cute.ceil_div(mQ_shape.shape[0] * self.pack_gqa_ratio, self.tile_m)
+        heads = mQ_shape.shape[2] // self.pack_gqa_ratio
+        per_batch = num_m * heads
+        batch = tile_idx // per_batch
+        rest = tile_idx - batch * per_batch
+        kv_bytes_per_head = mK_shape.shape[0] * (self.head_dim * self.dtype.width // 4)  # K and V
+        section = cutlass.max(cutlass.min(L2_BUDGET_BYTES // cutlass.max(kv_bytes_per_head, 1), heads), 1)
+        section_idx = rest // (num_m * section)
+        idx = rest - section_idx * (num_m * section)
+        in_section = cutlass.min(section, heads - section_idx * section)
+        m_from_last = idx // in_section
+        head = section_idx * section + (idx - m_from_last * in_section)
+        return num_m - 1 - m_from_last, head, batch
 
     def _rows_of(self, mX: cute.Tensor, head: Int32, batch: Int32, offset: Int32) -> cute.Tensor:
         """The (rows, head_dim) slice of a q/k/v-like tensor in kernel mode order for one
