@@ -97,28 +97,9 @@ def compile_forward(key: ForwardKernelKey, options: str = "") -> Callable:
     from flash_cute.kernels import FlashAttentionForwardSm90
 
     dtype = _cutlass_dtype(key.dtype)
-    cfg = key.config
-    kernel = FlashAttentionForwardSm90(
-        dtype=dtype,
-        head_dim=key.head_dim,
-        causal=key.causal,
-        tile_m=cfg.tile_m,
-        tile_n=cfg.tile_n,
-        num_stages=cfg.num_stages,
-        pv_from_registers=cfg.pv_from_registers,
-        intra_wg_overlap=cfg.intra_wg_overlap,
-        pingpong=cfg.pingpong,
-        rescale_o_before_pv=cfg.rescale_o_before_pv,
-        producer_registers=cfg.producer_registers,
-        mma_registers=cfg.mma_registers,
-        varlen_q=key.varlen_q,
-        kv_layout=key.kv_layout,
-        seqused_k=key.seqused_k,
-        page_box_rows=key.page_box_rows,
-        split=key.split,
-        pack_gqa_ratio=key.pack_gqa_ratio,
-        ctas_per_sm=cfg.ctas_per_sm,
-    )
+    variant = {f: getattr(key, f) for f in ("varlen_q", "kv_layout", "seqused_k", "page_box_rows", "split",
+                                             "pack_gqa_ratio")}
+    kernel = FlashAttentionForwardSm90(dtype, key.head_dim, key.causal, key.config, **variant)
     sym = cute.sym_int
     batch, seqlen_q, nheads, seqlen_k, nheads_kv, splits = (sym() for _ in range(6))
     d = key.head_dim

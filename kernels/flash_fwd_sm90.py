@@ -118,23 +118,17 @@ class FlashAttentionForwardSm90:
         dtype: Type[cutlass.Numeric],
         head_dim: int,
         causal: bool,
-        tile_m: int,
-        tile_n: int,
-        num_stages: int,
-        pv_from_registers: bool,
-        intra_wg_overlap: bool,
-        pingpong: bool,
-        rescale_o_before_pv: bool,
-        producer_registers: int,
-        mma_registers: int,
+        config,
         varlen_q: bool = False,
         kv_layout: str = "padded",
         seqused_k: bool = False,
         page_box_rows: Optional[int] = None,
         split: bool = False,
         pack_gqa_ratio: int = 1,
-        ctas_per_sm: int = 1,
     ):
+        """config: the tile and scheduling knobs (flash_cute.AttentionConfig or any object with
+        its fields); the rest selects the problem variant."""
+        tile_m, tile_n = config.tile_m, config.tile_n
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         assert tile_m % 64 == 0 and 1 <= tile_m // 64 <= 3
         assert kv_layout in KV_LAYOUTS
@@ -146,20 +140,20 @@ class FlashAttentionForwardSm90:
         self.causal = causal
         self.tile_m = tile_m
         self.tile_n = tile_n
-        self.num_stages = num_stages
-        self.pv_from_registers = pv_from_registers
-        self.intra_wg_overlap = intra_wg_overlap
-        self.pingpong = pingpong and tile_m // 64 >= 2
-        self.rescale_o_before_pv = rescale_o_before_pv and intra_wg_overlap
-        self.producer_registers = producer_registers
-        self.mma_registers = mma_registers
+        self.num_stages = config.num_stages
+        self.pv_from_registers = config.pv_from_registers
+        self.intra_wg_overlap = config.intra_wg_overlap
+        self.pingpong = config.pingpong and tile_m // 64 >= 2
+        self.rescale_o_before_pv = config.rescale_o_before_pv and config.intra_wg_overlap
+        self.producer_registers = config.producer_registers
+        self.mma_registers = config.mma_registers
+        self.ctas_per_sm = config.ctas_per_sm
         self.varlen_q = varlen_q
         self.kv_layout = kv_layout
         self.seqused_k = seqused_k
         self.page_box_rows = page_box_rows
         self.split = split
         self.pack_gqa_ratio = pack_gqa_ratio
-        self.ctas_per_sm = ctas_per_sm
         self.num_mma_warpgroups = tile_m // 64
         self.num_mma_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
         self.num_threads = THREADS_PER_WARPGROUP * (1 + self.num_mma_warpgroups)
