@@ -30,7 +30,8 @@ host: host microseconds per eager call on tiny problems (the GPU keeps up), for 
 point and the peers, and the first-call time of a new config with an empty and a warm disk cache.
 
 Times are per call with calls issued back to back (CUDA events around each, median), so a
-call's time is its GPU time unless the host cannot keep up.
+call's time is its GPU time unless the host cannot keep up. Prefill peers take turns in rounds,
+so drift during a run does not favour whichever runs first.
 """
 
 from __future__ import annotations
@@ -64,6 +65,28 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 30) -> floa
         end.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def time_interleaved(fns: Dict[str, Callable[[], object]], warmup: int = 5, reps: int = 30,
+                     rounds: int = 3) -> Dict[str, float]:
+    """time_cuda for several callables, taking turns in `rounds` rounds so that drift of the
+    GPU's clocks or temperature during the run falls on all of them alike; median of all reps."""
+    samples: Dict[str, list] = {name: [] for name in fns}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+    per_round = max(1, reps // rounds)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            starts = [torch.cuda.Event(enable_timing=True) for _ in range(per_round)]
+            ends = [torch.cuda.Event(enable_timing=True) for _ in range(per_round)]
+            for start, end in zip(starts, ends):
+                start.record()
+                fn()
+                end.record()
+            torch.cuda.synchronize()
+            samples[name] += [a.elapsed_time(b) for a, b in zip(starts, ends)]
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def host_us_per_call(fn: Callable[[], object], calls: int = 500) -> float:
@@ -143,8 +166,7 @@ def run_prefill(dtype: str, hdims: List[int], causals: List[bool], seqlens: List
                            for _ in range(3))
                 flops = 4 * batch * nheads * seqlen * seqlen * hdim / (2 if causal else 1)
                 row = PrefillRow(dtype, hdim, causal, seqlen, batch, nheads)
-                for name, fn in prefill_peers(q, k, v, causal).items():
-                    ms = time_cuda(fn, warmup, reps)
+                for name, ms in time_interleaved(prefill_peers(q, k, v, causal), warmup, reps).items():
                     row.ms[name] = ms
                     row.tflops[name] = flops / ms / 1e9
                 rows.append(row)
