@@ -215,7 +215,6 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = time_cuda(lambda: dst.copy_(src), 3, 20)
-    del src, dst
     return 2 * nbytes / ms / 1e6
 
 
@@ -487,7 +486,6 @@ def run_sweep(head_dim: int, causal: bool, dtype: str, seqlens: List[int], confi
             row.tflops[seqlen] = flops / ms / 1e9
         best = max(rows, key=lambda r: r.tflops[seqlen])
         print(f"seqlen {seqlen}: best {best.label} {best.tflops[seqlen]:.0f} TFLOP/s", flush=True)
-        del q, k, v
     return sorted(rows, key=lambda r: -r.geomean)
 
 

@@ -132,6 +132,5 @@ def split_ranges(seqlen_k: int, tile_n: int, num_splits: int):
 
 def gather_paged(cache: torch.Tensor, page_table: torch.Tensor, seqlen: int) -> torch.Tensor:
     """Padded (batch, seqlen, nheads_kv, d) view of a paged cache (num_pages, page_size, ...)."""
-    page_size = cache.shape[1]
     pages = cache[page_table.long()]  # (batch, max_pages, page_size, h, d)
     return pages.flatten(1, 2)[:, :seqlen]

@@ -16,7 +16,7 @@ from typing import Optional, Type
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 
 from .hopper_mma import convert_to_16bit
 

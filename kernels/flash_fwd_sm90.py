@@ -742,11 +742,6 @@ class FlashAttentionForwardSm90:
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
         )
 
-    def _stmatrix_atom(self):
-        return cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
-        )
-
     @cute.jit
     def _row_of_tile(self, local_row: Int32, tile: SimpleNamespace):
         """(token index within the batch's sequence, q head) of a tile row."""

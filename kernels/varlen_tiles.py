@@ -10,7 +10,7 @@ the lengths change).
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Int32
 
 
 @cute.jit

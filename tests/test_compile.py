@@ -52,7 +52,7 @@ def _id(key):
     return (f"d{key.head_dim}-{key.dtype}-{'causal' if key.causal else 'full'}-{c.tile_m}x{c.tile_n}"
             f"-st{c.num_stages}-rs{int(c.pv_from_registers)}-ov{int(c.intra_wg_overlap)}"
             f"-pp{int(c.pingpong)}-lse{int(key.writes_lse)}"
-            + (f"-varlen" if key.varlen_q else "") + (f"-{key.kv_layout}{key.page_box_rows or ''}")
+            + ("-varlen" if key.varlen_q else "") + (f"-{key.kv_layout}{key.page_box_rows or ''}")
             + ("-seqused" if key.seqused_k else "") + ("-split" if key.split else "")
             + (f"-pack{key.pack_gqa_ratio}" if key.pack_gqa_ratio > 1 else ""))
 
