@@ -57,6 +57,11 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 30) -> floa
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    return statistics.median(_event_times(fn, reps))
+
+
+def _event_times(fn: Callable[[], object], reps: int) -> List[float]:
+    """Milliseconds of `reps` back-to-back calls, one pair of CUDA events around each."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for start, end in zip(starts, ends):
@@ -64,7 +69,7 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 30) -> floa
         fn()
         end.record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
 def time_interleaved(fns: Dict[str, Callable[[], object]], warmup: int = 5, reps: int = 30,
@@ -78,14 +83,7 @@ def time_interleaved(fns: Dict[str, Callable[[], object]], warmup: int = 5, reps
     per_round = max(1, reps // rounds)
     for _ in range(rounds):
         for name, fn in fns.items():
-            starts = [torch.cuda.Event(enable_timing=True) for _ in range(per_round)]
-            ends = [torch.cuda.Event(enable_timing=True) for _ in range(per_round)]
-            for start, end in zip(starts, ends):
-                start.record()
-                fn()
-                end.record()
-            torch.cuda.synchronize()
-            samples[name] += [a.elapsed_time(b) for a, b in zip(starts, ends)]
+            samples[name] += _event_times(fn, per_round)
     return {name: statistics.median(times) for name, times in samples.items()}
 
 

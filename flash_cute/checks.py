@@ -92,22 +92,9 @@ def softmax_scale_log2(softmax_scale, head_dim: int) -> float:
 
 
 def check_out(out, shape: Tuple[int, ...], ref: torch.Tensor, inputs: Tuple[torch.Tensor, ...]) -> None:
-    """A caller-provided output: right type, shape, dtype, device, layout, no input overlap."""
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
-    if tuple(out.shape) != tuple(shape):
-        raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
-    if out.dtype != ref.dtype:
-        raise TypeError(f"out must have dtype {ref.dtype} (the dtype of q), got {out.dtype}")
-    if out.device != ref.device:
-        raise ValueError(f"out must be on {ref.device} (the device of q), got {out.device}")
-    if out.numel() > 0 and out.stride(-1) != 1:
-        raise ValueError(f"out must have a contiguous last dimension (stride 1), got strides {out.stride()}")
-    if 0 in out.stride()[:-1] and out.numel() > 1:
-        raise ValueError(f"out must not have broadcast (stride 0) dimensions, got strides {out.stride()}")
-    for name, t in zip(("q", "k", "v"), inputs):
-        if _overlaps(out, t):
-            raise ValueError(f"out must not overlap {name} in memory")
+    """A caller-provided output of the attention entry points: q's dtype and device, and the
+    checks of check_out_like against q, k, v."""
+    check_out_like(out, shape, ref.dtype, ref.device, tuple(zip(("q", "k", "v"), inputs)))
 
 
 def byte_extent(t: torch.Tensor) -> int:
@@ -128,8 +115,9 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def tma_compatible(t: torch.Tensor) -> bool:
-    """True when TMA can address t as is: 16-byte aligned base and non-unit strides."""
+def aligned_16b(t: torch.Tensor) -> bool:
+    """16-byte aligned base and 16-byte multiple strides on every dim but the last (size-1 dims
+    aside): what TMA boxes and 16-byte vector accesses need."""
     if t.data_ptr() % TMA_ALIGN_BYTES:
         return False
     per = TMA_ALIGN_BYTES // t.element_size()
@@ -139,7 +127,7 @@ def tma_compatible(t: torch.Tensor) -> bool:
 def for_tma(t: torch.Tensor) -> torch.Tensor:
     """t itself when TMA can read it; a view with canonical strides on size-1 dims (which are
     never stepped over) when only those are off; otherwise an aligned contiguous copy."""
-    if tma_compatible(t):
+    if aligned_16b(t):
         strides = t.stride()
         per = TMA_ALIGN_BYTES // t.element_size()
         if all(st % per == 0 for st in strides[:-1]):
@@ -247,15 +235,9 @@ def check_page_table(page_table, batch: int, k_cache: torch.Tensor) -> int:
     return page_table.shape[1] * page_size if k_cache.shape[0] > 0 else 0
 
 
-def vector_aligned(t: torch.Tensor) -> bool:
-    """16-byte aligned base and 16-byte multiple strides (other than the last, unit stride)."""
-    if t.data_ptr() % 16:
-        return False
-    per = 16 // t.element_size()
-    return all(st % per == 0 for size, st in zip(t.shape[:-1], t.stride()[:-1]) if size > 1)
-
-
 def check_out_like(out, shape, dtype, device, inputs) -> None:
+    """A caller-provided output: type, shape, dtype, device, unit last stride, no broadcast
+    dims, no overlap with the named inputs."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
     if tuple(out.shape) != tuple(shape):
@@ -266,6 +248,8 @@ def check_out_like(out, shape, dtype, device, inputs) -> None:
         raise ValueError(f"out must be on {device}, got {out.device}")
     if out.numel() > 0 and out.stride(-1) != 1:
         raise ValueError(f"out must have a contiguous last dimension (stride 1), got strides {out.stride()}")
+    if 0 in out.stride()[:-1] and out.numel() > 1:
+        raise ValueError(f"out must not have broadcast (stride 0) dimensions, got strides {out.stride()}")
     for name, t in inputs:
         if _overlaps(out, t):
             raise ValueError(f"out must not overlap {name} in memory")

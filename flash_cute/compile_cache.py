@@ -326,9 +326,5 @@ def _load_or_compile(key, compile_fn) -> Callable:
         return compile_fn(key)
 
 
-def cached_keys():
-    return list(_cache)
-
-
 def clear_cache() -> None:
     _cache.clear()

@@ -462,7 +462,7 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
         out_kernel = torch.empty((num_splits, *out.shape), dtype=torch.float32, device=q.device)
         lse_kernel = torch.empty((num_splits, *_lse_shape(problem, q)), dtype=torch.float32, device=q.device)
     else:
-        out_kernel = checks.for_tma(out) if checks.tma_compatible(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
+        out_kernel = checks.for_tma(out) if checks.aligned_16b(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
         lse_kernel = lse
     q_k, k_k, v_k = checks.for_tma(q), checks.for_tma(k), checks.for_tma(v)
     args = (
@@ -478,7 +478,7 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
     # A call that needed no layout fix-ups can be replayed from its metadata alone.
     if problem.varlen_q or q_k is not q or k_k is not k or v_k is not v:
         return None
-    if (out_kernel is not out and not split) or (split and not checks.vector_aligned(out)):
+    if (out_kernel is not out and not split) or (split and not checks.aligned_16b(out)):
         return None
     combine = None
     if split:
@@ -586,9 +586,9 @@ def _combine(out_partial, lse_partial, out, lse, lse_heads_major=False):
         out_partial, lse_partial = out_partial.unsqueeze(1), lse_partial.unsqueeze(1)
         out = out.unsqueeze(0)
         lse = lse.unsqueeze(0) if lse is not None else None
-    if not checks.vector_aligned(out_partial):
+    if not checks.aligned_16b(out_partial):
         out_partial = out_partial.contiguous() if out_partial.data_ptr() % 16 == 0 else out_partial.clone(memory_format=torch.contiguous_format)
-    out_kernel = out if checks.vector_aligned(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
+    out_kernel = out if checks.aligned_16b(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
     key = CombineKernelKey(
         out_dtype=checks.ALL_DTYPE_NAMES[out.dtype], head_dim=out.shape[-1], writes_lse=lse is not None,
         lse_heads_major=lse_heads_major,
