@@ -22,9 +22,11 @@ varlen API), eager and as CUDA-graph replays. Reports microseconds and the K+V r
 varlen batch mixing prefills and decodes.
 
 sweep: every valid config of the given knob lists (tile M/N, stages, P source, overlap,
-ping-pong, rescale point, CTAs per SM) on the paper-grid shapes of one head dim; prints a table
+ping-pong, rescale point, CTAs per SM, persistent scheduler) on the paper-grid shapes of one head dim; prints a table
 ranked by geometric-mean TFLOP/s, writes JSON, and with --plot draws TFLOP/s per config against
 sequence length. Configs compile in parallel worker processes first (into the disk cache).
+
+plot: redraw a sweep's JSON as a PNG, on any machine.
 
 host: host microseconds per eager call on tiny problems (the GPU keeps up), for each entry
 point and the peers, and the first-call time of a new config with an empty and a warm disk cache.
@@ -46,6 +48,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import torch
+
+from flash_cute.config import TILE_SCHEDULERS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -396,19 +400,22 @@ def run_varlen_mixed() -> str:
 ON_OFF = {"on": True, "off": False}
 
 
-def sweep_configs(head_dim: int, dtype: str, tile_m, tile_n, stages, pv, overlap, pingpong, rescale, ctas):
+def sweep_configs(head_dim: int, dtype: str, tile_m, tile_n, stages, pv, overlap, pingpong, rescale, ctas,
+                  schedulers=("single_tile",), l2_section_mb=(24,)):
     """Every valid AttentionConfig of the product of the knob lists."""
     import itertools
 
     from flash_cute import AttentionConfig
 
     configs = []
-    for tm, tn, st, p, ov, pp, rb, c in itertools.product(tile_m, tile_n, stages, pv, overlap, pingpong, rescale, ctas):
+    for tm, tn, st, p, ov, pp, rb, c, sch, l2 in itertools.product(
+            tile_m, tile_n, stages, pv, overlap, pingpong, rescale, ctas, schedulers, l2_section_mb):
         if pp and tm == 64 or rb and not ov:
             continue
         try:
             cfg = AttentionConfig(tile_m=tm, tile_n=tn, num_stages=st, pv_from_registers=p == "regs",
-                                  intra_wg_overlap=ov, pingpong=pp, rescale_o_before_pv=rb, ctas_per_sm=c)
+                                  intra_wg_overlap=ov, pingpong=pp, rescale_o_before_pv=rb, ctas_per_sm=c,
+                                  scheduler=sch, l2_section_mb=l2)
             cfg.validate(head_dim, "bfloat16" if dtype == "bf16" else "float16")
         except ValueError:
             continue
@@ -457,7 +464,10 @@ def config_label(cfg) -> str:
     label = (f"{cfg.tile_m}x{cfg.tile_n} st{cfg.num_stages} {'RS' if cfg.pv_from_registers else 'SS'}"
              f"{' ov' if cfg.intra_wg_overlap else ''}{' pp' if cfg.pingpong else ''}"
              f"{' rb' if cfg.rescale_o_before_pv else ''}")
-    return label + (f" {cfg.ctas_per_sm}cta" if cfg.ctas_per_sm > 1 else "")
+    label += f" {cfg.ctas_per_sm}cta" if cfg.ctas_per_sm > 1 else ""
+    short = {"single_tile": "", "static_persistent": " static", "dynamic_persistent": " dynamic"}
+    label += f" l2:{cfg.l2_section_mb}MB" if cfg.l2_section_mb != 24 else ""
+    return label + short[cfg.scheduler]
 
 
 def run_sweep(head_dim: int, causal: bool, dtype: str, seqlens: List[int], configs, workers: int,
@@ -479,9 +489,12 @@ def run_sweep(head_dim: int, causal: bool, dtype: str, seqlens: List[int], confi
         q, k, v = (torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=DTYPES[dtype], generator=gen)
                    for _ in range(3))
         flops = 4 * batch * nheads * seqlen * seqlen * head_dim / (2 if causal else 1)
-        for row, cfg in zip(rows, configs):
-            ms = time_cuda(lambda: flash_cute.flash_attn_func(q, k, v, causal=causal, config=cfg), 3, reps)
-            row.tflops[seqlen] = flops / ms / 1e9
+        # Configs take turns in rounds (as the prefill peers do), so drift hits them alike.
+        fns = {row.label: (lambda cfg=cfg: flash_cute.flash_attn_func(q, k, v, causal=causal, config=cfg))
+               for row, cfg in zip(rows, configs)}
+        times = time_interleaved(fns, warmup=3, reps=reps, rounds=min(4, reps))
+        for row in rows:
+            row.tflops[seqlen] = flops / times[row.label] / 1e9
         best = max(rows, key=lambda r: r.tflops[seqlen])
         print(f"seqlen {seqlen}: best {best.label} {best.tflops[seqlen]:.0f} TFLOP/s", flush=True)
     return sorted(rows, key=lambda r: -r.geomean)
@@ -591,6 +604,10 @@ def main(argv=None) -> int:
     sw.add_argument("--pingpong", choices=["on", "off"], nargs="+", default=["on", "off"])
     sw.add_argument("--rescale-before-pv", choices=["on", "off"], nargs="+", default=["off", "on"])
     sw.add_argument("--ctas-per-sm", type=int, nargs="+", default=[1])
+    sw.add_argument("--scheduler", choices=list(TILE_SCHEDULERS), nargs="+", default=list(TILE_SCHEDULERS),
+                    help="tile schedulers to try (one CTA per tile, or persistent CTAs)")
+    sw.add_argument("--l2-section-mb", type=int, nargs="+", default=[24],
+                    help="causal tile order: MB of K/V per section of heads ordered longest first")
     sw.add_argument("--compile-workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     sw.add_argument("--reps", type=int, default=20)
     sw.add_argument("--list", action="store_true", help="print the valid configs and exit (no GPU)")
@@ -604,12 +621,24 @@ def main(argv=None) -> int:
     dec.add_argument("--no-graphs", action="store_true")
     dec.add_argument("--no-varlen", action="store_true")
     dec.add_argument("--json", default=None)
+    plot = sub.add_parser("plot", help="draw a sweep's JSON as a PNG (no GPU needed)")
+    plot.add_argument("json_path")
+    plot.add_argument("png_path")
     args = parser.parse_args(argv)
+    if args.command == "plot":
+        with open(args.json_path) as f:
+            data = json.load(f)
+        rows = [SweepRow(r["config"], r["label"], {int(s): t for s, t in r["tflops"].items()}) for r in data["rows"]]
+        seqlens = sorted({s for r in rows for s in r.tflops})
+        plot_sweep(rows, seqlens, data["title"], args.png_path)
+        print(f"plot: {args.png_path}")
+        return 0
     if args.command == "sweep":
         configs = sweep_configs(
             args.hdim, args.dtype, args.tile_m, args.tile_n, args.stages, args.pv,
             [ON_OFF[x] for x in args.overlap], [ON_OFF[x] for x in args.pingpong],
             [ON_OFF[x] for x in args.rescale_before_pv], args.ctas_per_sm,
+            args.scheduler, args.l2_section_mb,
         )
         print(f"{len(configs)} valid configs for hdim {args.hdim}", flush=True)
         if args.list:

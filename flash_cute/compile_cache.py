@@ -55,6 +55,16 @@ class ForwardKernelKey:
     split: bool = False
     pack_gqa_ratio: int = 1  # q heads per kv head folded into the tile rows (1: no packing)
 
+    @property
+    def tile_scheduler(self) -> str:
+        """The config's scheduler where the variant supports it (fixed-length, unsplit
+        problems; the kernel applies the same rule), else "single_tile"."""
+        return "single_tile" if self.varlen_q or self.split else self.config.scheduler
+
+    @property
+    def uses_tile_counter(self) -> bool:
+        return self.tile_scheduler == "dynamic_persistent"
+
 
 _cache: Dict[object, Callable] = {}
 _lock = threading.Lock()
@@ -128,11 +138,12 @@ def compile_forward(key: ForwardKernelKey, options: str = "") -> Callable:
     cu_seqlens_k = tensor(int32, (sym(),), align=4) if key.kv_layout == "packed" else None
     seqused_k = tensor(int32, (sym(),), align=4) if key.seqused_k else None
     page_table = tensor(int32, (sym(), sym()), align=4) if key.kv_layout == "paged" else None
+    tile_counter = tensor(int32, (2,), align=4) if key.uses_tile_counter else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     opts = ("--enable-tvm-ffi " + options).strip()
     return cute.compile(
         kernel, q, k, v, out, lse, cutlass.Float32(1.0), cu_seqlens_q, cu_seqlens_k, seqused_k,
-        page_table, int32(1), int32(1), stream, options=opts,
+        page_table, tile_counter, int32(1), int32(1), stream, options=opts,
     )
 
 

@@ -22,6 +22,7 @@ REGISTERS_PER_SM = 65536
 THREADS_PER_WARPGROUP = 128
 # Registers per MMA thread kept free of accumulators (addresses, softmax temporaries, masks).
 REGISTER_HEADROOM = 32
+TILE_SCHEDULERS = ("single_tile", "static_persistent", "dynamic_persistent")
 # Standard producer / MMA register split per number of MMA warpgroups (FA3's choice).
 DEFAULT_REGISTER_SPLIT = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 
@@ -40,6 +41,16 @@ class AttentionConfig:
     producer_registers, mma_registers: setmaxnreg targets; None picks the standard split.
     ctas_per_sm: CTAs the launch asks to fit on one SM (1 or 2); 2 halves the registers and
         shared memory each may use, for short, bandwidth-bound tiles.
+    scheduler: how tiles reach CTAs (see TILE_SCHEDULERS). "single_tile": one CTA per tile,
+        the hardware hands out CTAs. "static_persistent": at most SMs x ctas_per_sm CTAs loop
+        over the tiles round-robin, so a tile's epilogue overlaps the next tile's loads (O gets
+        its own shared memory when it fits). "dynamic_persistent": the same, but each CTA
+        takes its next tile from a global counter, which balances causal tiles of unequal
+        length. Both persistent kinds apply to fixed-length, unsplit problems; varlen and
+        split-KV launches keep one CTA per tile. Tile order: causal tiles longest first, in
+        sections of heads whose K/V fit in l2_section_mb; otherwise query tiles of a head together.
+    l2_section_mb: causal tile order: the K+V bytes (MB) of the heads whose tiles are ordered
+        longest first together; smaller keeps fewer heads' K/V in L2 at once.
     """
 
     tile_m: int
@@ -52,17 +63,27 @@ class AttentionConfig:
     producer_registers: Optional[int] = None
     mma_registers: Optional[int] = None
     ctas_per_sm: int = 1
+    scheduler: str = "single_tile"
+    l2_section_mb: int = 24
 
     def __post_init__(self):
-        for name in ("tile_m", "tile_n", "num_stages", "ctas_per_sm"):
+        for name in ("tile_m", "tile_n", "num_stages", "ctas_per_sm", "l2_section_mb"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"AttentionConfig.{name} must be an int, got {value!r}")
+        if self.scheduler not in TILE_SCHEDULERS:
+            raise ValueError(f"AttentionConfig.scheduler must be one of {TILE_SCHEDULERS}, got {self.scheduler!r}")
+        for name in ("pv_from_registers", "intra_wg_overlap", "pingpong", "rescale_o_before_pv"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"AttentionConfig.{name} must be a bool, got {value!r}")
         if self.tile_m not in (64, 128, 192):
             raise ValueError(
                 f"AttentionConfig.tile_m must be 64, 128 or 192 (64 rows per MMA warpgroup), "
                 f"got {self.tile_m}"
             )
+        if not 1 <= self.l2_section_mb <= 1024:
+            raise ValueError(f"AttentionConfig.l2_section_mb must be in [1, 1024], got {self.l2_section_mb}")
         if self.ctas_per_sm not in (1, 2):
             raise ValueError(f"AttentionConfig.ctas_per_sm must be 1 or 2, got {self.ctas_per_sm}")
         split = DEFAULT_REGISTER_SPLIT[self.tile_m // 64]
@@ -74,6 +95,10 @@ class AttentionConfig:
             object.__setattr__(self, "producer_registers", split[0])
         if self.mma_registers is None:
             object.__setattr__(self, "mma_registers", split[1])
+
+    @property
+    def persistent(self) -> bool:
+        return self.scheduler != "single_tile"
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -178,24 +203,32 @@ def _row(tile_m, tile_n, **knobs) -> AttentionConfig:
 
 _BY_HEAD_DIM = {
     # 3 warpgroups, P in registers: best of 36 configs at 512-8k (511 TFLOP/s at 8k; the next,
-    # 192x96, 500). Ping-pong is worth 7% here.
+    # 192x96, 500). Ping-pong is worth 7% here. One CTA per tile from 8k (H100: 544 / 558 at
+    # 8k / 16k against 533 / 509 persistent); shorter problems use SHORT_SEQUENCE_CONFIGS.
     (64, False): _row(192, 128),
-    # Best from 2k up (416 at 4k, 473 at 8k); short sequences use SHORT_SEQUENCE_CONFIGS.
-    (64, True): _row(192, 128),
+    # Dynamic persistent beats one CTA per tile at every length from 2k (H100: 423 / 464 / 507 /
+    # 535 against 372 / 433 / 490 / 527 at 2k-16k).
+    (64, True): _row(192, 128, scheduler="dynamic_persistent"),
     # P from registers with 192-row tiles spills at head dim 96, so P goes through smem.
     (96, False): _row(192, 144, pv_from_registers=False),
-    (96, True): _row(192, 128, pv_from_registers=False),
-    # 3 warpgroups with P through smem win from 4k (655 vs 628 TFLOP/s at 4k, 673 vs 660 at 8k).
-    (128, False): _row(192, 128, pv_from_registers=False),
-    # 128x128 RS leads at every length (600 at 8k); ping-pong on or off within 1%.
-    (128, True): _row(128, 128),
+    (96, True): _row(192, 128, pv_from_registers=False, scheduler="dynamic_persistent"),
+    # 3 warpgroups with P through smem win from 4k (655 vs 628 TFLOP/s at 4k, 673 vs 660 at 8k);
+    # dynamic persistent adds 1-2% (H100: 653 / 673 / 682 against 641 / 666 / 675 at 4k-16k).
+    (128, False): _row(192, 128, pv_from_registers=False, scheduler="dynamic_persistent"),
+    # 128x128 RS leads at every length (600 at 8k); ping-pong on or off within 1%. Dynamic
+    # persistent: +24% / +19% / +10% at 512 / 1k / 2k, +1-4% from 4k (H100, 331 / 473 / 591 /
+    # 644 / 662 against 267 / 396 / 535 / 619 / 641).
+    (128, True): _row(128, 128, scheduler="dynamic_persistent"),
     # Large O accumulators: no ping-pong; rescale O under the Q K^T instead.
     (192, False): _row(128, 112, pingpong=False, rescale_o_before_pv=True),
-    (192, True): _row(128, 112, pingpong=False, rescale_o_before_pv=True),
+    (192, True): _row(128, 112, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent"),
     # 128 x 80 is the largest tile whose two-stage K/V ring fits in shared memory; rescaling O
-    # before P V is worth 24% at 8k (753 vs 609), ping-pong costs 7%.
+    # before P V is worth 24% at 8k (753 vs 609), ping-pong costs 7%. Non-causal: persistent
+    # within 1% from 4k and 4% behind at 2k (H100: 682 vs 712), so one CTA per tile.
     (256, False): _row(128, 80, pingpong=False, rescale_o_before_pv=True),
-    (256, True): _row(128, 80, pingpong=False, rescale_o_before_pv=True),
+    # Dynamic persistent: +2-5% at every length (H100: 307 / 476 / 616 / 649 / 696 / 715
+    # against 300 / 453 / 596 / 638 / 687 / 710 at 512-16k).
+    (256, True): _row(128, 80, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent"),
 }
 
 FORWARD_CONFIGS = {
@@ -207,10 +240,17 @@ FORWARD_CONFIGS = {
 # (head_dim, causal) -> (longest seqlen_q it serves, config): fewer, shorter tiles win while
 # there are few query rows per (batch, head).
 _SHORT_BY_HEAD_DIM = {
-    # 176 / 253 TFLOP/s at 512 / 1k against 164 / 244 for 192x96 (192x128: 163 / 236).
-    (64, True): (1024, _row(128, 128)),
-    # 397 / 522 / 589 at 512 / 1k / 2k against 353 / 466 / 598 for 192x128 SS.
-    (128, False): (2048, _row(128, 128)),
+    # Persistent CTAs hide each short tile's prologue and epilogue: 192x128 dynamic 367 / 417 /
+    # 482 / 504 at 512-4k against 304 / 374 / 457 / 493 with one CTA per tile (H100).
+    (64, False): (4096, _row(192, 128, scheduler="dynamic_persistent")),
+    # 128x128 dynamic: 242 / 327 at 512 / 1k against 214 / 292 for 192x128 dynamic and 172 /
+    # 263 for 128x128 with one CTA per tile (H100).
+    (64, True): (1024, _row(128, 128, scheduler="dynamic_persistent")),
+    # 128x128 RS dynamic: 523 / 587 / 631 at 512 / 1k / 2k against 456 / 526 / 598 for 192x128
+    # SS dynamic and 439 / 531 / 590 for 128x128 RS with one CTA per tile (H100).
+    (128, False): (2048, _row(128, 128, scheduler="dynamic_persistent")),
+    # Dynamic persistent: 513 / 662 at 512 / 1k against 500 / 651 (H100).
+    (256, False): (1024, _row(128, 80, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent")),
 }
 SHORT_SEQUENCE_CONFIGS = {
     (head_dim, dtype, causal): entry

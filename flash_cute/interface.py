@@ -465,9 +465,11 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
         out_kernel = checks.for_tma(out) if checks.aligned_16b(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
         lse_kernel = lse
     q_k, k_k, v_k = checks.for_tma(q), checks.for_tma(k), checks.for_tma(v)
+    max_ctas = num_sms(device_index) * config.ctas_per_sm  # the persistent grid's cap
+    tile_counter = _tile_counter(q.device) if key.uses_tile_counter else None
     args = (
         q_k, k_k, v_k, out_kernel, lse_kernel, scale_log2,
-        cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, problem.max_seqlen_q, num_splits,
+        cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, tile_counter, max_ctas, num_splits,
     )
     with _on_device(q.device):
         kernel(*args)
@@ -488,7 +490,9 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
     return _LaunchPlan(
         forward=raw_function(kernel), combine=combine, device=q.device, dtype=q.dtype,
         out_shape=tuple(out.shape), lse_shape=tuple(lse.shape) if lse is not None else None,
-        scale_log2=scale_log2, max_seqlen_q=problem.max_seqlen_q, num_splits=num_splits,
+        scale_log2=scale_log2, max_ctas=max_ctas, num_splits=num_splits,
+        uses_tile_counter=key.uses_tile_counter,
+        out_like_q=q.is_contiguous() and tuple(out.shape) == tuple(q.shape) and out.dtype == q.dtype,
         partial_lse_shape=(num_splits, *_lse_shape(problem, q)),
         extents=tuple(checks.byte_extent(t) for t in (q, k, v, out)),
     )
@@ -498,6 +502,32 @@ try:
     _current_device = torch._C._cuda_getDevice  # torch.cuda.current_device without its wrappers
 except AttributeError:  # pragma: no cover - other torch builds
     _current_device = torch.cuda.current_device
+
+try:
+    _current_raw_stream = torch._C._cuda_getCurrentRawStream
+    _stream_capturing = torch._C._cuda_isCurrentStreamCapturing
+except AttributeError:  # pragma: no cover - other torch builds
+    def _current_raw_stream(index):
+        return torch.cuda.current_stream(index).cuda_stream
+
+    _stream_capturing = torch.cuda.is_current_stream_capturing
+
+_TILE_COUNTERS: dict = {}
+
+
+def _tile_counter(device: torch.device) -> torch.Tensor:
+    """The zeroed (2,) int32 counter a dynamic-scheduler launch draws tiles from. Each launch
+    leaves it zero, so launches that run one after another share one: one per (device,
+    stream) for eager calls. A CUDA-graph capture gets a fresh one each time (zeroed by a
+    captured fill), so graphs replayed on different streams never share a counter."""
+    if _stream_capturing():
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    key = (device.index, _current_raw_stream(device.index))
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        counter = _TILE_COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counter
+
 
 _FUNC_PLANS: dict = {}
 _KVCACHE_PLANS: dict = {}
@@ -520,16 +550,27 @@ class _LaunchPlan:
     current device) and launches."""
 
     __slots__ = ("forward", "combine", "device", "device_index", "dtype", "out_shape", "lse_shape",
-                 "scale_log2", "max_seqlen_q", "num_splits", "partial_lse_shape", "extents")
+                 "scale_log2", "max_ctas", "num_splits", "extents", "uses_tile_counter", "out_like_q",
+                 "partial_numel", "partial_o_shape", "partial_o_stride", "partial_lse_shape",
+                 "partial_lse_stride", "partial_lse_offset")
 
     def __init__(self, forward, combine, device, dtype, out_shape, lse_shape, scale_log2,
-                 max_seqlen_q, num_splits, partial_lse_shape, extents):
+                 max_ctas, num_splits, partial_lse_shape, extents, uses_tile_counter=False,
+                 out_like_q=False):
         self.forward, self.combine = forward, combine
         self.extents = extents  # bytes spanned by q, k, v, out
         self.device, self.device_index, self.dtype = device, device.index, dtype
         self.out_shape, self.lse_shape = out_shape, lse_shape
-        self.scale_log2, self.max_seqlen_q, self.num_splits = scale_log2, max_seqlen_q, num_splits
+        self.scale_log2, self.max_ctas, self.num_splits = scale_log2, max_ctas, num_splits
+        self.uses_tile_counter = uses_tile_counter
+        self.out_like_q = out_like_q  # q contiguous: empty_like(q) is out (and cheaper to call)
+        # Split partials (fp32 O, then LSE) share one allocation.
+        self.partial_o_shape = (num_splits, *out_shape)
+        self.partial_o_stride = _contiguous_strides(self.partial_o_shape)
         self.partial_lse_shape = partial_lse_shape
+        self.partial_lse_stride = _contiguous_strides(partial_lse_shape)
+        self.partial_lse_offset = math.prod(self.partial_o_shape)
+        self.partial_numel = self.partial_lse_offset + math.prod(partial_lse_shape)
 
     def usable(self, q, k, v, out) -> bool:
         qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
@@ -546,18 +587,28 @@ class _LaunchPlan:
 
     def launch(self, q, k, v, out, seqused_k=None, page_table=None):
         if out is None:
-            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+            out = torch.empty_like(q) if self.out_like_q else torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         if self.num_splits == 1:
-            self.forward(q, k, v, out, lse, self.scale_log2, None, None, seqused_k, page_table,
-                         self.max_seqlen_q, 1)
+            counter = _tile_counter(self.device) if self.uses_tile_counter else None
+            self.forward(q, k, v, out, lse, self.scale_log2, None, None, seqused_k, page_table, counter,
+                         self.max_ctas, 1)
         else:
-            out_partial = torch.empty((self.num_splits, *self.out_shape), dtype=torch.float32, device=self.device)
-            lse_partial = torch.empty(self.partial_lse_shape, dtype=torch.float32, device=self.device)
+            partials = torch.empty(self.partial_numel, dtype=torch.float32, device=self.device)
+            out_partial = partials.as_strided(self.partial_o_shape, self.partial_o_stride)
+            lse_partial = partials.as_strided(self.partial_lse_shape, self.partial_lse_stride, self.partial_lse_offset)
             self.forward(q, k, v, out_partial, lse_partial, self.scale_log2, None, None, seqused_k,
-                         page_table, self.max_seqlen_q, self.num_splits)
+                         page_table, None, self.max_ctas, self.num_splits)
             self.combine(out_partial, lse_partial, out, lse)
         return out if self.lse_shape is None else (out, lse)
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def _lse_shape(problem: _Problem, q):

@@ -47,12 +47,12 @@ from .masking import AttentionMask
 from .named_barriers import NamedBarrier
 from .seqlen_info import SeqlenInfo
 from .softmax import OnlineSoftmax, rescale_rows
+from .tile_scheduler import PersistentTileScheduler
 from .tma_loads import TmaBlockLoader, TmaPagedBlockLoader
 from .varlen_tiles import varlen_tile
 
 THREADS_PER_WARPGROUP = 128
 KV_LAYOUTS = ("padded", "packed", "paged")
-L2_BUDGET_BYTES = 24 << 20  # about half the L2 of an H100 (50 MB) / H200 (60 MB)
 
 
 def _make_packed_gqa_tma_atom(op, mX, smem_layout, tile_m: int, head_dim: int, ratio: int):
@@ -70,6 +70,18 @@ def _make_packed_gqa_tma_atom(op, mX, smem_layout, tile_m: int, head_dim: int, r
     shape = ((ratio, tma.shape[0][1]), tma.shape[1], tma.shape[0][0] // ratio, *tma.shape[2:])
     stride = (tma.stride[0], tma.stride[1], tma.stride[0][0] * ratio, *tma.stride[2:])
     return atom, cute.make_tensor(tma.iterator, cute.make_layout(shape, stride=stride))
+
+
+def _fits_separate_o(tile_m, tile_n, head_dim, num_stages, pv_from_registers, ctas_per_sm) -> bool:
+    """Whether Q, the K/V rings, P (when in smem) and a separate O tile fit in shared memory
+    (16-bit elements, 1024-byte aligned buffers, a few KB spare for barriers)."""
+    def kb(rows, cols):
+        return (rows * cols * 2 + 1023) // 1024
+
+    total = 2 * kb(tile_m, head_dim) + 2 * num_stages * kb(tile_n, head_dim) + 1
+    if not pv_from_registers:
+        total += kb(tile_m, tile_n)
+    return total <= (227 if ctas_per_sm == 1 else 113)
 
 
 @dataclass(frozen=True)
@@ -108,7 +120,10 @@ class FlashAttentionForwardSm90:
       lse:  (B, nheads, seqlen_q) or (nheads, total_q) fp32, with split (S, ...); or None
       cu_seqlens_q / cu_seqlens_k: (B + 1,) int32; seqused_k: (B,) int32;
       page_table: (B, max_pages_per_seq) int32
-      max_seqlen_q: unused by the kernel (the varlen grid comes from total_q and batch)
+      tile_counter: (2,) int32, zero before the launch and left zero after it (the last CTA
+            resets it), for the dynamic persistent scheduler; None otherwise. Launches that
+            may run at the same time need different counters.
+      max_ctas: the persistent grid's size cap (SMs x CTAs per SM); unused by other variants
       num_splits: splits of the key range (split kernels)
     Batch, sequence lengths, head counts, page size and num_splits are run-time values.
     """
@@ -162,6 +177,19 @@ class FlashAttentionForwardSm90:
         # Causal tiles have unequal work: order them longest first across heads (in sections of
         # heads whose K/V fit in L2) so the last wave holds the shortest ones.
         self.causal_lpt_grid = causal and not varlen_q and not split
+        self.l2_section_mb = config.l2_section_mb
+        # Persistent: a grid of at most max_ctas CTAs, each looping over tiles (index += grid
+        # size) so one tile's epilogue overlaps the next tile's Q and K/V loads.
+        self.persistent = config.scheduler != "single_tile" and self.tma_store_o
+        # Dynamic: after the first tile (its block index), CTAs take tile indices from a global
+        # counter, so CTAs that drew short causal tiles take more of them.
+        self.dynamic_scheduler = self.persistent and config.scheduler == "dynamic_persistent"
+        # O gets its own smem when it fits, so the next Q can load during the epilogue;
+        # otherwise O reuses Q's tile and Q is released only once the O store has read it.
+        self.separate_o_smem = self.persistent and _fits_separate_o(
+            self.tile_m, self.tile_n, head_dim, self.num_stages, self.pv_from_registers,
+            self.ctas_per_sm,
+        )
         self.smem_align = 1024
 
     # ------------------------------------------------------------------------------------
@@ -181,7 +209,8 @@ class FlashAttentionForwardSm90:
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
         mPageTable: Optional[cute.Tensor],
-        max_seqlen_q: Int32,
+        mTileCounter: Optional[cute.Tensor],
+        max_ctas: Int32,
         num_splits: Int32,
         stream: cuda.CUstream,
     ):
@@ -243,16 +272,20 @@ class FlashAttentionForwardSm90:
 
         num_stages = self.num_stages
         sP_size = cute.cosize(sP_layout) if const_expr(sP_layout is not None) else 0
+        sO_size = cute.cosize(sQ_layout) if const_expr(self.separate_o_smem) else 0
 
         @cute.struct
         class SharedStorage:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, num_stages * 2]
             mbar_v: cute.struct.MemRange[cutlass.Int64, num_stages * 2]
+            mbar_sched: cute.struct.MemRange[cutlass.Int64, 2 * 2]
+            next_tile: cute.struct.MemRange[Int32, 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], self.smem_align]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], self.smem_align]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], self.smem_align]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, sP_size], self.smem_align]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, sO_size], self.smem_align]
 
         self.shared_storage = SharedStorage
 
@@ -265,6 +298,9 @@ class FlashAttentionForwardSm90:
             # ceil(total * ratio / tile_m) + batch (the spare CTAs exit at once).
             batch = mCuSeqlensQ.shape[0] - 1
             grid = (cute.ceil_div(mQ.shape[0] * ratio, self.tile_m) + batch, grid_heads, 1)
+        elif const_expr(self.persistent):
+            num_tiles = cute.ceil_div(mQ.shape[0] * ratio, self.tile_m) * grid_heads * mQ.shape[3]
+            grid = (cutlass.min(num_tiles, max_ctas), 1, 1)
         elif const_expr(self.causal_lpt_grid):
             # One flat index over (batch, head section, m_block, head): see _tile_coords.
             grid = (cute.ceil_div(mQ.shape[0] * ratio, self.tile_m) * grid_heads * mQ.shape[3], 1, 1)
@@ -272,7 +308,7 @@ class FlashAttentionForwardSm90:
             grid = (cute.ceil_div(mQ.shape[0] * ratio, self.tile_m), grid_heads, mQ.shape[3])
         self.kernel(
             tma_Q, tma_K, tma_V, mO_kernel, mLSE, mQ, mK,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, num_splits,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mTileCounter, num_splits,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             softmax_scale_log2,
             sQ_layout, sKV_layout, sP_layout,
@@ -306,6 +342,7 @@ class FlashAttentionForwardSm90:
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
         mPageTable: Optional[cute.Tensor],
+        mTileCounter: Optional[cute.Tensor],
         num_splits: Int32,
         tma_atom_Q: cute.CopyAtom,
         tma_atom_K: cute.CopyAtom,
@@ -329,9 +366,14 @@ class FlashAttentionForwardSm90:
         tma_warp = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # Consumers release a stage with one arrive per warp.
         mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        # A persistent kernel whose O overwrites Q's tile frees Q from the storing warp alone,
+        # once the O store has read it.
+        q_releasers = mma_warps
+        if const_expr(self.persistent and not self.separate_o_smem):
+            q_releasers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         pipeline_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=tma_warp,
-            consumer_group=mma_warps, tx_count=self.tma_bytes_q, defer_sync=True,
+            consumer_group=q_releasers, tx_count=self.tma_bytes_q, defer_sync=True,
         )
         pipeline_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages,
@@ -343,6 +385,14 @@ class FlashAttentionForwardSm90:
             producer_group=tma_warp, consumer_group=mma_warps, tx_count=self.tma_bytes_kv,
             defer_sync=True,
         )
+        num_tiles = Int32(1)
+        if const_expr(self.persistent):
+            num_tiles = (cute.ceil_div(mQ_shape.shape[0] * self.pack_gqa_ratio, self.tile_m)
+                         * (mQ_shape.shape[2] // self.pack_gqa_ratio) * mQ_shape.shape[3])
+        scheduler = PersistentTileScheduler.create(
+            num_tiles, self.dynamic_scheduler, mTileCounter, storage.mbar_sched.data_ptr(),
+            storage.next_tile.get_tensor(cute.make_layout(2)), self.num_mma_threads,
+        )
         pipeline.pipeline_init_arrive()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -351,55 +401,114 @@ class FlashAttentionForwardSm90:
         sP = None
         if const_expr(sP_layout is not None):
             sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-
-        tile = self._tile_coords(mQ_shape, mK_shape, mCuSeqlensQ, num_splits)
-        seqlen_k_capacity = mK_shape.shape[0]
-        if const_expr(self.kv_layout == "paged"):
-            seqlen_k_capacity = mK_shape.shape[0] * mPageTable.shape[1]
-        seqlen = SeqlenInfo.create(
-            tile.batch_idx, mQ_shape.shape[0], seqlen_k_capacity, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK
+        sO = sQ
+        if const_expr(self.separate_o_smem):
+            sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        shapes = SimpleNamespace(
+            mQ=mQ_shape, mK=mK_shape, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK,
+            mSeqUsedK=mSeqUsedK, mPageTable=mPageTable, num_splits=num_splits,
         )
-        block_range = KeyBlockRange(
-            self.tile_m, self.tile_n, self.causal, self.pack_gqa_ratio, seqlen.seqlen_q, seqlen.seqlen_k
-        )
-        n_block_min, n_block_max = block_range.bounds(
-            tile.m_block, tile.split_idx if const_expr(self.split) else None,
-            num_splits if const_expr(self.split) else None,
-        )
+        bidx, bidy, bidz = cute.arch.block_idx()
 
         pipeline.pipeline_init_wait()
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_registers)
             if warp_idx == 0:
-                self.load(
-                    mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                    pipeline_q, pipeline_k, pipeline_v, tile, seqlen, n_block_min, n_block_max,
-                )
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+                if const_expr(self.persistent):
+                    sched_state = scheduler.producer_state()
+                    tile_idx = scheduler.first_tile()
+                    while tile_idx < scheduler.num_tiles:
+                        tile = self._tile_coords(tile_idx, Int32(0), Int32(0), shapes)
+                        kv_state = self.load(
+                            mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                            pipeline_q, pipeline_k, pipeline_v, tile, shapes, q_state, kv_state,
+                        )
+                        q_state.advance()
+                        tile_idx = scheduler.fetch_next(tile_idx, sched_state)
+                        sched_state.advance()
+                    scheduler.finish()
+                else:
+                    tile = self._tile_coords(bidx, bidy, bidz, shapes)
+                    self.load(
+                        mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                        pipeline_q, pipeline_k, pipeline_v, tile, shapes, q_state, kv_state,
+                    )
         else:
             cute.arch.setmaxregister_increase(self.mma_registers)
-            mask = AttentionMask(
-                self.tile_m, self.tile_n, self.pack_gqa_ratio, seqlen.seqlen_q, seqlen.seqlen_k
+            tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
+            warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+            # Ping-pong start: the first warpgroup may issue first. The turn passes on across
+            # tiles (every warpgroup takes the same number of turns per tile).
+            if const_expr(self.pingpong):
+                if warpgroup_idx == 0:
+                    cute.arch.barrier_arrive(
+                        barrier_id=int(NamedBarrier.WG_SCHEDULE_1), number_of_threads=2 * THREADS_PER_WARPGROUP
+                    )
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            mma_args = (
+                mO, mLSE, sQ, sK, sV, sP, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                pipeline_q, pipeline_k, pipeline_v, softmax_scale_log2, tidx, warpgroup_idx,
             )
-            self.mma(
-                mO, mLSE, sQ, sK, sV, sP, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                pipeline_q, pipeline_k, pipeline_v, softmax_scale_log2,
-                block_range, mask, tile, seqlen, n_block_min, n_block_max,
-            )
+            if const_expr(self.persistent):
+                sched_state = scheduler.consumer_state()
+                tile_idx = scheduler.first_tile()
+                while tile_idx < scheduler.num_tiles:
+                    tile = self._tile_coords(tile_idx, Int32(0), Int32(0), shapes)
+                    kv_state = self.mma(*mma_args, tile, shapes, q_state, kv_state)
+                    q_state.advance()
+                    tile_idx = scheduler.receive_next(tile_idx, sched_state)
+                    sched_state.advance()
+                if const_expr(self.separate_o_smem):
+                    if warp_idx == 4:  # the last O store must finish reading smem
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+            else:
+                tile = self._tile_coords(bidx, bidy, bidz, shapes)
+                self.mma(*mma_args, tile, shapes, q_state, kv_state)
 
     @cute.jit
-    def _tile_coords(self, mQ_shape: cute.Tensor, mK_shape: cute.Tensor,
-                     mCuSeqlensQ: Optional[cute.Tensor], num_splits: Int32):
-        """This CTA's (m_block, head, kv head, batch, split) from the grid."""
-        bidx, bidy, batch_idx = cute.arch.block_idx()
+    def _tile_problem(self, tile: SimpleNamespace, shapes: SimpleNamespace):
+        """(seqlen info, key block range, n_block_min, n_block_max) of a tile."""
+        seqlen_k_capacity = shapes.mK.shape[0]
+        if const_expr(self.kv_layout == "paged"):
+            seqlen_k_capacity = shapes.mK.shape[0] * shapes.mPageTable.shape[1]
+        seqlen = SeqlenInfo.create(
+            tile.batch_idx, shapes.mQ.shape[0], seqlen_k_capacity, shapes.mCuSeqlensQ,
+            shapes.mCuSeqlensK, shapes.mSeqUsedK,
+        )
+        block_range = KeyBlockRange(
+            self.tile_m, self.tile_n, self.causal, self.pack_gqa_ratio, seqlen.seqlen_q, seqlen.seqlen_k
+        )
+        n_block_min, n_block_max = block_range.bounds(
+            tile.m_block, tile.split_idx if const_expr(self.split) else None,
+            shapes.num_splits if const_expr(self.split) else None,
+        )
+        return seqlen, block_range, n_block_min, n_block_max
+
+    @cute.jit
+    def _tile_coords(self, bidx: Int32, bidy: Int32, batch_idx: Int32, shapes: SimpleNamespace):
+        """A tile's (m_block, head, kv head, batch, split) from the CTA's block index, or from
+        the tile index (bidx; bidy = batch_idx = 0) of a persistent kernel."""
+        mQ_shape, mK_shape, num_splits = shapes.mQ, shapes.mK, shapes.num_splits
         m_block = bidx
         if const_expr(self.varlen_q):
-            batch_idx, m_block, num_tiles = varlen_tile(bidx, mCuSeqlensQ, self.pack_gqa_ratio, self.tile_m)
+            batch_idx, m_block, num_tiles = varlen_tile(bidx, shapes.mCuSeqlensQ, self.pack_gqa_ratio, self.tile_m)
             if const_expr(self.causal):  # longest causal tiles of a sequence first
                 if m_block < num_tiles:  # (not a spare CTA)
                     m_block = num_tiles - 1 - m_block
         elif const_expr(self.causal_lpt_grid):
             m_block, bidy, batch_idx = self._causal_lpt_tile(bidx, mQ_shape, mK_shape)
+        elif const_expr(self.persistent):
+            # m_block fastest, then head, then batch: CTAs running together share K/V.
+            num_m = cute.ceil_div(mQ_shape.shape[0] * self.pack_gqa_ratio, self.tile_m)
+            heads = mQ_shape.shape[2] // self.pack_gqa_ratio
+            rest = bidx // num_m
+            m_block = bidx - rest * num_m
+            batch_idx = rest // heads
+            bidy = rest - batch_idx * heads
         head_idx = bidy
         split_idx = Int32(0)
         if const_expr(self.split):
@@ -425,7 +534,8 @@ class FlashAttentionForwardSm90:
         batch = tile_idx // per_batch
         rest = tile_idx - batch * per_batch
         kv_bytes_per_head = mK_shape.shape[0] * (self.head_dim * self.dtype.width // 4)  # K and V
-        section = cutlass.max(cutlass.min(L2_BUDGET_BYTES // cutlass.max(kv_bytes_per_head, 1), heads), 1)
+        budget = self.l2_section_mb << 20
+        section = cutlass.max(cutlass.min(budget // cutlass.max(kv_bytes_per_head, 1), heads), 1)
         section_idx = rest // (num_m * section)
         idx = rest - section_idx * (num_m * section)
         in_section = cutlass.min(section, heads - section_idx * section)
@@ -459,71 +569,86 @@ class FlashAttentionForwardSm90:
         pipeline_k: pipeline.PipelineAsync,
         pipeline_v: pipeline.PipelineAsync,
         tile: SimpleNamespace,
-        seqlen: SeqlenInfo,
-        n_block_min: Int32,
-        n_block_max: Int32,
+        shapes: SimpleNamespace,
+        q_state: pipeline.PipelineState,
+        kv_state: pipeline.PipelineState,
     ):
-        """Producer warp: Q once, then K and V blocks from the last to the first.
+        """Producer warp, one tile: Q once, then K and V blocks from the last to the first;
+        returns the K/V ring state after them.
 
         With intra-warpgroup overlap the consumer needs K(n) one step before V(n), so V runs
         one block behind K: K(n_max-1), Q, [K(n-1), V(n)]..., V(n_min).
-        An empty tile (no rows, no keys, or an empty split) loads nothing.
+        An empty tile (no rows, no keys, or an empty split) loads no K/V, and Q only in a
+        persistent kernel (whose consumers wait for Q on every tile).
         """
+        seqlen, _, n_block_min, n_block_max = self._tile_problem(tile, shapes)
+        d = self.head_dim
+        q_head = tile.head_idx if const_expr(self.pack_gqa_ratio == 1) else tile.head_kv_idx
+        gQ = cute.local_tile(
+            self._rows_of(mQ, q_head, tile.batch_idx, seqlen.offset_q), (self.tile_m, d), (tile.m_block, 0)
+        )
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        if const_expr(self.kv_layout == "paged"):
+            page_table_row = mPageTable[tile.batch_idx, None]
+            k_loader = TmaPagedBlockLoader.create(
+                tma_atom_K, mK[None, None, tile.head_kv_idx, None], sK, pipeline_k, page_table_row,
+                self.tile_n, self.page_box_rows,
+            )
+            v_loader = TmaPagedBlockLoader.create(
+                tma_atom_V, mV[None, None, tile.head_kv_idx, None], sV, pipeline_v, page_table_row,
+                self.tile_n, self.page_box_rows,
+            )
+        else:
+            tile_kv = (self.tile_n, d)
+            k_loader = TmaBlockLoader.create(
+                tma_atom_K,
+                cute.local_tile(self._rows_of(mK, tile.head_kv_idx, tile.batch_idx, seqlen.offset_k), tile_kv, (None, 0)),
+                sK, pipeline_k,
+            )
+            v_loader = TmaBlockLoader.create(
+                tma_atom_V,
+                cute.local_tile(self._rows_of(mV, tile.head_kv_idx, tile.batch_idx, seqlen.offset_k), tile_kv, (None, 0)),
+                sV, pipeline_v,
+            )
+        q_load = SimpleNamespace(atom=tma_atom_Q, src=tQgQ, dst=tQsQ, ring=pipeline_q, state=q_state)
+
         if n_block_max > n_block_min:
-            d = self.head_dim
-            q_head = tile.head_idx if const_expr(self.pack_gqa_ratio == 1) else tile.head_kv_idx
-            gQ = cute.local_tile(
-                self._rows_of(mQ, q_head, tile.batch_idx, seqlen.offset_q), (self.tile_m, d), (tile.m_block, 0)
-            )
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-            )
-            if const_expr(self.kv_layout == "paged"):
-                page_table_row = mPageTable[tile.batch_idx, None]
-                k_loader = TmaPagedBlockLoader.create(
-                    tma_atom_K, mK[None, None, tile.head_kv_idx, None], sK, pipeline_k, page_table_row,
-                    self.tile_n, self.page_box_rows,
-                )
-                v_loader = TmaPagedBlockLoader.create(
-                    tma_atom_V, mV[None, None, tile.head_kv_idx, None], sV, pipeline_v, page_table_row,
-                    self.tile_n, self.page_box_rows,
-                )
-            else:
-                tile_kv = (self.tile_n, d)
-                k_loader = TmaBlockLoader.create(
-                    tma_atom_K,
-                    cute.local_tile(self._rows_of(mK, tile.head_kv_idx, tile.batch_idx, seqlen.offset_k), tile_kv, (None, 0)),
-                    sK, pipeline_k,
-                )
-                v_loader = TmaBlockLoader.create(
-                    tma_atom_V,
-                    cute.local_tile(self._rows_of(mV, tile.head_kv_idx, tile.batch_idx, seqlen.offset_k), tile_kv, (None, 0)),
-                    sV, pipeline_v,
-                )
-
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-
             k_loader.load(n_block_max - 1, kv_state)
-            pipeline_q.producer_acquire(q_state)
-            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
-            if const_expr(self.intra_wg_overlap):
-                for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
-                    n_block_v = n_block_max - 1 - i
-                    v_state = kv_state.clone()
-                    kv_state.advance()
-                    k_loader.load(n_block_v - 1, kv_state)
-                    v_loader.load(n_block_v, v_state)
-                v_loader.load(n_block_min, kv_state)
+            self._load_q(q_load)
+            kv_state = self._load_kv_blocks(k_loader, v_loader, kv_state, n_block_min, n_block_max)
+        else:
+            if const_expr(self.persistent):
+                self._load_q(q_load)
+        return kv_state
+
+    def _load_q(self, q_load: SimpleNamespace):
+        q_load.ring.producer_acquire(q_load.state)
+        cute.copy(q_load.atom, q_load.src, q_load.dst, tma_bar_ptr=q_load.ring.producer_get_barrier(q_load.state))
+
+    @cute.jit
+    def _load_kv_blocks(self, k_loader, v_loader, kv_state: pipeline.PipelineState,
+                        n_block_min: Int32, n_block_max: Int32):
+        """Everything after the first K block (already issued at kv_state)."""
+        if const_expr(self.intra_wg_overlap):
+            for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                n_block_v = n_block_max - 1 - i
+                v_state = kv_state.clone()
                 kv_state.advance()
-            else:
-                v_loader.load(n_block_max - 1, kv_state)
+                k_loader.load(n_block_v - 1, kv_state)
+                v_loader.load(n_block_v, v_state)
+            v_loader.load(n_block_min, kv_state)
+            kv_state.advance()
+        else:
+            v_loader.load(n_block_max - 1, kv_state)
+            kv_state.advance()
+            for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                n_block = n_block_max - 2 - i
+                k_loader.load(n_block, kv_state)
+                v_loader.load(n_block, kv_state)
                 kv_state.advance()
-                for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
-                    n_block = n_block_max - 2 - i
-                    k_loader.load(n_block, kv_state)
-                    v_loader.load(n_block, kv_state)
-                    kv_state.advance()
+        return kv_state
 
     @cute.jit
     def mma(
@@ -534,6 +659,7 @@ class FlashAttentionForwardSm90:
         sK: cute.Tensor,
         sV: cute.Tensor,
         sP: Optional[cute.Tensor],
+        sO: cute.Tensor,
         tma_atom_O: Optional[cute.CopyAtom],
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
@@ -541,16 +667,17 @@ class FlashAttentionForwardSm90:
         pipeline_k: pipeline.PipelineAsync,
         pipeline_v: pipeline.PipelineAsync,
         softmax_scale_log2: Float32,
-        block_range: KeyBlockRange,
-        mask: AttentionMask,
+        tidx: Int32,
+        warpgroup_idx: Int32,
         tile: SimpleNamespace,
-        seqlen: SeqlenInfo,
-        n_block_min: Int32,
-        n_block_max: Int32,
+        shapes: SimpleNamespace,
+        q_state: pipeline.PipelineState,
+        kv_state: pipeline.PipelineState,
     ):
-        """Consumer warpgroups: the attention mainloop over key blocks, then the epilogue."""
-        tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
-        warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        """Consumer warpgroups, one tile: the attention mainloop over key blocks, then the
+        epilogue; returns the K/V ring state after the tile."""
+        seqlen, block_range, n_block_min, n_block_max = self._tile_problem(tile, shapes)
+        mask = AttentionMask(self.tile_m, self.tile_n, self.pack_gqa_ratio, seqlen.seqlen_q, seqlen.seqlen_k)
         m_block = tile.m_block
         # WGMMA operands are per warpgroup: slice at the warpgroup's first thread.
         wg_mma_qk = tiled_mma_qk.get_slice(warpgroup_idx * THREADS_PER_WARPGROUP)
@@ -587,20 +714,17 @@ class FlashAttentionForwardSm90:
             warpgroup_idx=warpgroup_idx,
         )
 
-        # Ping-pong start: the first warpgroup may issue first.
-        if const_expr(self.pingpong):
-            if warpgroup_idx == 0:
-                cute.arch.barrier_arrive(
-                    barrier_id=int(NamedBarrier.WG_SCHEDULE_1), number_of_threads=2 * THREADS_PER_WARPGROUP
-                )
-
         acc_O.fill(0.0)
         lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
         lse.fill(-Float32.inf)  # an empty tile or split: out = 0, lse = -inf
+        # Who frees Q when: after the mainloop, except in a persistent kernel whose O
+        # overwrites Q's smem (then the epilogue's storing warp does, after the store).
+        release_q_after_mainloop = const_expr(not self.persistent or self.separate_o_smem)
+        if const_expr(self.persistent):
+            pipeline_q.consumer_wait(q_state)  # loaded for every tile, empty or not
         if n_block_max > n_block_min:
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-            pipeline_q.consumer_wait(q_state)
+            if const_expr(not self.persistent):
+                pipeline_q.consumer_wait(q_state)
 
             # The last key block goes first: it alone carries the sequence-length mask.
             if const_expr(self.intra_wg_overlap):
@@ -615,17 +739,9 @@ class FlashAttentionForwardSm90:
             else:
                 self._schedule_wait(warpgroup_idx)
                 kv_state = self._block_no_overlap(ctx, kv_state, n_block_max - 1, self.causal, is_first=True)
-            n_block_next = n_block_max - 1
-
-            block_step = self._block_overlap if const_expr(self.intra_wg_overlap) else self._block_no_overlap
-            if const_expr(self.causal):
-                n_block_masked_min = cutlass.max(block_range.first_causal_masked_block(m_block), n_block_min)
-                for i in cutlass.range(n_block_next - n_block_masked_min, unroll=1):
-                    kv_state = block_step(ctx, kv_state, n_block_next - 1 - i, True)
-                n_block_next = cutlass.min(n_block_next, n_block_masked_min)
-            for i in cutlass.range(n_block_next - n_block_min, unroll=1):
-                kv_state = block_step(ctx, kv_state, n_block_next - 1 - i, False)
-            pipeline_q.consumer_release(q_state)
+            kv_state = self._mainloop_rest(ctx, block_range, kv_state, n_block_min, n_block_max - 1)
+            if const_expr(release_q_after_mainloop):
+                pipeline_q.consumer_release(q_state)
 
             if const_expr(self.intra_wg_overlap):
                 # The P V of the first key block is still to do.
@@ -643,8 +759,29 @@ class FlashAttentionForwardSm90:
             inv_row_sum, row_lse = softmax.finalize()
             rescale_rows(acc_O, inv_row_sum)
             lse.store(row_lse.load())
+        else:
+            if const_expr(self.persistent and self.separate_o_smem):
+                pipeline_q.consumer_release(q_state)
 
-        self.epilogue(acc_O, lse, mO, mLSE, sQ, tma_atom_O, tiled_mma_pv, tidx, tile, seqlen)
+        q_release = None
+        if const_expr(not release_q_after_mainloop):
+            q_release = SimpleNamespace(ring=pipeline_q, state=q_state)
+        self.epilogue(acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, tile, seqlen, q_release)
+        return kv_state
+
+    @cute.jit
+    def _mainloop_rest(self, ctx, block_range, kv_state, n_block_min: Int32, n_block_next: Int32):
+        """Key blocks n_block_next - 1 down to n_block_min: the causally masked ones first."""
+        m_block = ctx.m_block
+        block_step = self._block_overlap if const_expr(self.intra_wg_overlap) else self._block_no_overlap
+        if const_expr(self.causal):
+            n_block_masked_min = cutlass.max(block_range.first_causal_masked_block(m_block), n_block_min)
+            for i in cutlass.range(n_block_next - n_block_masked_min, unroll=1):
+                kv_state = block_step(ctx, kv_state, n_block_next - 1 - i, True)
+            n_block_next = cutlass.min(n_block_next, n_block_masked_min)
+        for i in cutlass.range(n_block_next - n_block_min, unroll=1):
+            kv_state = block_step(ctx, kv_state, n_block_next - 1 - i, False)
+        return kv_state
 
     def _qk_gemm(self, ctx, stage, wait_groups):
         acc_S = cute.make_rmem_tensor(ctx.acc_S_shape, Float32)
@@ -775,6 +912,7 @@ class FlashAttentionForwardSm90:
         tidx: Int32,
         tile: SimpleNamespace,
         seqlen: SeqlenInfo,
+        q_release: Optional[SimpleNamespace] = None,
     ):
         """O and LSE out. Padded, unsplit: O registers -> smem (over Q's tile) -> one TMA store
         (which clips rows past seqlen_q); each warpgroup writes only the 64 rows of sO whose sQ
@@ -796,13 +934,18 @@ class FlashAttentionForwardSm90:
         if const_expr(self.tma_store_o):
             rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
             hopper_mma.convert_to_16bit(acc_O, rO)
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            if const_expr(self.separate_o_smem):
+                # sO is reused tile after tile: the previous tile's store must have read it.
+                if warp_idx == 4:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.barrier(barrier_id=int(NamedBarrier.O_SMEM_FREE), number_of_threads=self.num_mma_threads)
             smem_copy_O = cute.make_tiled_copy_C(self._stmatrix_atom(), tiled_mma_pv).get_slice(tidx)
             cute.copy(smem_copy_O, smem_copy_O.retile(rO), smem_copy_O.partition_D(sO))
             cute.arch.fence_view_async_shared()  # smem writes -> visible to the TMA (async proxy)
             cute.arch.barrier_arrive(
                 barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads + 32
             )
-            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             if warp_idx == 4:
                 cute.arch.barrier(
                     barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads + 32
@@ -816,7 +959,10 @@ class FlashAttentionForwardSm90:
                 )
                 cute.copy(tma_atom_O, tOsO, tOgO)
                 cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if const_expr(not self.separate_o_smem):
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if const_expr(q_release is not None):  # sO was Q's tile: the next Q may load
+                    q_release.ring.consumer_release(q_release.state)
         else:
             out = acc_O
             if const_expr(mO.element_type != Float32):

@@ -9,3 +9,4 @@ class NamedBarrier(enum.IntEnum):
     WG_SCHEDULE_1 = 2
     WG_SCHEDULE_2 = 3
     WG_SCHEDULE_3 = 4
+    O_SMEM_FREE = 5  # persistent kernels: the MMA warpgroups before reusing sO

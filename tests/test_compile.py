@@ -27,6 +27,13 @@ KNOB_KEYS = [
     ForwardKernelKey("bfloat16", 64, True, AttentionConfig(192, 96, intra_wg_overlap=False), True),
     ForwardKernelKey("bfloat16", 128, False, AttentionConfig(64, 64, num_stages=3, pingpong=False, ctas_per_sm=2),
                      True, seqused_k=True, split=True, pack_gqa_ratio=4),
+    # Persistent scheduler: O in its own smem, O over Q's tile, packed GQA on a paged cache.
+    ForwardKernelKey("bfloat16", 128, True, AttentionConfig(128, 128, scheduler="dynamic_persistent"), True),
+    ForwardKernelKey("float16", 256, False, AttentionConfig(128, 80, pingpong=False, rescale_o_before_pv=True,
+                                                            scheduler="static_persistent"), False),
+    ForwardKernelKey("bfloat16", 64, True, AttentionConfig(192, 128, intra_wg_overlap=False,
+                                                           scheduler="dynamic_persistent"),
+                     True, kv_layout="paged", seqused_k=True, page_box_rows=64, pack_gqa_ratio=4),
 ]
 
 
@@ -51,7 +58,7 @@ def _id(key):
     c = key.config
     return (f"d{key.head_dim}-{key.dtype}-{'causal' if key.causal else 'full'}-{c.tile_m}x{c.tile_n}"
             f"-st{c.num_stages}-rs{int(c.pv_from_registers)}-ov{int(c.intra_wg_overlap)}"
-            f"-pp{int(c.pingpong)}-lse{int(key.writes_lse)}"
+            f"-pp{int(c.pingpong)}-lse{int(key.writes_lse)}" + ("" if c.scheduler == "single_tile" else f"-{c.scheduler}")
             + ("-varlen" if key.varlen_q else "") + (f"-{key.kv_layout}{key.page_box_rows or ''}")
             + ("-seqused" if key.seqused_k else "") + ("-split" if key.split else "")
             + (f"-pack{key.pack_gqa_ratio}" if key.pack_gqa_ratio > 1 else ""))

@@ -65,6 +65,21 @@ def test_bad_tile_m_and_types():
         AttentionConfig(tile_m=128, tile_n=128.0)
     with pytest.raises(ValueError, match="head_dim"):
         AttentionConfig(128, 128).validate(80)
+    with pytest.raises(ValueError, match="scheduler must be one of"):
+        AttentionConfig(128, 128, scheduler="persistent")
+    with pytest.raises(TypeError, match="pingpong must be a bool"):
+        AttentionConfig(128, 128, pingpong=1)
+
+
+def test_scheduler_applies_to_fixed_length_unsplit_kernels():
+    from flash_cute.compile_cache import ForwardKernelKey
+
+    cfg = AttentionConfig(128, 128, scheduler="dynamic_persistent")
+    assert cfg.persistent and not AttentionConfig(128, 128).persistent
+    assert ForwardKernelKey("bfloat16", 128, True, cfg, True).uses_tile_counter
+    for variant in (dict(varlen_q=True), dict(split=True)):
+        key = ForwardKernelKey("bfloat16", 128, True, cfg, True, **variant)
+        assert key.tile_scheduler == "single_tile" and not key.uses_tile_counter
 
 
 def test_unsupported_lookup():
