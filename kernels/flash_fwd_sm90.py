@@ -178,6 +178,7 @@ class FlashAttentionForwardSm90:
         # heads whose K/V fit in L2) so the last wave holds the shortest ones.
         self.causal_lpt_grid = causal and not varlen_q and not split
         self.l2_section_mb = config.l2_section_mb
+        self.mbarrier_probe = config.mbarrier_probe
         # Persistent: a grid of at most max_ctas CTAs, each looping over tiles (index += grid
         # size) so one tile's epilogue overlaps the next tile's Q and K/V loads.
         self.persistent = config.scheduler != "single_tile" and self.tma_store_o
@@ -728,7 +729,7 @@ class FlashAttentionForwardSm90:
 
             # The last key block goes first: it alone carries the sequence-length mask.
             if const_expr(self.intra_wg_overlap):
-                pipeline_k.consumer_wait(kv_state)
+                self._wait_full(pipeline_k, kv_state)
                 acc_S = self._qk_gemm(ctx, kv_state.index, 0)
                 pipeline_k.consumer_release(kv_state)
                 mask.apply(acc_S, ctx.thr_mma_qk, m_block, n_block_max - 1, mask_seqlen=True, mask_causal=self.causal)
@@ -747,7 +748,7 @@ class FlashAttentionForwardSm90:
                 # The P V of the first key block is still to do.
                 if const_expr(self.rescale_o_before_pv):
                     rescale_rows(acc_O, ctx.pending_scale)
-                pipeline_v.consumer_wait(kv_state)
+                self._wait_full(pipeline_v, kv_state)
                 self._pv_gemm(ctx, kv_state.index, 0)
                 pipeline_v.consumer_release(kv_state)
                 kv_state.advance()
@@ -814,12 +815,12 @@ class FlashAttentionForwardSm90:
         """Issue S = Q K(n), then O += P(n+1) V(n+1); the softmax of S(n) runs under P V."""
         v_state = kv_state.clone()
         kv_state.advance()
-        ctx.pipeline_k.consumer_wait(kv_state)
+        self._wait_full(ctx.pipeline_k, kv_state)
         self._schedule_wait(ctx.warpgroup_idx)
         acc_S = self._qk_gemm(ctx, kv_state.index, -1)
         if const_expr(self.rescale_o_before_pv):
             rescale_rows(ctx.acc_O, ctx.pending_scale)
-        ctx.pipeline_v.consumer_wait(v_state)
+        self._wait_full(ctx.pipeline_v, v_state)
         self._pv_gemm(ctx, v_state.index, -1)
         self._schedule_signal_next(ctx.warpgroup_idx)
         warpgroup.wait_group(1)
@@ -839,7 +840,7 @@ class FlashAttentionForwardSm90:
         """S = Q K(n); softmax; O += P V(n). A warpgroup's ping-pong turn spans this block's
         P V and the next block's Q K^T: the caller waits before the first block and signals
         after the last."""
-        ctx.pipeline_k.consumer_wait(kv_state)
+        self._wait_full(ctx.pipeline_k, kv_state)
         acc_S = self._qk_gemm(ctx, kv_state.index, -1)
         self._schedule_signal_next(ctx.warpgroup_idx)
         warpgroup.wait_group(0)
@@ -848,12 +849,20 @@ class FlashAttentionForwardSm90:
         row_scale = ctx.softmax.step(acc_S, is_first=is_first)
         self._scores_to_p(ctx, acc_S)
         rescale_rows(ctx.acc_O, row_scale)
-        ctx.pipeline_v.consumer_wait(kv_state)
+        self._wait_full(ctx.pipeline_v, kv_state)
         self._schedule_wait(ctx.warpgroup_idx)
         self._pv_gemm(ctx, kv_state.index, 0)
         ctx.pipeline_v.consumer_release(kv_state)
         kv_state.advance()
         return kv_state
+
+    def _wait_full(self, ring, state):
+        """Wait for a K/V stage. With mbarrier_probe, poll the barrier once first and take
+        the blocking wait (with its suspend hint) only if the stage is not yet full."""
+        if const_expr(self.mbarrier_probe):
+            ring.consumer_wait(state, ring.consumer_try_wait(state))
+        else:
+            ring.consumer_wait(state)
 
     def _schedule_wait(self, warpgroup_idx):
         if const_expr(self.pingpong):

@@ -1,0 +1,37 @@
+"""The benchmark CLI's GPU-free parts: config listing for sweeps and redrawing a sweep's plot."""
+
+import json
+
+import pytest
+
+from flash_cute import bench
+
+
+def test_sweep_list_covers_scheduler_knobs(capsys):
+    argv = ["sweep", "--hdim", "128", "--causal", "--tile-m", "128", "--tile-n", "128", "--pv", "regs",
+            "--pingpong", "on", "--rescale-before-pv", "off", "--scheduler", "single_tile", "dynamic_persistent",
+            "--l2-section-mb", "8", "24", "--mbarrier-probe", "off", "on", "--list"]
+    assert bench.main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "8 valid configs for hdim 128"
+    labels = lines[1:]
+    assert len(set(labels)) == 8, "config labels must tell configs apart"
+    assert sum("dynamic" in label for label in labels) == 4
+    assert sum("l2:8MB" in label for label in labels) == 4
+    assert sum("probe" in label for label in labels) == 4
+
+
+def test_sweep_rejects_unknown_scheduler():
+    with pytest.raises(SystemExit):
+        bench.main(["sweep", "--scheduler", "persistent", "--list"])
+
+
+def test_plot_redraws_sweep_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [bench.SweepRow({"tile_m": 128}, "128x128 a", {512: 400.0, 1024: 500.0}),
+            bench.SweepRow({"tile_m": 192}, "192x128 b", {512: 380.0, 1024: 520.0})]
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"title": "t", "rows": [bench.asdict(r) for r in rows]}))
+    png = tmp_path / "sweep.png"
+    assert bench.main(["plot", str(path), str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
