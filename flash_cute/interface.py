@@ -111,6 +111,7 @@ def flash_attn_varlen_func(
     pack_gqa: Optional[bool] = None,
     return_softmax_lse: bool = False,
     out: Optional[torch.Tensor] = None,
+    config: Optional[AttentionConfig] = None,
 ):
     """Attention over a batch of variable-length sequences packed along one token dimension.
 
@@ -131,6 +132,8 @@ def flash_attn_varlen_func(
         page_table: (batch, max_pages_per_seq) int32 page indices.
         num_splits: 1 (default) no split-KV; n forces n; 0 picks with the heuristic.
         pack_gqa: fold the q heads of a kv head into one tile (None: when it helps).
+        config: optional `AttentionConfig` overriding the tables (validated); its scheduler
+            does not apply (varlen launches one CTA per query tile).
         Other arguments as in flash_attn_func.
 
     Returns:
@@ -188,7 +191,7 @@ def flash_attn_varlen_func(
         varlen_q=True, kv_layout=kv_layout,
         page_size=k.shape[1] if kv_layout == "paged" else None,
     )
-    scale_log2, causal, return_lse, _ = _common_checks(problem, softmax_scale, causal, return_softmax_lse, None)
+    scale_log2, causal, return_lse, config = _common_checks(problem, softmax_scale, causal, return_softmax_lse, config)
     num_splits = checks.check_num_splits(num_splits)
     pack_gqa = checks.check_optional_bool("pack_gqa", pack_gqa)
     named = [("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
@@ -198,7 +201,7 @@ def flash_attn_varlen_func(
     out = _prepare_out(out, q, k, v)
     lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device) if return_lse else None
     if out.numel() > 0:
-        _run(problem, q, k, v, out, lse, scale_log2, causal, None, num_splits, pack_gqa,
+        _run(problem, q, k, v, out, lse, scale_log2, causal, config, num_splits, pack_gqa,
              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, page_table=page_table)
     return (out, lse) if return_lse else out
 
@@ -215,6 +218,7 @@ def flash_attn_with_kvcache(
     pack_gqa: Optional[bool] = None,
     return_softmax_lse: bool = False,
     out: Optional[torch.Tensor] = None,
+    config: Optional[AttentionConfig] = None,
 ):
     """Attention of new queries over a KV cache (decoding, and prefill against a cache).
 
@@ -231,6 +235,8 @@ def flash_attn_with_kvcache(
             1 disables splitting; n forces n (at most 128).
         pack_gqa: fold the q heads sharing a kv head into one tile so each K/V tile is read
             once for all of them (None: on whenever nheads > nheads_kv and it fits the tile).
+        config: optional `AttentionConfig` overriding the decode and prefill tables
+            (validated); persistent schedulers apply only when the call does not split.
         Other arguments as in flash_attn_func.
 
     Returns:
@@ -251,7 +257,7 @@ def flash_attn_with_kvcache(
                seqlens_meta, None if page_table is None else (page_table.shape, page_table.stride(),
                                                               page_table.dtype, page_table.get_device()),
                None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()),
-               softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse)
+               softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, config)
         plan = _KVCACHE_PLANS.get(key)
     except (AttributeError, TypeError):
         key = plan = None
@@ -298,7 +304,7 @@ def flash_attn_with_kvcache(
         kv_layout="paged" if paged else "padded",
         page_size=k_cache.shape[1] if paged else None,
     )
-    scale_log2, causal, return_lse, _ = _common_checks(problem, softmax_scale, causal, return_softmax_lse, None)
+    scale_log2, causal, return_lse, config = _common_checks(problem, softmax_scale, causal, return_softmax_lse, config)
     num_splits = checks.check_num_splits(num_splits)
     pack_gqa = checks.check_optional_bool("pack_gqa", pack_gqa)
     named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("page_table", page_table),
@@ -308,7 +314,7 @@ def flash_attn_with_kvcache(
     out = _prepare_out(out, q, k_cache, v_cache)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     if out.numel() > 0:
-        plan = _run(problem, q, k_cache, v_cache, out, lse, scale_log2, causal, None, num_splits, pack_gqa,
+        plan = _run(problem, q, k_cache, v_cache, out, lse, scale_log2, causal, config, num_splits, pack_gqa,
                     seqused_k=seqused_k, page_table=page_table)
         if isinstance(cache_seqlens, torch.Tensor) or cache_seqlens is None:  # ints slice the cache
             _remember(_KVCACHE_PLANS, key, plan)

@@ -143,6 +143,8 @@ def varlen_args(total_q=10, batch=3, h=4, hk=2, d=64):
         (dict(num_splits=-1), ValueError, "num_splits must be >= 0"),
         (dict(num_splits=129), ValueError, "num_splits must be at most 128"),
         (dict(pack_gqa="yes"), TypeError, "pack_gqa must be a bool"),
+        (dict(config=(128, 128)), TypeError, "config must be a flash_cute.AttentionConfig"),
+        (dict(config=AttentionConfig(128, 256)), ValueError, "accumulators need"),
         (dict(), ValueError, "q must be a CUDA tensor"),
     ],
 )
@@ -185,6 +187,8 @@ def kvcache_args(batch=2, h=8, hk=2, d=128, page_size=16, pages=4):
         (lambda q, k, v, t: dict(cache_seqlens=3.0), TypeError, "cache_seqlens must be a Python int"),
         (lambda q, k, v, t: dict(v_cache=v[:, :, :1]), ValueError, "v_cache must have the shape of k_cache"),
         (lambda q, k, v, t: dict(num_splits=1.5), TypeError, "num_splits must be a Python int"),
+        (lambda q, k, v, t: dict(config="64x128"), TypeError, "config must be a flash_cute.AttentionConfig"),
+        (lambda q, k, v, t: dict(config=AttentionConfig(192, 256)), ValueError, "invalid AttentionConfig"),
         (lambda q, k, v, t: dict(), ValueError, "q must be a CUDA tensor"),
     ],
 )

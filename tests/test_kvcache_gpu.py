@@ -73,7 +73,7 @@ def ragged_lengths(batch, capacity, gen):
 
 
 def run_kvcache_case(batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, page_size, capacity,
-                     num_splits, causal, seed, pack_gqa=None):
+                     num_splits, causal, seed, pack_gqa=None, config=None):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=dtype, generator=gen)
     k_cache, v_cache, page_table, k_pad, v_pad = make_cache(batch, capacity, nheads_kv, head_dim, dtype, page_size, gen)
@@ -81,7 +81,7 @@ def run_kvcache_case(batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, page_s
     out = torch.full_like(q, float("nan"))
     _, lse = flash_cute.flash_attn_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=lengths, page_table=page_table, causal=causal,
-        num_splits=num_splits, pack_gqa=pack_gqa, return_softmax_lse=True, out=out,
+        num_splits=num_splits, pack_gqa=pack_gqa, return_softmax_lse=True, out=out, config=config,
     )
     n = lengths.tolist()
     refs, lowps, lse_refs = reference_per_sequence(
@@ -120,6 +120,18 @@ def test_prefill_against_cache(page_size, num_splits, causal):
     run_kvcache_case(3, 300, 8, 2, 128, torch.bfloat16, page_size, 1500, num_splits, causal, seed=11)
 
 
+@pytest.mark.parametrize("page_size", [None, 64])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_explicit_configs(page_size, num_splits):
+    """config= overrides the decode and prefill tables (a persistent scheduler where the call
+    does not split)."""
+    decode_cfg = flash_cute.AttentionConfig(64, 64, num_stages=3, pingpong=False)
+    run_kvcache_case(4, 1, 32, 8, 128, torch.bfloat16, page_size, 900, num_splits, True, seed=21, config=decode_cfg)
+    prefill_cfg = flash_cute.AttentionConfig(128, 128, scheduler="dynamic_persistent")
+    run_kvcache_case(3, 300, 8, 2, 128, torch.bfloat16, page_size, 1500, num_splits, True, seed=22,
+                     config=prefill_cfg)
+
+
 def test_pack_gqa_off_and_forced():
     for pack in (False, True):
         run_kvcache_case(4, 1, 32, 4, 128, torch.bfloat16, 32, 600, 0, True, seed=3, pack_gqa=pack)
@@ -147,6 +159,16 @@ def test_int_and_missing_cache_seqlens():
 @pytest.mark.parametrize("num_splits", [1, 3, 0], ids=lambda s: f"splits{s}" if s else "splits_auto")
 def test_varlen_mixed_batch(kv_layout, causal, num_splits):
     """Long prefills and single-token decodes in one varlen batch."""
+    run_varlen_mixed(kv_layout, causal, num_splits)
+
+
+@pytest.mark.parametrize("kv_layout", ["packed", "paged"])
+def test_varlen_explicit_config(kv_layout):
+    run_varlen_mixed(kv_layout, True, 1, flash_cute.AttentionConfig(64, 128, num_stages=3, pingpong=False))
+    run_varlen_mixed(kv_layout, False, 2, flash_cute.AttentionConfig(128, 96, scheduler="dynamic_persistent"))
+
+
+def run_varlen_mixed(kv_layout, causal, num_splits, config=None):
     gen = torch.Generator(device="cuda").manual_seed(hash((kv_layout, causal, num_splits)) % 2**31)
     q_lens = [1, 300, 1, 77, 0, 1, 513]
     k_lens = [900, 300, 1, 200, 50, 0, 513]
@@ -172,7 +194,7 @@ def test_varlen_mixed_batch(kv_layout, causal, num_splits):
     out = torch.full_like(q, float("nan"))
     _, lse = flash_cute.flash_attn_varlen_func(
         q, k, v, cu_q, max(q_lens), max_seqlen_k=max(k_lens), causal=causal, num_splits=num_splits,
-        return_softmax_lse=True, out=out, **kwargs,
+        return_softmax_lse=True, out=out, config=config, **kwargs,
     )
     q_seqs = [q[cu_q[b]:cu_q[b + 1]].unsqueeze(0) for b in range(batch)]
     refs, lowps, lse_refs = reference_per_sequence(q_seqs, k_seqs, v_seqs, causal)
