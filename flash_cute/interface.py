@@ -58,7 +58,8 @@ def flash_attn_func(
         key = (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype, k.get_device(),
                v.shape, v.stride(), v.dtype, v.get_device(),
                None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()),
-               softmax_scale, causal, return_lse, config)
+               softmax_scale, causal, return_lse, config,
+               type(softmax_scale), type(causal), type(return_lse))  # True == 1 == 1.0 as keys
         plan = _FUNC_PLANS.get(key)
     except (AttributeError, TypeError):
         key = plan = None
@@ -144,6 +145,18 @@ def flash_attn_varlen_func(
     be non-decreasing and stay within q/k. Rows of q past cu_seqlens_q[-1] are not written.
     The call has no host synchronization.
     """
+    try:  # repeated calls with the same metadata skip the checks (see _LaunchPlan)
+        key = (q.shape, q.stride(), q.dtype, q.get_device(), _meta(k), _meta(v), _meta(cu_seqlens_q),
+               _meta(cu_seqlens_k), _meta(seqused_k), _meta(page_table), _meta(out), max_seqlen_q,
+               max_seqlen_k, softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, config,
+               type(max_seqlen_q), type(max_seqlen_k), type(softmax_scale), type(causal), type(num_splits),
+               type(pack_gqa), type(return_softmax_lse))
+        plan = _VARLEN_PLANS.get(key)
+    except (AttributeError, TypeError):
+        key = plan = None
+    if plan is not None and plan.usable(q, k, v, out):
+        return plan.launch(q, k, v, out, seqused_k=seqused_k, page_table=page_table,
+                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     checks.check_tensor("q", q, 3, "(total_q, nheads, headdim)")
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -201,8 +214,10 @@ def flash_attn_varlen_func(
     out = _prepare_out(out, q, k, v)
     lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device) if return_lse else None
     if out.numel() > 0:
-        _run(problem, q, k, v, out, lse, scale_log2, causal, config, num_splits, pack_gqa,
-             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, page_table=page_table)
+        plan = _run(problem, q, k, v, out, lse, scale_log2, causal, config, num_splits, pack_gqa,
+                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
+                    page_table=page_table)
+        _remember(_VARLEN_PLANS, key, plan)
     return (out, lse) if return_lse else out
 
 
@@ -257,7 +272,8 @@ def flash_attn_with_kvcache(
                seqlens_meta, None if page_table is None else (page_table.shape, page_table.stride(),
                                                               page_table.dtype, page_table.get_device()),
                None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()),
-               softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, config)
+               softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, config,
+               type(softmax_scale), type(causal), type(num_splits), type(pack_gqa), type(return_softmax_lse))
         plan = _KVCACHE_PLANS.get(key)
     except (AttributeError, TypeError):
         key = plan = None
@@ -484,12 +500,12 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
         elif out_kernel.data_ptr() != out.data_ptr():
             out.copy_(out_kernel)
     # A call that needed no layout fix-ups can be replayed from its metadata alone.
-    if problem.varlen_q or q_k is not q or k_k is not k or v_k is not v:
+    if q_k is not q or k_k is not k or v_k is not v:
         return None
     if (out_kernel is not out and not split) or (split and not checks.aligned_16b(out)):
         return None
     combine = None
-    if split:
+    if split and not problem.varlen_q:  # (varlen partials go through _combine_varlen_partials)
         combine = raw_function(get_combine_kernel(CombineKernelKey(
             out_dtype=checks.ALL_DTYPE_NAMES[out.dtype], head_dim=problem.head_dim,
             writes_lse=lse is not None, lse_heads_major=True)))
@@ -497,7 +513,7 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
         forward=raw_function(kernel), combine=combine, device=q.device, dtype=q.dtype,
         out_shape=tuple(out.shape), lse_shape=tuple(lse.shape) if lse is not None else None,
         scale_log2=scale_log2, max_ctas=max_ctas, num_splits=num_splits,
-        uses_tile_counter=key.uses_tile_counter,
+        uses_tile_counter=key.uses_tile_counter, varlen=problem.varlen_q,
         out_like_q=q.is_contiguous() and tuple(out.shape) == tuple(q.shape) and out.dtype == q.dtype,
         partial_lse_shape=(num_splits, *_lse_shape(problem, q)),
         extents=tuple(checks.byte_extent(t) for t in (q, k, v, out)),
@@ -537,6 +553,12 @@ def _tile_counter(device: torch.device) -> torch.Tensor:
 
 _FUNC_PLANS: dict = {}
 _KVCACHE_PLANS: dict = {}
+_VARLEN_PLANS: dict = {}
+
+
+def _meta(t):
+    """A tensor's metadata for a launch-plan key (None stays None)."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
 _MAX_PLANS = 4096
 
 
@@ -558,17 +580,18 @@ class _LaunchPlan:
     __slots__ = ("forward", "combine", "device", "device_index", "dtype", "out_shape", "lse_shape",
                  "scale_log2", "max_ctas", "num_splits", "extents", "uses_tile_counter", "out_like_q",
                  "partial_numel", "partial_o_shape", "partial_o_stride", "partial_lse_shape",
-                 "partial_lse_stride", "partial_lse_offset")
+                 "partial_lse_stride", "partial_lse_offset", "varlen")
 
     def __init__(self, forward, combine, device, dtype, out_shape, lse_shape, scale_log2,
                  max_ctas, num_splits, partial_lse_shape, extents, uses_tile_counter=False,
-                 out_like_q=False):
+                 out_like_q=False, varlen=False):
         self.forward, self.combine = forward, combine
         self.extents = extents  # bytes spanned by q, k, v, out
         self.device, self.device_index, self.dtype = device, device.index, dtype
         self.out_shape, self.lse_shape = out_shape, lse_shape
         self.scale_log2, self.max_ctas, self.num_splits = scale_log2, max_ctas, num_splits
         self.uses_tile_counter = uses_tile_counter
+        self.varlen = varlen
         self.out_like_q = out_like_q  # q contiguous: empty_like(q) is out (and cheaper to call)
         # Split partials (fp32 O, then LSE) share one allocation.
         self.partial_o_shape = (num_splits, *out_shape)
@@ -591,21 +614,24 @@ class _LaunchPlan:
         oe = self.extents[3]
         return all(op >= p + e or p >= op + oe for p, e in zip((qp, kp, vp), self.extents))
 
-    def launch(self, q, k, v, out, seqused_k=None, page_table=None):
+    def launch(self, q, k, v, out, seqused_k=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None):
         if out is None:
             out = torch.empty_like(q) if self.out_like_q else torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         if self.num_splits == 1:
             counter = _tile_counter(self.device) if self.uses_tile_counter else None
-            self.forward(q, k, v, out, lse, self.scale_log2, None, None, seqused_k, page_table, counter,
-                         self.max_ctas, 1)
+            self.forward(q, k, v, out, lse, self.scale_log2, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
+                         counter, self.max_ctas, 1)
         else:
             partials = torch.empty(self.partial_numel, dtype=torch.float32, device=self.device)
             out_partial = partials.as_strided(self.partial_o_shape, self.partial_o_stride)
             lse_partial = partials.as_strided(self.partial_lse_shape, self.partial_lse_stride, self.partial_lse_offset)
-            self.forward(q, k, v, out_partial, lse_partial, self.scale_log2, None, None, seqused_k,
-                         page_table, None, self.max_ctas, self.num_splits)
-            self.combine(out_partial, lse_partial, out, lse)
+            self.forward(q, k, v, out_partial, lse_partial, self.scale_log2, cu_seqlens_q, cu_seqlens_k,
+                         seqused_k, page_table, None, self.max_ctas, self.num_splits)
+            if self.varlen:
+                _combine_varlen_partials(out_partial, lse_partial, out, lse)
+            else:
+                self.combine(out_partial, lse_partial, out, lse)
         return out if self.lse_shape is None else (out, lse)
 
 
@@ -624,16 +650,17 @@ def _lse_shape(problem: _Problem, q):
 
 
 def _combine_forward_partials(problem: _Problem, out_partial, lse_partial, out, lse):
-    """Views of the forward kernel's split buffers in the combine's (K, B, S, H[, D]) form."""
-    if problem.varlen_q:  # (K, T, H, D), lse (K, H, T)
-        o_p = out_partial.unsqueeze(1)
-        l_p = lse_partial.transpose(1, 2).unsqueeze(1)
-        o = out.unsqueeze(0)
-        l = lse.t().unsqueeze(0) if lse is not None else None
+    """The forward kernel's split buffers -> out, lse."""
+    if problem.varlen_q:
+        _combine_varlen_partials(out_partial, lse_partial, out, lse)
     else:  # (K, B, S, H, D), lse (K, B, H, S): the combine reads this layout directly
         _combine(out_partial, lse_partial, out, lse, lse_heads_major=True)
-        return
-    _combine(o_p, l_p, o, l)
+
+
+def _combine_varlen_partials(out_partial, lse_partial, out, lse):
+    """Varlen split buffers (K, T, H, D) and LSE (K, H, T), as the combine's (K, 1, T, H[, D])."""
+    l = lse.t().unsqueeze(0) if lse is not None else None
+    _combine(out_partial.unsqueeze(1), lse_partial.transpose(1, 2).unsqueeze(1), out.unsqueeze(0), l)
 
 
 def _combine(out_partial, lse_partial, out, lse, lse_heads_major=False):

@@ -288,3 +288,36 @@ def test_decode_graph_replay_with_new_lengths_and_pages():
             [v_pad[b:b + 1, :n[b]] for b in range(batch)], True,
         )
         assert_close_to_reference([graph_out[b:b + 1] for b in range(batch)], None, refs, lowps, None)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_varlen_repeated_calls_use_new_contents(num_splits, return_lse):
+    """Calls with the same metadata replay a launch plan: new cu_seqlens, seqused_k and page
+    table contents (same shapes) must still give the right answer every time."""
+    gen = torch.Generator(device="cuda").manual_seed(31 + num_splits + 2 * return_lse)
+    batch, nheads, nheads_kv, d, dtype, page_size = 5, 16, 4, 128, torch.bfloat16, 32
+    k_cache, v_cache, page_table, k_pad, v_pad = make_cache(batch, 640, nheads_kv, d, dtype, page_size, gen)
+    total_q = 400
+    for step in range(3):
+        q_lens = torch.randint(0, 80, (batch,), generator=gen, device="cuda")  # sums stay within total_q
+        cu_q = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0)).to(torch.int32)
+        k_lens = (q_lens + torch.randint(0, 500, (batch,), generator=gen, device="cuda")).to(torch.int32)
+        perm = torch.randperm(batch, generator=gen, device="cuda")
+        table = page_table[perm].contiguous()  # a different page table each step, same shape
+        k_view, v_view = k_pad[perm], v_pad[perm]
+        q = torch.randn(total_q, nheads, d, device="cuda", dtype=dtype, generator=gen)
+        out = torch.full_like(q, float("nan"))
+        result = flash_cute.flash_attn_varlen_func(
+            q, k_cache, v_cache, cu_q, 120, seqused_k=k_lens, max_seqlen_k=640, page_table=table,
+            causal=True, num_splits=num_splits, return_softmax_lse=return_lse, out=out)
+        lse = result[1] if return_lse else None
+        cq, kl = cu_q.tolist(), k_lens.tolist()
+        q_seqs = [q[cq[b]:cq[b + 1]].unsqueeze(0) for b in range(batch)]
+        refs, lowps, lse_refs = reference_per_sequence(
+            q_seqs, [k_view[b:b + 1, :kl[b]] for b in range(batch)], [v_view[b:b + 1, :kl[b]] for b in range(batch)],
+            True)
+        outs = [out[cq[b]:cq[b + 1]].unsqueeze(0) for b in range(batch)]
+        lses = [lse[:, cq[b]:cq[b + 1]].unsqueeze(0) for b in range(batch)] if return_lse else None
+        assert_close_to_reference(outs, lses, refs, lowps, lse_refs)
+    assert len(flash_cute.interface._VARLEN_PLANS) > 0, "the repeated calls did not take the launch-plan path"
