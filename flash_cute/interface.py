@@ -488,13 +488,10 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
         lse_kernel = lse
     q_k, k_k, v_k = checks.for_tma(q), checks.for_tma(k), checks.for_tma(v)
     max_ctas = num_sms(device_index) * config.ctas_per_sm  # the persistent grid's cap
-    tile_counter = _tile_counter(q.device) if key.uses_tile_counter else None
-    args = (
-        q_k, k_k, v_k, out_kernel, lse_kernel, scale_log2,
-        cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, tile_counter, max_ctas, num_splits,
-    )
-    with _on_device(q.device):
-        kernel(*args)
+    with _on_device(q.device):  # (the tile counter depends on q's device's current stream)
+        tile_counter = _tile_counter(q.device) if key.uses_tile_counter else None
+        kernel(q_k, k_k, v_k, out_kernel, lse_kernel, scale_log2, cu_seqlens_q, cu_seqlens_k, seqused_k,
+               page_table, tile_counter, max_ctas, num_splits)
         if split:
             _combine_forward_partials(problem, out_kernel, lse_kernel, out, lse)
         elif out_kernel.data_ptr() != out.data_ptr():

@@ -1,6 +1,9 @@
 """FlashAttention-3-style forward kernel for Hopper (sm_90a), written in the CuTe DSL.
 
-One CTA computes one (query tile, head, batch[, split]): tile_m rows of O and their LSE.
+A tile is one (query tile, head, batch[, split]): tile_m rows of O and their LSE. By default one
+CTA computes one tile; with a persistent scheduler (config.scheduler, fixed-length unsplit
+problems) at most SMs x ctas_per_sm CTAs loop over the tiles, the producer warp loading the
+next tile's Q and K/V while the MMA warpgroups finish the current one (kernels/tile_scheduler.py).
 
 Warp roles (128 * (1 + num_mma_warpgroups) threads):
 - warpgroup 0, the producer, lowers its registers with setmaxnreg; its warp 0 issues the TMA
@@ -16,6 +19,9 @@ Scheduling knobs (static config):
 - pingpong: named barriers make the consumer warpgroups take turns issuing GEMMs, so one's
   softmax overlaps another's tensor-core work.
 - rescale_o_before_pv: scale O while Q K^T is in flight instead of after P V (large head dims).
+- scheduler, l2_section_mb: one CTA per tile or persistent CTAs (static or dynamic), and the
+  causal tile order's head sections.
+- mbarrier_probe: poll K/V barriers once before the blocking wait.
 
 Problem variants (static; each is a separate compiled kernel):
 - varlen_q: q is packed (total_q, nheads, d) with cu_seqlens_q.

@@ -34,6 +34,9 @@ KNOB_KEYS = [
     ForwardKernelKey("bfloat16", 64, True, AttentionConfig(192, 128, intra_wg_overlap=False,
                                                            scheduler="dynamic_persistent"),
                      True, kv_layout="paged", seqused_k=True, page_box_rows=64, pack_gqa_ratio=4),
+    ForwardKernelKey("bfloat16", 128, False, AttentionConfig(64, 64, num_stages=3, pingpong=False, ctas_per_sm=2,
+                                                             scheduler="dynamic_persistent", mbarrier_probe=True),
+                     True),
 ]
 
 
