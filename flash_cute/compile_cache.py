@@ -109,7 +109,9 @@ def compile_forward(key: ForwardKernelKey, options: str = "") -> Callable:
     dtype = _cutlass_dtype(key.dtype)
     variant = {f: getattr(key, f) for f in ("varlen_q", "kv_layout", "seqused_k", "page_box_rows", "split",
                                              "pack_gqa_ratio")}
-    kernel = FlashAttentionForwardSm90(dtype, key.head_dim, key.causal, key.config, **variant)
+    # The config's scheduler where the variant supports one (the kernel asserts it does).
+    config = key.config.replace(scheduler=key.tile_scheduler)
+    kernel = FlashAttentionForwardSm90(dtype, key.head_dim, key.causal, config, **variant)
     sym = cute.sym_int
     batch, seqlen_q, nheads, seqlen_k, nheads_kv, splits = (sym() for _ in range(6))
     d = key.head_dim

@@ -22,6 +22,11 @@ REGISTERS_PER_SM = 65536
 THREADS_PER_WARPGROUP = 128
 # Registers per MMA thread kept free of accumulators (addresses, softmax temporaries, masks).
 REGISTER_HEADROOM = 32
+def _aligned_1k(nbytes: int) -> int:
+    """Bytes of a shared-memory buffer aligned to 1024 (the kernel's swizzle alignment)."""
+    return (nbytes + 1023) // 1024 * 1024
+
+
 TILE_SCHEDULERS = ("single_tile", "static_persistent", "dynamic_persistent")
 # Standard producer / MMA register split per number of MMA warpgroups (FA3's choice).
 DEFAULT_REGISTER_SPLIT = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
@@ -125,18 +130,34 @@ class AttentionConfig:
             changes.setdefault("mma_registers", None)
         return dataclasses.replace(self, **changes)
 
-    def smem_bytes(self, head_dim: int, element_bytes: int = 2) -> int:
-        """Dynamic shared memory of the kernel: Q (reused for O), the K and V rings, P when
-        it goes through shared memory, and the mbarriers; each buffer 1024-byte aligned."""
+    def smem_limit(self) -> int:
+        """Shared memory one CTA may use with ctas_per_sm CTAs resident on an SM."""
+        return min(MAX_SMEM_BYTES_PER_BLOCK, SMEM_BYTES_PER_SM // self.ctas_per_sm - 1024)
 
-        def aligned(nbytes):
-            return (nbytes + 1023) // 1024 * 1024
-
-        mbarriers = aligned(8 * (2 + 4 * self.num_stages))
+    def _smem_bytes_without_o(self, head_dim: int, element_bytes: int = 2) -> int:
+        aligned = _aligned_1k
+        # Q, K, V rings' mbarriers, the tile handoff's 4 mbarriers and 2 int32 slots.
+        mbarriers = aligned(8 * (2 + 4 * self.num_stages + 4) + 8)
         q = aligned(self.tile_m * head_dim * element_bytes)
         kv = 2 * aligned(self.num_stages * self.tile_n * head_dim * element_bytes)
         p = 0 if self.pv_from_registers else aligned(self.tile_m * self.tile_n * element_bytes)
         return mbarriers + q + kv + p
+
+    def separate_o_smem(self, head_dim: int, element_bytes: int = 2) -> bool:
+        """Whether O gets a smem tile of its own: persistent schedulers only (so the next
+        tile's Q can load during this tile's epilogue), and only when it fits; otherwise O
+        reuses Q's tile."""
+        o = _aligned_1k(self.tile_m * head_dim * element_bytes)
+        return self.persistent and self._smem_bytes_without_o(head_dim, element_bytes) + o <= self.smem_limit()
+
+    def smem_bytes(self, head_dim: int, element_bytes: int = 2) -> int:
+        """Dynamic shared memory of the kernel: Q (reused for O unless separate_o_smem), the K
+        and V rings, P when it goes through shared memory, and the mbarriers; each buffer
+        1024-byte aligned."""
+        o = 0
+        if self.separate_o_smem(head_dim, element_bytes):
+            o = _aligned_1k(self.tile_m * head_dim * element_bytes)
+        return self._smem_bytes_without_o(head_dim, element_bytes) + o
 
     def accumulator_registers(self, head_dim: int) -> int:
         """fp32 registers per MMA thread held by accumulators at the busiest point:
@@ -186,7 +207,7 @@ class AttentionConfig:
                     f"mma_registers - {REGISTER_HEADROOM} = {self.mma_registers - REGISTER_HEADROOM}"
                 )
         smem = self.smem_bytes(head_dim)
-        smem_limit = min(MAX_SMEM_BYTES_PER_BLOCK, SMEM_BYTES_PER_SM // self.ctas_per_sm - 1024)
+        smem_limit = self.smem_limit()
         if smem > smem_limit:
             problems.append(
                 f"needs {smem} bytes of shared memory for head_dim={head_dim}, more than the "

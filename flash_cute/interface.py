@@ -480,9 +480,9 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
         split=split, pack_gqa_ratio=pack_ratio,
     )
     kernel = get_forward_kernel(key)
+    partials = _SplitPartials.for_shapes(num_splits, tuple(out.shape), _lse_shape(problem, q))
     if split:
-        out_kernel = torch.empty((num_splits, *out.shape), dtype=torch.float32, device=q.device)
-        lse_kernel = torch.empty((num_splits, *_lse_shape(problem, q)), dtype=torch.float32, device=q.device)
+        out_kernel, lse_kernel = partials.allocate(q.device)
     else:
         out_kernel = checks.for_tma(out) if checks.aligned_16b(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
         lse_kernel = lse
@@ -512,7 +512,7 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
         scale_log2=scale_log2, max_ctas=max_ctas, num_splits=num_splits,
         uses_tile_counter=key.uses_tile_counter, varlen=problem.varlen_q,
         out_like_q=q.is_contiguous() and tuple(out.shape) == tuple(q.shape) and out.dtype == q.dtype,
-        partial_lse_shape=(num_splits, *_lse_shape(problem, q)),
+        partials=partials,
         extents=tuple(checks.byte_extent(t) for t in (q, k, v, out)),
     )
 
@@ -576,11 +576,10 @@ class _LaunchPlan:
 
     __slots__ = ("forward", "combine", "device", "device_index", "dtype", "out_shape", "lse_shape",
                  "scale_log2", "max_ctas", "num_splits", "extents", "uses_tile_counter", "out_like_q",
-                 "partial_numel", "partial_o_shape", "partial_o_stride", "partial_lse_shape",
-                 "partial_lse_stride", "partial_lse_offset", "varlen")
+                 "partials", "varlen")
 
     def __init__(self, forward, combine, device, dtype, out_shape, lse_shape, scale_log2,
-                 max_ctas, num_splits, partial_lse_shape, extents, uses_tile_counter=False,
+                 max_ctas, num_splits, partials, extents, uses_tile_counter=False,
                  out_like_q=False, varlen=False):
         self.forward, self.combine = forward, combine
         self.extents = extents  # bytes spanned by q, k, v, out
@@ -590,13 +589,7 @@ class _LaunchPlan:
         self.uses_tile_counter = uses_tile_counter
         self.varlen = varlen
         self.out_like_q = out_like_q  # q contiguous: empty_like(q) is out (and cheaper to call)
-        # Split partials (fp32 O, then LSE) share one allocation.
-        self.partial_o_shape = (num_splits, *out_shape)
-        self.partial_o_stride = _contiguous_strides(self.partial_o_shape)
-        self.partial_lse_shape = partial_lse_shape
-        self.partial_lse_stride = _contiguous_strides(partial_lse_shape)
-        self.partial_lse_offset = math.prod(self.partial_o_shape)
-        self.partial_numel = self.partial_lse_offset + math.prod(partial_lse_shape)
+        self.partials = partials
 
     def usable(self, q, k, v, out) -> bool:
         qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
@@ -620,9 +613,7 @@ class _LaunchPlan:
             self.forward(q, k, v, out, lse, self.scale_log2, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
                          counter, self.max_ctas, 1)
         else:
-            partials = torch.empty(self.partial_numel, dtype=torch.float32, device=self.device)
-            out_partial = partials.as_strided(self.partial_o_shape, self.partial_o_stride)
-            lse_partial = partials.as_strided(self.partial_lse_shape, self.partial_lse_stride, self.partial_lse_offset)
+            out_partial, lse_partial = self.partials.allocate(self.device)
             self.forward(q, k, v, out_partial, lse_partial, self.scale_log2, cu_seqlens_q, cu_seqlens_k,
                          seqused_k, page_table, None, self.max_ctas, self.num_splits)
             if self.varlen:
@@ -630,6 +621,32 @@ class _LaunchPlan:
             else:
                 self.combine(out_partial, lse_partial, out, lse)
         return out if self.lse_shape is None else (out, lse)
+
+
+@dataclass(frozen=True)
+class _SplitPartials:
+    """Layout of a split launch's fp32 partial O (num_splits, *out_shape) and LSE
+    (num_splits, *lse_shape), contiguous and sharing one allocation (O first: its size is a
+    multiple of headdim >= 64 floats, so the LSE starts 16-byte aligned)."""
+
+    o_shape: tuple
+    o_stride: tuple
+    lse_shape: tuple
+    lse_stride: tuple
+    lse_offset: int
+    numel: int
+
+    @staticmethod
+    def for_shapes(num_splits: int, out_shape: tuple, lse_shape: tuple) -> "_SplitPartials":
+        o_shape, lse_shape = (num_splits, *out_shape), (num_splits, *lse_shape)
+        offset = math.prod(o_shape)
+        return _SplitPartials(o_shape, _contiguous_strides(o_shape), lse_shape, _contiguous_strides(lse_shape),
+                              offset, offset + math.prod(lse_shape))
+
+    def allocate(self, device):
+        buffer = torch.empty(self.numel, dtype=torch.float32, device=device)
+        return (buffer.as_strided(self.o_shape, self.o_stride),
+                buffer.as_strided(self.lse_shape, self.lse_stride, self.lse_offset))
 
 
 def _contiguous_strides(shape) -> tuple:

@@ -78,18 +78,6 @@ def _make_packed_gqa_tma_atom(op, mX, smem_layout, tile_m: int, head_dim: int, r
     return atom, cute.make_tensor(tma.iterator, cute.make_layout(shape, stride=stride))
 
 
-def _fits_separate_o(tile_m, tile_n, head_dim, num_stages, pv_from_registers, ctas_per_sm) -> bool:
-    """Whether Q, the K/V rings, P (when in smem) and a separate O tile fit in shared memory
-    (16-bit elements, 1024-byte aligned buffers, a few KB spare for barriers)."""
-    def kb(rows, cols):
-        return (rows * cols * 2 + 1023) // 1024
-
-    total = 2 * kb(tile_m, head_dim) + 2 * num_stages * kb(tile_n, head_dim) + 1
-    if not pv_from_registers:
-        total += kb(tile_m, tile_n)
-    return total <= (227 if ctas_per_sm == 1 else 113)
-
-
 @dataclass(frozen=True)
 class MainloopOperands:
     """What an MMA warpgroup's per-key-block steps work on (frozen: read-only to the DSL
@@ -147,8 +135,8 @@ class FlashAttentionForwardSm90:
         split: bool = False,
         pack_gqa_ratio: int = 1,
     ):
-        """config: the tile and scheduling knobs (flash_cute.AttentionConfig or any object with
-        its fields); the rest selects the problem variant."""
+        """config: the tile and scheduling knobs (a flash_cute.AttentionConfig: its fields and
+        its shared-memory model, separate_o_smem); the rest selects the problem variant."""
         tile_m, tile_n = config.tile_m, config.tile_n
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         assert tile_m % 64 == 0 and 1 <= tile_m // 64 <= 3
@@ -185,19 +173,24 @@ class FlashAttentionForwardSm90:
         self.causal_lpt_grid = causal and not varlen_q and not split
         self.l2_section_mb = config.l2_section_mb
         self.mbarrier_probe = config.mbarrier_probe
-        # Persistent: a grid of at most max_ctas CTAs, each looping over tiles (index += grid
-        # size) so one tile's epilogue overlaps the next tile's Q and K/V loads.
-        self.persistent = config.scheduler != "single_tile" and self.tma_store_o
+        # Persistent: a grid of at most max_ctas CTAs, each looping over tiles, so one tile's
+        # epilogue overlaps the next tile's Q and K/V loads. The host picks the scheduler
+        # (ForwardKernelKey.tile_scheduler); it needs O's smem + TMA store path.
+        self.persistent = config.scheduler != "single_tile"
+        assert not self.persistent or self.tma_store_o, "persistent schedulers need fixed-length, unsplit problems"
         # Dynamic: after the first tile (its block index), CTAs take tile indices from a global
         # counter, so CTAs that drew short causal tiles take more of them.
-        self.dynamic_scheduler = self.persistent and config.scheduler == "dynamic_persistent"
-        # O gets its own smem when it fits, so the next Q can load during the epilogue;
-        # otherwise O reuses Q's tile and Q is released only once the O store has read it.
-        self.separate_o_smem = self.persistent and _fits_separate_o(
-            self.tile_m, self.tile_n, head_dim, self.num_stages, self.pv_from_registers,
-            self.ctas_per_sm,
-        )
+        self.dynamic_scheduler = config.scheduler == "dynamic_persistent"
+        # O gets its own smem when it fits (config's smem model), so the next Q can load during
+        # the epilogue; otherwise O reuses Q's tile and Q is freed once the O store has read it.
+        self.separate_o_smem = config.separate_o_smem(head_dim)
         self.smem_align = 1024
+
+    def _tile_grid(self, mQ_shape: cute.Tensor):
+        """(query tiles per (head, batch), heads of the grid) for q in kernel mode order; with
+        packed GQA the rows hold pack_gqa_ratio heads and the grid runs over kv heads."""
+        ratio = self.pack_gqa_ratio
+        return cute.ceil_div(mQ_shape.shape[0] * ratio, self.tile_m), mQ_shape.shape[2] // ratio
 
     # ------------------------------------------------------------------------------------
     # Host side
@@ -296,23 +289,21 @@ class FlashAttentionForwardSm90:
 
         self.shared_storage = SharedStorage
 
-        nheads = mQ.shape[2]
-        grid_heads = nheads // ratio
+        num_m, grid_heads = self._tile_grid(mQ)
         if const_expr(self.split):
             grid_heads = grid_heads * num_splits
         if const_expr(self.varlen_q):
             # Every sequence's tiles, flattened: sum ceil(len * ratio / tile_m) is at most
             # ceil(total * ratio / tile_m) + batch (the spare CTAs exit at once).
             batch = mCuSeqlensQ.shape[0] - 1
-            grid = (cute.ceil_div(mQ.shape[0] * ratio, self.tile_m) + batch, grid_heads, 1)
+            grid = (num_m + batch, grid_heads, 1)
         elif const_expr(self.persistent):
-            num_tiles = cute.ceil_div(mQ.shape[0] * ratio, self.tile_m) * grid_heads * mQ.shape[3]
-            grid = (cutlass.min(num_tiles, max_ctas), 1, 1)
+            grid = (cutlass.min(num_m * grid_heads * mQ.shape[3], max_ctas), 1, 1)
         elif const_expr(self.causal_lpt_grid):
             # One flat index over (batch, head section, m_block, head): see _tile_coords.
-            grid = (cute.ceil_div(mQ.shape[0] * ratio, self.tile_m) * grid_heads * mQ.shape[3], 1, 1)
+            grid = (num_m * grid_heads * mQ.shape[3], 1, 1)
         else:
-            grid = (cute.ceil_div(mQ.shape[0] * ratio, self.tile_m), grid_heads, mQ.shape[3])
+            grid = (num_m, grid_heads, mQ.shape[3])
         self.kernel(
             tma_Q, tma_K, tma_V, mO_kernel, mLSE, mQ, mK,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mTileCounter, num_splits,
@@ -392,14 +383,14 @@ class FlashAttentionForwardSm90:
             producer_group=tma_warp, consumer_group=mma_warps, tx_count=self.tma_bytes_kv,
             defer_sync=True,
         )
-        num_tiles = Int32(1)
+        scheduler = None
         if const_expr(self.persistent):
-            num_tiles = (cute.ceil_div(mQ_shape.shape[0] * self.pack_gqa_ratio, self.tile_m)
-                         * (mQ_shape.shape[2] // self.pack_gqa_ratio) * mQ_shape.shape[3])
-        scheduler = PersistentTileScheduler.create(
-            num_tiles, self.dynamic_scheduler, mTileCounter, storage.mbar_sched.data_ptr(),
-            storage.next_tile.get_tensor(cute.make_layout(2)), self.num_mma_threads,
-        )
+            num_m, heads = self._tile_grid(mQ_shape)
+            scheduler = PersistentTileScheduler.create(
+                num_m * heads * mQ_shape.shape[3], self.dynamic_scheduler, mTileCounter,
+                storage.mbar_sched.data_ptr(), storage.next_tile.get_tensor(cute.make_layout(2)),
+                self.num_mma_threads,
+            )
         pipeline.pipeline_init_arrive()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -510,8 +501,7 @@ class FlashAttentionForwardSm90:
             m_block, bidy, batch_idx = self._causal_lpt_tile(bidx, mQ_shape, mK_shape)
         elif const_expr(self.persistent):
             # m_block fastest, then head, then batch: CTAs running together share K/V.
-            num_m = cute.ceil_div(mQ_shape.shape[0] * self.pack_gqa_ratio, self.tile_m)
-            heads = mQ_shape.shape[2] // self.pack_gqa_ratio
+            num_m, heads = self._tile_grid(mQ_shape)
             rest = bidx // num_m
             m_block = bidx - rest * num_m
             batch_idx = rest // heads
@@ -535,8 +525,7 @@ class FlashAttentionForwardSm90:
         """(m_block, head, batch) of flat causal tile tile_idx. Order: batch, then sections of
         heads whose K and V fit in half the L2 together, then m_block from the last (the
         longest causal tile) to the first, then head within the section."""
-        num_m = cute.ceil_div(mQ_shape.shape[0] * self.pack_gqa_ratio, self.tile_m)
-        heads = mQ_shape.shape[2] // self.pack_gqa_ratio
+        num_m, heads = self._tile_grid(mQ_shape)
         per_batch = num_m * heads
         batch = tile_idx // per_batch
         rest = tile_idx - batch * per_batch
