@@ -49,7 +49,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from flash_cute.config import TILE_SCHEDULERS
+from flash_cute.config import TILE_SCHEDULERS, AttentionConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -401,7 +401,8 @@ ON_OFF = {"on": True, "off": False}
 
 
 def sweep_configs(head_dim: int, dtype: str, tile_m, tile_n, stages, pv, overlap, pingpong, rescale, ctas,
-                  schedulers=("single_tile",), l2_section_mb=(24,), mbarrier_probe=(False,)):
+                  schedulers=("single_tile",), l2_section_mb=(AttentionConfig.l2_section_mb,),
+                  mbarrier_probe=(False,)):
     """Every valid AttentionConfig of the product of the knob lists."""
     import itertools
 
@@ -466,7 +467,7 @@ def config_label(cfg) -> str:
              f"{' rb' if cfg.rescale_o_before_pv else ''}")
     label += f" {cfg.ctas_per_sm}cta" if cfg.ctas_per_sm > 1 else ""
     short = {"single_tile": "", "static_persistent": " static", "dynamic_persistent": " dynamic"}
-    label += f" l2:{cfg.l2_section_mb}MB" if cfg.l2_section_mb != 24 else ""
+    label += f" l2:{cfg.l2_section_mb}MB" if cfg.l2_section_mb != AttentionConfig.l2_section_mb else ""
     label += " probe" if cfg.mbarrier_probe else ""
     return label + short[cfg.scheduler]
 
@@ -607,7 +608,7 @@ def main(argv=None) -> int:
     sw.add_argument("--ctas-per-sm", type=int, nargs="+", default=[1])
     sw.add_argument("--scheduler", choices=list(TILE_SCHEDULERS), nargs="+", default=list(TILE_SCHEDULERS),
                     help="tile schedulers to try (one CTA per tile, or persistent CTAs)")
-    sw.add_argument("--l2-section-mb", type=int, nargs="+", default=[24],
+    sw.add_argument("--l2-section-mb", type=int, nargs="+", default=[AttentionConfig.l2_section_mb],
                     help="causal tile order: MB of K/V per section of heads ordered longest first")
     sw.add_argument("--mbarrier-probe", choices=["on", "off"], nargs="+", default=["off"],
                     help="poll K/V barriers once before the blocking wait")

@@ -54,8 +54,9 @@ class AttentionConfig:
         length. Both persistent kinds apply to fixed-length, unsplit problems; varlen and
         split-KV launches keep one CTA per tile. Tile order: causal tiles longest first, in
         sections of heads whose K/V fit in l2_section_mb; otherwise query tiles of a head together.
-    l2_section_mb: causal tile order: the K+V bytes (MB) of the heads whose tiles are ordered
-        longest first together; smaller keeps fewer heads' K/V in L2 at once.
+    l2_section_mb: causal tile order: the K+V bytes (MB) of the (batch, head) pairs whose
+        tiles are ordered longest first together; smaller keeps fewer heads' K/V in L2 at
+        once. The last section may be larger, so that the longest tiles do not finish alone.
     mbarrier_probe: MMA warps poll a K/V stage's barrier once before the blocking wait (the
         pattern of flash-attn-4's kernel) instead of going straight to the suspending wait.
     """
@@ -71,7 +72,7 @@ class AttentionConfig:
     mma_registers: Optional[int] = None
     ctas_per_sm: int = 1
     scheduler: str = "single_tile"
-    l2_section_mb: int = 24
+    l2_section_mb: int = 8
     mbarrier_probe: bool = False
 
     def __post_init__(self):

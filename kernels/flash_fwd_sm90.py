@@ -59,6 +59,10 @@ from .varlen_tiles import varlen_tile
 
 THREADS_PER_WARPGROUP = 128
 KV_LAYOUTS = ("padded", "packed", "paged")
+# Causal tile order (see _causal_lpt_tile): the last head section aims at this many tiles per
+# CTA, and holds at most one pair per this many CTAs.
+LPT_TAIL_TILES_PER_CTA = 3
+LPT_TAIL_CTAS_PER_PAIR = 4
 
 
 def _make_packed_gqa_tma_atom(op, mX, smem_layout, tile_m: int, head_dim: int, ratio: int):
@@ -306,7 +310,7 @@ class FlashAttentionForwardSm90:
             grid = (num_m, grid_heads, mQ.shape[3])
         self.kernel(
             tma_Q, tma_K, tma_V, mO_kernel, mLSE, mQ, mK,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mTileCounter, num_splits,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mTileCounter, num_splits, max_ctas,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             softmax_scale_log2,
             sQ_layout, sKV_layout, sP_layout,
@@ -342,6 +346,7 @@ class FlashAttentionForwardSm90:
         mPageTable: Optional[cute.Tensor],
         mTileCounter: Optional[cute.Tensor],
         num_splits: Int32,
+        max_ctas: Int32,
         tma_atom_Q: cute.CopyAtom,
         tma_atom_K: cute.CopyAtom,
         tma_atom_V: cute.CopyAtom,
@@ -404,7 +409,7 @@ class FlashAttentionForwardSm90:
             sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         shapes = SimpleNamespace(
             mQ=mQ_shape, mK=mK_shape, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK,
-            mSeqUsedK=mSeqUsedK, mPageTable=mPageTable, num_splits=num_splits,
+            mSeqUsedK=mSeqUsedK, mPageTable=mPageTable, num_splits=num_splits, max_ctas=max_ctas,
         )
         bidx, bidy, bidz = cute.arch.block_idx()
 
@@ -498,7 +503,7 @@ class FlashAttentionForwardSm90:
                 if m_block < num_tiles:  # (not a spare CTA)
                     m_block = num_tiles - 1 - m_block
         elif const_expr(self.causal_lpt_grid):
-            m_block, bidy, batch_idx = self._causal_lpt_tile(bidx, mQ_shape, mK_shape)
+            m_block, bidy, batch_idx = self._causal_lpt_tile(bidx, mQ_shape, mK_shape, shapes.max_ctas)
         elif const_expr(self.persistent):
             # m_block fastest, then head, then batch: CTAs running together share K/V.
             num_m, heads = self._tile_grid(mQ_shape)
@@ -521,23 +526,51 @@ class FlashAttentionForwardSm90:
         )
 
     @cute.jit
-    def _causal_lpt_tile(self, tile_idx: Int32, mQ_shape: cute.Tensor, mK_shape: cute.Tensor):
-        """(m_block, head, batch) of flat causal tile tile_idx. Order: batch, then sections of
-        heads whose K and V fit in half the L2 together, then m_block from the last (the
-        longest causal tile) to the first, then head within the section."""
+    def _causal_lpt_tile(self, tile_idx: Int32, mQ_shape: cute.Tensor, mK_shape: cute.Tensor, max_ctas: Int32):
+        """(m_block, head, batch) of flat causal tile tile_idx.
+
+        The (batch, head) pairs, batch-major, are cut into sections; a section's tiles run
+        from the last m_block (the longest causal tile) to the first, then head within the
+        section. A section holds the heads whose K and V fit in l2_section_mb, so CTAs
+        running together share K/V in L2. The sections share the pairs evenly, except the
+        last: it gets LPT_TAIL_TILES_PER_CTA x max_ctas tiles where that takes more pairs,
+        so its longest tiles start while enough shorter work remains to keep every CTA busy
+        until they finish (with a last section of one L2 budget, SMs sat idle 13% of the
+        time behind a few long tiles at hdim 256, 4k, per ncu). It holds at most one pair
+        per LPT_TAIL_CTAS_PER_PAIR CTAs, so that with short sequences (few tiles per pair)
+        CTAs running together still share K/V (a 96-pair last section cost 13% at 512).
+        """
         num_m, heads = self._tile_grid(mQ_shape)
-        per_batch = num_m * heads
-        batch = tile_idx // per_batch
-        rest = tile_idx - batch * per_batch
-        kv_bytes_per_head = mK_shape.shape[0] * (self.head_dim * self.dtype.width // 4)  # K and V
-        budget = self.l2_section_mb << 20
-        section = cutlass.max(cutlass.min(budget // cutlass.max(kv_bytes_per_head, 1), heads), 1)
-        section_idx = rest // (num_m * section)
-        idx = rest - section_idx * (num_m * section)
-        in_section = cutlass.min(section, heads - section_idx * section)
-        m_from_last = idx // in_section
-        head = section_idx * section + (idx - m_from_last * in_section)
-        return num_m - 1 - m_from_last, head, batch
+        pairs = heads * mQ_shape.shape[3]
+        bytes_per_key = self.head_dim * self.dtype.width // 4  # K and V
+        keys_per_section = (self.l2_section_mb << 20) // bytes_per_key
+        section = cutlass.max(cutlass.min(keys_per_section // cutlass.max(mK_shape.shape[0], 1), pairs), 1)
+        wanted = cutlass.min(cute.ceil_div(LPT_TAIL_TILES_PER_CTA * max_ctas, num_m), max_ctas // LPT_TAIL_CTAS_PER_PAIR)
+        tail = cutlass.min(cutlass.max(section, wanted), pairs)
+        head_pairs = pairs - tail
+        # The head pairs as n sections of q or q + 1 pairs (the first r get q + 1).
+        n = cute.ceil_div(head_pairs, section)
+        q = head_pairs // cutlass.max(n, 1)
+        r = head_pairs - q * n
+        big_tiles = (q + 1) * num_m
+        offset = tile_idx - head_pairs * num_m
+        size = tail
+        first_pair = head_pairs
+        if tile_idx < r * big_tiles:
+            s = tile_idx // big_tiles
+            offset = tile_idx - s * big_tiles
+            size = q + 1
+            first_pair = s * (q + 1)
+        elif tile_idx < head_pairs * num_m:
+            j = tile_idx - r * big_tiles
+            s = j // (q * num_m)
+            offset = j - s * (q * num_m)
+            size = q
+            first_pair = r * (q + 1) + s * q
+        m_from_last = offset // size
+        pair = first_pair + offset - m_from_last * size
+        batch = pair // heads
+        return num_m - 1 - m_from_last, pair - batch * heads, batch
 
     def _rows_of(self, mX: cute.Tensor, head: Int32, batch: Int32, offset: Int32) -> cute.Tensor:
         """The (rows, head_dim) slice of a q/k/v-like tensor in kernel mode order for one

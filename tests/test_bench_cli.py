@@ -17,7 +17,7 @@ def test_sweep_list_covers_scheduler_knobs(capsys):
     labels = lines[1:]
     assert len(set(labels)) == 8, "config labels must tell configs apart"
     assert sum("dynamic" in label for label in labels) == 4
-    assert sum("l2:8MB" in label for label in labels) == 4
+    assert sum("l2:24MB" in label for label in labels) == 4  # 8 MB is the default
     assert sum("probe" in label for label in labels) == 4
 
 

@@ -178,6 +178,21 @@ def test_persistent_scheduler(head_dim, causal, shape, short_row, scheduler):
         assert torch.equal(again, out), "persistent kernel is not deterministic"
 
 
+# Causal tile order with head sections of unequal sizes: 62 (batch, head) pairs of 8 query
+# tiles, 132 SMs, so the last section takes 33 pairs (49 with 24 MB sections). l2_section_mb 1:
+# sections of 2 pairs, the 29 before the last in 14 sections of 2 and one of 1; 3: sections
+# of 6, the 29 in 4 of 6 and one of 5; 24: 13 pairs, then 49.
+@pytest.mark.parametrize("scheduler", ["single_tile", "static_persistent", "dynamic_persistent"])
+@pytest.mark.parametrize("l2_section_mb", [1, 3, 24])
+def test_causal_order_with_head_sections(scheduler, l2_section_mb):
+    torch.manual_seed(11)
+    q, k, v = make_qkv(2, 1000, 1000, 31, 1, 128, torch.bfloat16)
+    config = AttentionConfig(tile_m=128, tile_n=128, scheduler=scheduler, l2_section_mb=l2_section_mb)
+    out = torch.full_like(q, float("nan"))
+    _, lse = flash_cute.flash_attn_func(q, k, v, causal=True, return_lse=True, out=out, config=config)
+    check_against_reference(q, k, v, out, lse, causal=True)
+
+
 def test_dynamic_scheduler_streams_and_graphs():
     """Launches on two streams at once use different tile counters; a captured graph has its
     own counter and replays correctly, also beside eager calls."""
@@ -206,6 +221,28 @@ def test_dynamic_scheduler_streams_and_graphs():
         eager = flash_cute.flash_attn_func(q, k, v, causal=True, config=config)
         torch.cuda.synchronize()
         assert torch.equal(graph_out, ref) and torch.equal(eager, ref)
+
+
+def test_launch_plan_keys_carry_flag_types():
+    """A repeated call replays a cached launch plan; flags equal to a cached call's but of a
+    type the checks reject (1.0 == True) must still be rejected, not replayed."""
+    q, k, v = make_qkv(1, 64, 64, 2, 2, 64, torch.bfloat16)
+    for _ in range(2):  # the second call replays the plan
+        flash_cute.flash_attn_func(q, k, v, softmax_scale=1, causal=True, return_lse=False)
+    with pytest.raises(TypeError, match="causal"):
+        flash_cute.flash_attn_func(q, k, v, softmax_scale=1, causal=1.0, return_lse=False)
+    with pytest.raises(TypeError, match="return_lse"):
+        flash_cute.flash_attn_func(q, k, v, softmax_scale=1, causal=True, return_lse=0.0)
+    with pytest.raises(TypeError, match="softmax_scale"):
+        flash_cute.flash_attn_func(q, k, v, softmax_scale=True, causal=True, return_lse=False)
+    k_cache, v_cache = k.clone(), v.clone()
+    seqlens = torch.full((1,), 64, dtype=torch.int32, device="cuda")
+    for _ in range(2):
+        flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, causal=True, num_splits=1)
+    with pytest.raises(TypeError, match="causal"):
+        flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, causal=1.0, num_splits=1)
+    with pytest.raises(TypeError, match="num_splits"):
+        flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, causal=True, num_splits=1.0)
 
 
 def test_cuda_graph_replay():
