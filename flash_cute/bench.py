@@ -33,7 +33,8 @@ point and the peers, and the first-call time of a new config with an empty and a
 
 Times are per call with calls issued back to back (CUDA events around each, median), so a
 call's time is its GPU time unless the host cannot keep up. Prefill peers take turns in rounds,
-so drift during a run does not favour whichever runs first.
+each round in another order (each peer follows every other equally often), so neither drift
+during a run nor the previous peer's power draw favours one of them.
 """
 
 from __future__ import annotations
@@ -76,18 +77,40 @@ def _event_times(fn: Callable[[], object], reps: int) -> List[float]:
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
+def balanced_orders(n: int) -> List[List[int]]:
+    """Orders of n callables in which each one follows every other one equally often (a
+    Williams Latin square: n orders for even n, 2n for odd n). A burst of calls runs faster
+    after a low-power kernel (the GPU has boost headroom), so a fixed order favours whoever
+    follows the lightest peer."""
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    orders = [[(x + r) % n for x in first] for r in range(n)]
+    if n % 2:
+        orders += [order[::-1] for order in orders]
+    return orders
+
+
 def time_interleaved(fns: Dict[str, Callable[[], object]], warmup: int = 5, reps: int = 30,
-                     rounds: int = 3) -> Dict[str, float]:
-    """time_cuda for several callables, taking turns in `rounds` rounds so that drift of the
-    GPU's clocks or temperature during the run falls on all of them alike; median of all reps."""
+                     rounds: Optional[int] = None) -> Dict[str, float]:
+    """time_cuda for several callables, taking turns in rounds so that drift of the GPU's
+    clocks or temperature during the run falls on all of them alike, each round in another
+    order of balanced_orders (by default one round per order); median of all reps."""
+    names = list(fns)
+    orders = balanced_orders(len(names))
+    rounds = rounds or len(orders)
     samples: Dict[str, list] = {name: [] for name in fns}
     for name, fn in fns.items():
         for _ in range(warmup):
             fn()
     per_round = max(1, reps // rounds)
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            samples[name] += _event_times(fn, per_round)
+    for r in range(rounds):
+        for i in orders[r % len(orders)]:
+            samples[names[i]] += _event_times(fns[names[i]], per_round)
     return {name: statistics.median(times) for name, times in samples.items()}
 
 

@@ -272,13 +272,15 @@ def flash_attn_with_kvcache(
                seqlens_meta, None if page_table is None else (page_table.shape, page_table.stride(),
                                                               page_table.dtype, page_table.get_device()),
                None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()),
-               softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, config,
+               softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, config, type(cache_seqlens),
                type(softmax_scale), type(causal), type(num_splits), type(pack_gqa), type(return_softmax_lse))
         plan = _KVCACHE_PLANS.get(key)
     except (AttributeError, TypeError):
         key = plan = None
     if plan is not None and plan.usable(q, k_cache, v_cache, out):
-        seqused = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+        seqused = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else plan.lengths
+        if plan.cache_prefix is not None:
+            k_cache, v_cache = k_cache[:, :plan.cache_prefix], v_cache[:, :plan.cache_prefix]
         return plan.launch(q, k_cache, v_cache, out, seqused_k=seqused, page_table=page_table)
     checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     paged = page_table is not None
@@ -332,8 +334,19 @@ def flash_attn_with_kvcache(
     if out.numel() > 0:
         plan = _run(problem, q, k_cache, v_cache, out, lse, scale_log2, causal, config, num_splits, pack_gqa,
                     seqused_k=seqused_k, page_table=page_table)
-        if isinstance(cache_seqlens, torch.Tensor) or cache_seqlens is None:  # ints slice the cache
-            _remember(_KVCACHE_PLANS, key, plan)
+        if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+            # An int length: replays slice the contiguous cache alike, or pass the same length
+            # tensor for a paged one. Not one made during a graph capture: its fill runs only
+            # when the graph replays.
+            with _on_device(q.device):
+                capturing = _stream_capturing()
+            if paged and capturing:
+                plan = None
+            elif plan is not None and paged:
+                plan.lengths = seqused_k
+            elif plan is not None:
+                plan.cache_prefix = max_seqlen_k
+        _remember(_KVCACHE_PLANS, key, plan)
     return (out, lse) if return_lse else out
 
 
@@ -576,7 +589,7 @@ class _LaunchPlan:
 
     __slots__ = ("forward", "combine", "device", "device_index", "dtype", "out_shape", "lse_shape",
                  "scale_log2", "max_ctas", "num_splits", "extents", "uses_tile_counter", "out_like_q",
-                 "partials", "varlen")
+                 "partials", "varlen", "cache_prefix", "lengths")
 
     def __init__(self, forward, combine, device, dtype, out_shape, lse_shape, scale_log2,
                  max_ctas, num_splits, partials, extents, uses_tile_counter=False,
@@ -590,6 +603,10 @@ class _LaunchPlan:
         self.varlen = varlen
         self.out_like_q = out_like_q  # q contiguous: empty_like(q) is out (and cheaper to call)
         self.partials = partials
+        # flash_attn_with_kvcache with an int cache_seqlens: the contiguous cache's key prefix,
+        # or the paged cache's (batch,) length tensor, that replays use.
+        self.cache_prefix = None
+        self.lengths = None
 
     def usable(self, q, k, v, out) -> bool:
         qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()

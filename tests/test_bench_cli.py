@@ -35,3 +35,15 @@ def test_plot_redraws_sweep_json(tmp_path):
     png = tmp_path / "sweep.png"
     assert bench.main(["plot", str(path), str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_balanced_orders_let_each_peer_follow_every_other_equally(n):
+    orders = bench.balanced_orders(n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    follows = {}
+    for order in orders:
+        for a, b in zip(order, order[1:]):
+            follows[(a, b)] = follows.get((a, b), 0) + 1
+    assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
+    assert len(set(follows.values())) == 1

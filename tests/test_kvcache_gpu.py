@@ -154,6 +154,31 @@ def test_int_and_missing_cache_seqlens():
         flash_cute.flash_attn_with_kvcache(q, k, v, cache_seqlens=501)
 
 
+@pytest.mark.parametrize("page_size", [None, 64], ids=lambda p: f"page{p}" if p else "contiguous")
+@pytest.mark.parametrize("num_splits", [1, 0], ids=lambda s: f"splits{s}" if s else "splits_auto")
+def test_int_cache_seqlens_replays_launch_plan(page_size, num_splits):
+    """Repeated calls with an int cache_seqlens replay a launch plan (slicing the contiguous
+    cache, or a cached length tensor for a paged one) and read the cache's new contents."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    batch, capacity = 2, 700
+    q = torch.randn(batch, 1, 16, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_cache, v_cache, page_table, _, _ = make_cache(batch, capacity, 4, 128, torch.bfloat16, page_size, gen)
+    flash_cute.interface._KVCACHE_PLANS.clear()
+    for n in (333, 333, 700, 333):
+        k_cache.normal_(generator=gen)
+        v_cache.normal_(generator=gen)
+        out = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=n, page_table=page_table,
+                                                 num_splits=num_splits)
+        if page_size is None:
+            k_pad, v_pad = k_cache, v_cache
+        else:
+            k_pad = gather_paged(k_cache, page_table, page_table.shape[1] * page_size)
+            v_pad = gather_paged(v_cache, page_table, page_table.shape[1] * page_size)
+        refs, lowps, _ = reference_per_sequence([q], [k_pad[:, :n]], [v_pad[:, :n]], False)
+        assert_close_to_reference([out], None, refs, lowps, None)
+    assert len(flash_cute.interface._KVCACHE_PLANS) == 2, "int cache_seqlens calls did not keep launch plans"
+
+
 @pytest.mark.parametrize("kv_layout", ["packed", "padded", "paged"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("num_splits", [1, 3, 0], ids=lambda s: f"splits{s}" if s else "splits_auto")
