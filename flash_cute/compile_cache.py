@@ -57,9 +57,9 @@ class ForwardKernelKey:
 
     @property
     def tile_scheduler(self) -> str:
-        """The config's scheduler where the variant supports it (fixed-length, unsplit
-        problems; the kernel applies the same rule), else "single_tile"."""
-        return "single_tile" if self.varlen_q or self.split else self.config.scheduler
+        """The config's scheduler where the variant supports it (unsplit problems; the kernel
+        asserts the same rule), else "single_tile"."""
+        return "single_tile" if self.split else self.config.scheduler
 
     @property
     def uses_tile_counter(self) -> bool:

@@ -51,7 +51,7 @@ class AttentionConfig:
         over the tiles round-robin, so a tile's epilogue overlaps the next tile's loads (O gets
         its own shared memory when it fits). "dynamic_persistent": the same, but each CTA
         takes its next tile from a global counter, which balances causal tiles of unequal
-        length. Both persistent kinds apply to fixed-length, unsplit problems; varlen and
+        length. Both persistent kinds apply to unsplit problems, fixed-length and varlen;
         split-KV launches keep one CTA per tile. Tile order: causal tiles longest first, in
         sections of heads whose K/V fit in l2_section_mb; otherwise query tiles of a head together.
     l2_section_mb: causal tile order: the K+V bytes (MB) of the (batch, head) pairs whose

@@ -1,8 +1,8 @@
 """FlashAttention-3-style forward kernel for Hopper (sm_90a), written in the CuTe DSL.
 
 A tile is one (query tile, head, batch[, split]): tile_m rows of O and their LSE. By default one
-CTA computes one tile; with a persistent scheduler (config.scheduler, fixed-length unsplit
-problems) at most SMs x ctas_per_sm CTAs loop over the tiles, the producer warp loading the
+CTA computes one tile; with a persistent scheduler (config.scheduler, unsplit problems,
+fixed-length or varlen) at most SMs x ctas_per_sm CTAs loop over the tiles, the producer warp loading the
 next tile's Q and K/V while the MMA warpgroups finish the current one (kernels/tile_scheduler.py).
 
 Warp roles (128 * (1 + num_mma_warpgroups) threads):
@@ -179,16 +179,26 @@ class FlashAttentionForwardSm90:
         self.mbarrier_probe = config.mbarrier_probe
         # Persistent: a grid of at most max_ctas CTAs, each looping over tiles, so one tile's
         # epilogue overlaps the next tile's Q and K/V loads. The host picks the scheduler
-        # (ForwardKernelKey.tile_scheduler); it needs O's smem + TMA store path.
+        # (ForwardKernelKey.tile_scheduler); split launches keep one CTA per tile.
         self.persistent = config.scheduler != "single_tile"
-        assert not self.persistent or self.tma_store_o, "persistent schedulers need fixed-length, unsplit problems"
+        assert not self.persistent or not split, "persistent schedulers need unsplit problems"
         # Dynamic: after the first tile (its block index), CTAs take tile indices from a global
         # counter, so CTAs that drew short causal tiles take more of them.
         self.dynamic_scheduler = config.scheduler == "dynamic_persistent"
         # O gets its own smem when it fits (config's smem model), so the next Q can load during
         # the epilogue; otherwise O reuses Q's tile and Q is freed once the O store has read it.
         self.separate_o_smem = config.separate_o_smem(head_dim)
+        # Then (persistent, O through smem over Q's tile) the storing warp frees Q after the O
+        # store; otherwise the MMA warps free it after the mainloop.
+        self.o_overwrites_q = self.persistent and self.tma_store_o and not self.separate_o_smem
         self.smem_align = 1024
+
+    def _varlen_tiles_per_head(self, mQ_shape: cute.Tensor, mCuSeqlensQ: cute.Tensor):
+        """Tile indices per head of a varlen grid: every sequence's query tiles, flattened.
+        sum ceil(len * ratio / tile_m) is at most ceil(total * ratio / tile_m) + batch; the
+        indices past the real tiles are empty (varlen_tile)."""
+        num_m, _ = self._tile_grid(mQ_shape)
+        return num_m + (mCuSeqlensQ.shape[0] - 1)
 
     def _tile_grid(self, mQ_shape: cute.Tensor):
         """(query tiles per (head, batch), heads of the grid) for q in kernel mode order; with
@@ -296,11 +306,10 @@ class FlashAttentionForwardSm90:
         num_m, grid_heads = self._tile_grid(mQ)
         if const_expr(self.split):
             grid_heads = grid_heads * num_splits
-        if const_expr(self.varlen_q):
-            # Every sequence's tiles, flattened: sum ceil(len * ratio / tile_m) is at most
-            # ceil(total * ratio / tile_m) + batch (the spare CTAs exit at once).
-            batch = mCuSeqlensQ.shape[0] - 1
-            grid = (num_m + batch, grid_heads, 1)
+        if const_expr(self.varlen_q and self.persistent):
+            grid = (cutlass.min(self._varlen_tiles_per_head(mQ, mCuSeqlensQ) * grid_heads, max_ctas), 1, 1)
+        elif const_expr(self.varlen_q):
+            grid = (self._varlen_tiles_per_head(mQ, mCuSeqlensQ), grid_heads, 1)
         elif const_expr(self.persistent):
             grid = (cutlass.min(num_m * grid_heads * mQ.shape[3], max_ctas), 1, 1)
         elif const_expr(self.causal_lpt_grid):
@@ -372,7 +381,7 @@ class FlashAttentionForwardSm90:
         # A persistent kernel whose O overwrites Q's tile frees Q from the storing warp alone,
         # once the O store has read it.
         q_releasers = mma_warps
-        if const_expr(self.persistent and not self.separate_o_smem):
+        if const_expr(self.o_overwrites_q):
             q_releasers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         pipeline_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=tma_warp,
@@ -391,8 +400,12 @@ class FlashAttentionForwardSm90:
         scheduler = None
         if const_expr(self.persistent):
             num_m, heads = self._tile_grid(mQ_shape)
+            if const_expr(self.varlen_q):
+                num_tiles = self._varlen_tiles_per_head(mQ_shape, mCuSeqlensQ) * heads
+            else:
+                num_tiles = num_m * heads * mQ_shape.shape[3]
             scheduler = PersistentTileScheduler.create(
-                num_m * heads * mQ_shape.shape[3], self.dynamic_scheduler, mTileCounter,
+                num_tiles, self.dynamic_scheduler, mTileCounter,
                 storage.mbar_sched.data_ptr(), storage.next_tile.get_tensor(cute.make_layout(2)),
                 self.num_mma_threads,
             )
@@ -498,6 +511,18 @@ class FlashAttentionForwardSm90:
         mQ_shape, mK_shape, num_splits = shapes.mQ, shapes.mK, shapes.num_splits
         m_block = bidx
         if const_expr(self.varlen_q):
+            if const_expr(self.persistent and self.causal):
+                # Heads innermost: a sequence's longest tiles, for every head, come before its
+                # shorter ones, so the grid ends on short tiles (head-major order left the last
+                # head's longest tiles to the end: 5% idle at hdim 256).
+                _, heads = self._tile_grid(mQ_shape)
+                rest = bidx // heads
+                bidy = bidx - rest * heads
+                bidx = rest
+            elif const_expr(self.persistent):  # head-major: CTAs running together share K/V
+                per_head = self._varlen_tiles_per_head(mQ_shape, shapes.mCuSeqlensQ)
+                bidy = bidx // per_head
+                bidx = bidx - bidy * per_head
             batch_idx, m_block, num_tiles = varlen_tile(bidx, shapes.mCuSeqlensQ, self.pack_gqa_ratio, self.tile_m)
             if const_expr(self.causal):  # longest causal tiles of a sequence first
                 if m_block < num_tiles:  # (not a spare CTA)
@@ -748,7 +773,7 @@ class FlashAttentionForwardSm90:
         lse.fill(-Float32.inf)  # an empty tile or split: out = 0, lse = -inf
         # Who frees Q when: after the mainloop, except in a persistent kernel whose O
         # overwrites Q's smem (then the epilogue's storing warp does, after the store).
-        release_q_after_mainloop = const_expr(not self.persistent or self.separate_o_smem)
+        release_q_after_mainloop = const_expr(not self.o_overwrites_q)
         if const_expr(self.persistent):
             pipeline_q.consumer_wait(q_state)  # loaded for every tile, empty or not
         if n_block_max > n_block_min:
@@ -789,7 +814,7 @@ class FlashAttentionForwardSm90:
             rescale_rows(acc_O, inv_row_sum)
             lse.store(row_lse.load())
         else:
-            if const_expr(self.persistent and self.separate_o_smem):
+            if const_expr(self.persistent and not self.o_overwrites_q):
                 pipeline_q.consumer_release(q_state)
 
         q_release = None

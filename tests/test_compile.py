@@ -37,6 +37,14 @@ KNOB_KEYS = [
     ForwardKernelKey("bfloat16", 128, False, AttentionConfig(64, 64, num_stages=3, pingpong=False, ctas_per_sm=2,
                                                              scheduler="dynamic_persistent", mbarrier_probe=True),
                      True),
+    # Persistent varlen: packed, paged (GQA packed) and padded K/V; O from registers.
+    ForwardKernelKey("bfloat16", 128, True, AttentionConfig(128, 128, scheduler="dynamic_persistent"), True,
+                     varlen_q=True, kv_layout="packed"),
+    ForwardKernelKey("bfloat16", 64, False, AttentionConfig(192, 128, scheduler="static_persistent"), True,
+                     varlen_q=True, kv_layout="paged", seqused_k=True, page_box_rows=64, pack_gqa_ratio=4),
+    ForwardKernelKey("float16", 256, True, AttentionConfig(128, 80, pingpong=False, rescale_o_before_pv=True,
+                                                           scheduler="dynamic_persistent"), True,
+                     varlen_q=True, kv_layout="padded", seqused_k=True),
 ]
 
 

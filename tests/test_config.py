@@ -71,13 +71,15 @@ def test_bad_tile_m_and_types():
         AttentionConfig(128, 128, pingpong=1)
 
 
-def test_scheduler_applies_to_fixed_length_unsplit_kernels():
+def test_scheduler_applies_to_unsplit_kernels():
     from flash_cute.compile_cache import ForwardKernelKey
 
     cfg = AttentionConfig(128, 128, scheduler="dynamic_persistent")
     assert cfg.persistent and not AttentionConfig(128, 128).persistent
-    assert ForwardKernelKey("bfloat16", 128, True, cfg, True).uses_tile_counter
-    for variant in (dict(varlen_q=True), dict(split=True)):
+    for variant in (dict(), dict(varlen_q=True), dict(kv_layout="paged", seqused_k=True, page_box_rows=64)):
+        key = ForwardKernelKey("bfloat16", 128, True, cfg, True, **variant)
+        assert key.tile_scheduler == "dynamic_persistent" and key.uses_tile_counter
+    for variant in (dict(split=True), dict(varlen_q=True, split=True)):
         key = ForwardKernelKey("bfloat16", 128, True, cfg, True, **variant)
         assert key.tile_scheduler == "single_tile" and not key.uses_tile_counter
 

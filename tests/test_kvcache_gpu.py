@@ -187,10 +187,14 @@ def test_varlen_mixed_batch(kv_layout, causal, num_splits):
     run_varlen_mixed(kv_layout, causal, num_splits)
 
 
-@pytest.mark.parametrize("kv_layout", ["packed", "paged"])
+@pytest.mark.parametrize("kv_layout", ["packed", "paged", "padded"])
 def test_varlen_explicit_config(kv_layout):
     run_varlen_mixed(kv_layout, True, 1, flash_cute.AttentionConfig(64, 128, num_stages=3, pingpong=False))
     run_varlen_mixed(kv_layout, False, 2, flash_cute.AttentionConfig(128, 96, scheduler="dynamic_persistent"))
+    # Persistent varlen: static and dynamic, O from registers (Q freed after the mainloop).
+    run_varlen_mixed(kv_layout, True, 1, flash_cute.AttentionConfig(128, 96, scheduler="static_persistent"))
+    run_varlen_mixed(kv_layout, False, 1, flash_cute.AttentionConfig(
+        128, 80, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent"))
 
 
 def run_varlen_mixed(kv_layout, causal, num_splits, config=None):
@@ -230,8 +234,12 @@ def run_varlen_mixed(kv_layout, causal, num_splits, config=None):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_varlen_many_sequences(causal, num_splits):
-    """More sequences than a warp scans at once (the varlen tile lookup walks 32 at a time)."""
+@pytest.mark.parametrize("scheduler", [None, "single_tile", "static_persistent"], ids=lambda s: s or "table")
+def test_varlen_many_sequences(causal, num_splits, scheduler):
+    """More sequences than a warp scans at once (the varlen tile lookup walks 32 at a time),
+    and more tiles than SMs, so persistent CTAs take several tiles (the table's rows for this
+    problem are dynamic persistent)."""
+    config = None if scheduler is None else flash_cute.AttentionConfig(128, 128, scheduler=scheduler)
     gen = torch.Generator(device="cuda").manual_seed(int(causal) + 2 * num_splits)
     batch, nheads, nheads_kv, d, dtype = 70, 8, 2, 64, torch.float16
     q_lens = torch.tensor([0, 1, 2, 5, 17, 100], device="cuda")[torch.randint(0, 6, (batch,), generator=gen, device="cuda")]
@@ -243,7 +251,8 @@ def test_varlen_many_sequences(causal, num_splits):
     v = torch.randn_like(k)
     out = torch.full_like(q, float("nan"))
     _, lse = flash_cute.flash_attn_varlen_func(q, k, v, cu_q, int(q_lens.max()), cu_seqlens_k=cu_k,
-                                               causal=causal, num_splits=num_splits, return_softmax_lse=True, out=out)
+                                               causal=causal, num_splits=num_splits, return_softmax_lse=True, out=out,
+                                               config=config)
     cq, ck = cu_q.tolist(), cu_k.tolist()
     seq = lambda t, c, b: t[c[b]:c[b + 1]].unsqueeze(0)  # noqa: E731
     refs, lowps, lse_refs = reference_per_sequence([seq(q, cq, b) for b in range(batch)], [seq(k, ck, b) for b in range(batch)],
