@@ -606,6 +606,84 @@ def run_host() -> List[str]:
     return lines
 
 
+# Varlen prefill cases: (name, number of sequences, length range, hdim, q heads, kv heads, causal).
+VARLEN_PREFILL_CASES = [
+    ("16 x 100-2000, hdim 128, causal", 16, (100, 2000), 128, 32, 8, True),
+    ("16 x 100-2000, hdim 128", 16, (100, 2000), 128, 32, 8, False),
+    ("64 x 50-600, hdim 128, causal", 64, (50, 600), 128, 32, 8, True),
+    ("8 x 500-4000, hdim 64, causal", 8, (500, 4000), 64, 32, 32, True),
+    ("8 x 500-4000, hdim 256, causal", 8, (500, 4000), 256, 16, 16, True),
+]
+
+
+@dataclass
+class VarlenPrefillRow:
+    case: str
+    config: str
+    tokens: int
+    tflops: Dict[str, float] = field(default_factory=dict)
+
+
+def varlen_case_lengths(case, seed: int) -> List[int]:
+    _, count, (lo, hi), *_ = case
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(lo, hi + 1, (count,), generator=gen).tolist()
+
+
+def run_varlen_prefill(dtype: str, seed: int = 0, reps: int = 40) -> List[VarlenPrefillRow]:
+    """One flash_attn_varlen_func call per case (packed K/V, random lengths): the table's
+    config, the same config with one CTA per tile, and flash-attn-4's varlen call."""
+    import flash_cute
+    from flash_cute.checks import dtype_name
+    from flash_cute.config import default_config
+
+    try:
+        from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
+    except Exception as exc:
+        fa4_varlen = None
+        print(f"# fa4 unavailable: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+    rows = []
+    for case in VARLEN_PREFILL_CASES:
+        name, _, _, hdim, nheads, nheads_kv, causal = case
+        lens = varlen_case_lengths(case, seed)
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).cuda()
+        total, longest = int(cu[-1]), max(lens)
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        q = torch.randn(total, nheads, hdim, device="cuda", dtype=DTYPES[dtype], generator=gen)
+        k = torch.randn(total, nheads_kv, hdim, device="cuda", dtype=DTYPES[dtype], generator=gen)
+        v = torch.randn_like(k)
+        flops = sum(4 * n * n * hdim * nheads / (2 if causal else 1) for n in lens)
+        table = default_config(hdim, dtype_name(DTYPES[dtype]), causal, longest)
+        one_cta = table.replace(scheduler="single_tile")
+
+        def ours(cfg):
+            return lambda: flash_cute.flash_attn_varlen_func(q, k, v, cu, longest, cu_seqlens_k=cu,
+                                                             max_seqlen_k=longest, causal=causal, config=cfg)
+
+        fns = {"flash_cute": ours(table), "flash_cute one CTA per tile": ours(one_cta)}
+        if fa4_varlen is not None:
+            fns["fa4"] = lambda: fa4_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                            max_seqlen_k=longest, causal=causal)
+        times = time_interleaved(fns, warmup=3, reps=reps)
+        row = VarlenPrefillRow(name, config_label(table), total, {n: flops / ms / 1e9 for n, ms in times.items()})
+        print(f"{row.case} ({row.config}): " + " ".join(f"{n}={t:.0f}" for n, t in row.tflops.items()), flush=True)
+        rows.append(row)
+    return rows
+
+
+def varlen_prefill_table(rows: List[VarlenPrefillRow]) -> str:
+    """Markdown table: TFLOP/s per implementation, and flash_cute's ratios."""
+    lines = ["| case | config | tokens | flash_cute | one CTA per tile | fa4 | flash_cute / one CTA | flash_cute / fa4 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ours, one, fa4 = (r.tflops.get(n) for n in ("flash_cute", "flash_cute one CTA per tile", "fa4"))
+        cell = lambda x: f"{x:.0f}" if x else ""  # noqa: E731
+        ratio = lambda a, b: f"{a / b:.2f}" if a and b else ""  # noqa: E731
+        lines.append(f"| {r.case} | {r.config} | {r.tokens} | {cell(ours)} | {cell(one)} | {cell(fa4)} | "
+                     f"{ratio(ours, one)} | {ratio(ours, fa4)} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -648,6 +726,12 @@ def main(argv=None) -> int:
     dec.add_argument("--no-graphs", action="store_true")
     dec.add_argument("--no-varlen", action="store_true")
     dec.add_argument("--json", default=None)
+    var = sub.add_parser("varlen", help="varlen prefill of mixed-length batches")
+    var.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    var.add_argument("--seed", type=int, default=0, help="seed of the random sequence lengths")
+    var.add_argument("--reps", type=int, default=40)
+    var.add_argument("--list", action="store_true", help="print the cases' lengths and exit (no GPU)")
+    var.add_argument("--json", default=None)
     plot = sub.add_parser("plot", help="draw a sweep's JSON as a PNG (no GPU needed)")
     plot.add_argument("json_path")
     plot.add_argument("png_path")
@@ -672,6 +756,10 @@ def main(argv=None) -> int:
             for cfg in configs:
                 print(config_label(cfg))
             return 0
+    if args.command == "varlen" and args.list:
+        for case in VARLEN_PREFILL_CASES:
+            print(f"{case[0]}: {varlen_case_lengths(case, args.seed)}")
+        return 0
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA GPU", file=sys.stderr)
         return 2
@@ -705,6 +793,14 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"copy_gbs": copy_gbs, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        return 0
+    if args.command == "varlen":
+        rows = run_varlen_prefill(args.dtype, args.seed, args.reps)
+        print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
+        print(varlen_prefill_table(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump([asdict(r) for r in rows], f, indent=1)
         return 0
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     rows = run_prefill(args.dtype, args.hdim, causals, args.seqlens, reps=args.reps)

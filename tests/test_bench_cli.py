@@ -1,5 +1,6 @@
 """The benchmark CLI's GPU-free parts: config listing for sweeps and redrawing a sweep's plot."""
 
+import ast
 import json
 
 import pytest
@@ -47,3 +48,22 @@ def test_balanced_orders_let_each_peer_follow_every_other_equally(n):
             follows[(a, b)] = follows.get((a, b), 0) + 1
     assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
     assert len(set(follows.values())) == 1
+
+
+def test_varlen_cases_list_without_gpu(capsys):
+    assert bench.main(["varlen", "--list", "--seed", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == len(bench.VARLEN_PREFILL_CASES)
+    for line, case in zip(lines, bench.VARLEN_PREFILL_CASES):
+        lengths = ast.literal_eval(line.split(": ", 1)[1])
+        _, count, (lo, hi), *_ = case
+        assert len(lengths) == count and all(lo <= n <= hi for n in lengths)
+    assert bench.varlen_case_lengths(bench.VARLEN_PREFILL_CASES[0], 3) == bench.varlen_case_lengths(
+        bench.VARLEN_PREFILL_CASES[0], 3), "lengths must follow the seed"
+
+
+def test_varlen_table_formats_ratios():
+    row = bench.VarlenPrefillRow("case", "128x128", 100, {"flash_cute": 110.0, "flash_cute one CTA per tile": 100.0,
+                                                          "fa4": 55.0})
+    table = bench.varlen_prefill_table([row])
+    assert table.splitlines()[-1] == "| case | 128x128 | 100 | 110 | 100 | 55 | 1.10 | 2.00 |"
