@@ -99,8 +99,11 @@ def time_interleaved(fns: Dict[str, Callable[[], object]], warmup: int = 5, reps
                      rounds: Optional[int] = None) -> Dict[str, float]:
     """time_cuda for several callables, taking turns in rounds so that drift of the GPU's
     clocks or temperature during the run falls on all of them alike, each round in another
-    order of balanced_orders (by default one round per order); median of all reps."""
+    order of balanced_orders (by default one round per order, so within rounds each callable
+    follows every other equally often); median of all reps."""
     names = list(fns)
+    if not names:
+        return {}
     orders = balanced_orders(len(names))
     rounds = rounds or len(orders)
     samples: Dict[str, list] = {name: [] for name in fns}
@@ -514,7 +517,8 @@ def run_sweep(head_dim: int, causal: bool, dtype: str, seqlens: List[int], confi
         q, k, v = (torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=DTYPES[dtype], generator=gen)
                    for _ in range(3))
         flops = 4 * batch * nheads * seqlen * seqlen * head_dim / (2 if causal else 1)
-        # Configs take turns in rounds (as the prefill peers do), so drift hits them alike.
+        # Configs take turns in rounds, so drift hits them alike (up to 4 rounds: with many
+        # configs, the orders are not balanced the way the prefill peers' are).
         fns = {row.label: (lambda cfg=cfg: flash_cute.flash_attn_func(q, k, v, causal=causal, config=cfg))
                for row, cfg in zip(rows, configs)}
         times = time_interleaved(fns, warmup=3, reps=reps, rounds=min(4, reps))

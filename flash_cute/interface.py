@@ -133,8 +133,8 @@ def flash_attn_varlen_func(
         page_table: (batch, max_pages_per_seq) int32 page indices.
         num_splits: 1 (default) no split-KV; n forces n; 0 picks with the heuristic.
         pack_gqa: fold the q heads of a kv head into one tile (None: when it helps).
-        config: optional `AttentionConfig` overriding the tables (validated); its scheduler
-            does not apply (varlen launches one CTA per query tile).
+        config: optional `AttentionConfig` overriding the tables (validated); split-KV
+            launches keep one CTA per query tile whatever its scheduler says.
         Other arguments as in flash_attn_func.
 
     Returns:
@@ -278,7 +278,9 @@ def flash_attn_with_kvcache(
     except (AttributeError, TypeError):
         key = plan = None
     if plan is not None and plan.usable(q, k_cache, v_cache, out):
-        seqused = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else plan.lengths
+        seqused = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+        if plan.paged_length is not None:  # a fresh tensor: nothing outlives the call or a graph
+            seqused = torch.full((q.shape[0],), plan.paged_length, dtype=torch.int32, device=plan.device)
         if plan.cache_prefix is not None:
             k_cache, v_cache = k_cache[:, :plan.cache_prefix], v_cache[:, :plan.cache_prefix]
         return plan.launch(q, k_cache, v_cache, out, seqused_k=seqused, page_table=page_table)
@@ -335,15 +337,10 @@ def flash_attn_with_kvcache(
         plan = _run(problem, q, k_cache, v_cache, out, lse, scale_log2, causal, config, num_splits, pack_gqa,
                     seqused_k=seqused_k, page_table=page_table)
         if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
-            # An int length: replays slice the contiguous cache alike, or pass the same length
-            # tensor for a paged one. Not one made during a graph capture: its fill runs only
-            # when the graph replays.
-            with _on_device(q.device):
-                capturing = _stream_capturing()
-            if paged and capturing:
-                plan = None
-            elif plan is not None and paged:
-                plan.lengths = seqused_k
+            # An int length: replays slice the contiguous cache alike, or build the paged
+            # cache's length tensor again.
+            if plan is not None and paged:
+                plan.paged_length = max_seqlen_k
             elif plan is not None:
                 plan.cache_prefix = max_seqlen_k
         _remember(_KVCACHE_PLANS, key, plan)
@@ -589,7 +586,7 @@ class _LaunchPlan:
 
     __slots__ = ("forward", "combine", "device", "device_index", "dtype", "out_shape", "lse_shape",
                  "scale_log2", "max_ctas", "num_splits", "extents", "uses_tile_counter", "out_like_q",
-                 "partials", "varlen", "cache_prefix", "lengths")
+                 "partials", "varlen", "cache_prefix", "paged_length")
 
     def __init__(self, forward, combine, device, dtype, out_shape, lse_shape, scale_log2,
                  max_ctas, num_splits, partials, extents, uses_tile_counter=False,
@@ -603,10 +600,10 @@ class _LaunchPlan:
         self.varlen = varlen
         self.out_like_q = out_like_q  # q contiguous: empty_like(q) is out (and cheaper to call)
         self.partials = partials
-        # flash_attn_with_kvcache with an int cache_seqlens: the contiguous cache's key prefix,
-        # or the paged cache's (batch,) length tensor, that replays use.
+        # flash_attn_with_kvcache with an int cache_seqlens: the contiguous cache's key prefix
+        # to slice, or the paged cache's length to fill a (batch,) tensor with.
         self.cache_prefix = None
-        self.lengths = None
+        self.paged_length = None
 
     def usable(self, q, k, v, out) -> bool:
         qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()

@@ -243,6 +243,12 @@ def test_launch_plan_keys_carry_flag_types():
         flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, causal=1.0, num_splits=1)
     with pytest.raises(TypeError, match="num_splits"):
         flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, causal=True, num_splits=1.0)
+    for _ in range(2):  # an int length: 64.0 and True must not replay the plan of 64 (or of 1)
+        flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, 64, num_splits=1)
+        flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, 1, num_splits=1)
+    for bad in (64.0, True):
+        with pytest.raises(TypeError, match="cache_seqlens"):
+            flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, bad, num_splits=1)
 
 
 def test_cuda_graph_replay():

@@ -156,19 +156,20 @@ def test_int_and_missing_cache_seqlens():
 
 @pytest.mark.parametrize("page_size", [None, 64], ids=lambda p: f"page{p}" if p else "contiguous")
 @pytest.mark.parametrize("num_splits", [1, 0], ids=lambda s: f"splits{s}" if s else "splits_auto")
-def test_int_cache_seqlens_replays_launch_plan(page_size, num_splits):
+def test_int_cache_seqlens_replays_launch_plan(page_size, num_splits, monkeypatch):
     """Repeated calls with an int cache_seqlens replay a launch plan (slicing the contiguous
-    cache, or a cached length tensor for a paged one) and read the cache's new contents."""
+    cache, or a fresh length tensor for a paged one) on new cache tensors of the same layout,
+    also inside a CUDA graph."""
     gen = torch.Generator(device="cuda").manual_seed(9)
     batch, capacity = 2, 700
     q = torch.randn(batch, 1, 16, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    k_cache, v_cache, page_table, _, _ = make_cache(batch, capacity, 4, 128, torch.bfloat16, page_size, gen)
+    _, _, page_table, _, _ = make_cache(batch, capacity, 4, 128, torch.bfloat16, page_size, gen)
+    runs = []
+    real_run = flash_cute.interface._run
+    monkeypatch.setattr(flash_cute.interface, "_run", lambda *a, **kw: runs.append(1) or real_run(*a, **kw))
     flash_cute.interface._KVCACHE_PLANS.clear()
-    for n in (333, 333, 700, 333):
-        k_cache.normal_(generator=gen)
-        v_cache.normal_(generator=gen)
-        out = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=n, page_table=page_table,
-                                                 num_splits=num_splits)
+
+    def check(out, k_cache, v_cache, n):
         if page_size is None:
             k_pad, v_pad = k_cache, v_cache
         else:
@@ -176,7 +177,29 @@ def test_int_cache_seqlens_replays_launch_plan(page_size, num_splits):
             v_pad = gather_paged(v_cache, page_table, page_table.shape[1] * page_size)
         refs, lowps, _ = reference_per_sequence([q], [k_pad[:, :n]], [v_pad[:, :n]], False)
         assert_close_to_reference([out], None, refs, lowps, None)
-    assert len(flash_cute.interface._KVCACHE_PLANS) == 2, "int cache_seqlens calls did not keep launch plans"
+
+    for n in (333, 333, 700, 333):
+        k_cache, v_cache, _, _, _ = make_cache(batch, capacity, 4, 128, torch.bfloat16, page_size, gen)
+        out = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=n, page_table=page_table,
+                                                 num_splits=num_splits)
+        check(out, k_cache, v_cache, n)
+    assert len(runs) == 2, f"expected 2 full-path calls (n = 333, 700), got {len(runs)}"
+    # Captured: the replayed plan's launch (and, for a paged cache, its length tensor) in a graph.
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=333, page_table=page_table,
+                                                     num_splits=num_splits)
+    torch.cuda.current_stream().wait_stream(stream)
+    k_cache.normal_(generator=gen)
+    v_cache.normal_(generator=gen)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out, k_cache, v_cache, 333)
+    assert len(runs) == 2
 
 
 @pytest.mark.parametrize("kv_layout", ["packed", "padded", "paged"])
