@@ -2,7 +2,8 @@
 
 A varlen grid has one tile index per query tile of every sequence (plus a few spare), not
 max_seqlen_q / tile_m per sequence, so a batch mixing long prefills with single-token decodes
-has no swarm of empty tiles (one CTA per index, or persistent CTAs looping over them). Sequence b owns ceil(len_b * rows_per_token / tile_m) tiles;
+has no swarm of empty tiles (one CTA per index, or persistent CTAs looping over them).
+Sequence b owns ceil(len_b * rows_per_token / tile_m) tiles;
 each warp finds which sequence a tile belongs to by scanning the batch 32 sequences at a time
 with a shuffle prefix sum over cu_seqlens_q (no host preprocessing, so graphs stay valid when
 the lengths change).
