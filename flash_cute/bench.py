@@ -432,8 +432,6 @@ def sweep_configs(head_dim: int, dtype: str, tile_m, tile_n, stages, pv, overlap
     """Every valid AttentionConfig of the product of the knob lists."""
     import itertools
 
-    from flash_cute import AttentionConfig
-
     configs = []
     for tm, tn, st, p, ov, pp, rb, c, sch, l2, probe in itertools.product(
             tile_m, tile_n, stages, pv, overlap, pingpong, rescale, ctas, schedulers, l2_section_mb, mbarrier_probe):
@@ -800,18 +798,18 @@ def main(argv=None) -> int:
         return 0
     if args.command == "varlen":
         rows = run_varlen_prefill(args.dtype, args.seed, args.reps)
-        print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
-        print(varlen_prefill_table(rows))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump([asdict(r) for r in rows], f, indent=1)
-        return 0
+        return _report(varlen_prefill_table(rows), rows, args.json)
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     rows = run_prefill(args.dtype, args.hdim, causals, args.seqlens, reps=args.reps)
+    return _report(prefill_table(rows), rows, args.json)
+
+
+def _report(table: str, rows: list, json_path: Optional[str]) -> int:
+    """Print the device line and a table; write the rows as JSON when asked."""
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
-    print(prefill_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
+    print(table)
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)
     return 0
 

@@ -55,11 +55,16 @@ class ForwardKernelKey:
     split: bool = False
     pack_gqa_ratio: int = 1  # q heads per kv head folded into the tile rows (1: no packing)
 
+    def __post_init__(self):
+        # Split launches keep one CTA per tile (the kernel asserts it): configs that differ
+        # only in scheduler select the same split kernel, so they make one key.
+        if self.split and self.config.scheduler != "single_tile":
+            object.__setattr__(self, "config", self.config.replace(scheduler="single_tile"))
+
     @property
     def tile_scheduler(self) -> str:
-        """The config's scheduler where the variant supports it (unsplit problems; the kernel
-        asserts the same rule), else "single_tile"."""
-        return "single_tile" if self.split else self.config.scheduler
+        """The scheduler this kernel runs: the config's, except for split kernels."""
+        return self.config.scheduler
 
     @property
     def uses_tile_counter(self) -> bool:
@@ -109,9 +114,7 @@ def compile_forward(key: ForwardKernelKey, options: str = "") -> Callable:
     dtype = _cutlass_dtype(key.dtype)
     variant = {f: getattr(key, f) for f in ("varlen_q", "kv_layout", "seqused_k", "page_box_rows", "split",
                                              "pack_gqa_ratio")}
-    # The config's scheduler where the variant supports one (the kernel asserts it does).
-    config = key.config.replace(scheduler=key.tile_scheduler)
-    kernel = FlashAttentionForwardSm90(dtype, key.head_dim, key.causal, config, **variant)
+    kernel = FlashAttentionForwardSm90(dtype, key.head_dim, key.causal, key.config, **variant)
     sym = cute.sym_int
     batch, seqlen_q, nheads, seqlen_k, nheads_kv, splits = (sym() for _ in range(6))
     d = key.head_dim

@@ -490,7 +490,7 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
         split=split, pack_gqa_ratio=pack_ratio,
     )
     kernel = get_forward_kernel(key)
-    partials = _SplitPartials.for_shapes(num_splits, tuple(out.shape), _lse_shape(problem, q))
+    partials = _SplitPartials.for_shapes(num_splits, tuple(out.shape), _lse_shape(problem, q)) if split else None
     if split:
         out_kernel, lse_kernel = partials.allocate(q.device)
     else:
