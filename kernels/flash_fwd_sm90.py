@@ -185,10 +185,10 @@ class FlashAttentionForwardSm90:
         # Dynamic: after the first tile (its block index), CTAs take tile indices from a global
         # counter, so CTAs that drew short causal tiles take more of them.
         self.dynamic_scheduler = config.scheduler == "dynamic_persistent"
-        # O gets its own smem when it fits (config's smem model), so the next Q can load during
-        # the epilogue; otherwise O reuses Q's tile and Q is freed once the O store has read it.
-        # (Split and varlen kernels store O from registers and leave that tile unused.)
-        self.separate_o_smem = config.separate_o_smem(head_dim)
+        # A TMA-stored O gets its own smem when it fits (config's smem model), so the next Q
+        # can load during the epilogue; otherwise O reuses Q's tile and Q is freed once the O
+        # store has read it. (O stored from registers needs no smem.)
+        self.separate_o_smem = config.separate_o_smem(head_dim) and self.tma_store_o
         # When a persistent kernel's O goes through Q's tile, the storing warp frees Q after
         # the O store; otherwise the MMA warps free it after the mainloop.
         self.o_overwrites_q = self.persistent and self.tma_store_o and not self.separate_o_smem
@@ -530,7 +530,10 @@ class FlashAttentionForwardSm90:
                 if m_block < num_tiles:  # (not a spare CTA)
                     m_block = num_tiles - 1 - m_block
         elif const_expr(self.causal_lpt_grid):
-            m_block, bidy, batch_idx = self._causal_lpt_tile(bidx, mQ_shape, mK_shape, shapes.max_ctas)
+            kv_keys = mK_shape.shape[0]  # per (batch, head): the padded length, or paged capacity
+            if const_expr(self.kv_layout == "paged"):
+                kv_keys = mK_shape.shape[0] * shapes.mPageTable.shape[1]
+            m_block, bidy, batch_idx = self._causal_lpt_tile(bidx, mQ_shape, kv_keys, shapes.max_ctas)
         elif const_expr(self.persistent):
             # m_block fastest, then head, then batch: CTAs running together share K/V.
             num_m, heads = self._tile_grid(mQ_shape)
@@ -553,7 +556,7 @@ class FlashAttentionForwardSm90:
         )
 
     @cute.jit
-    def _causal_lpt_tile(self, tile_idx: Int32, mQ_shape: cute.Tensor, mK_shape: cute.Tensor, max_ctas: Int32):
+    def _causal_lpt_tile(self, tile_idx: Int32, mQ_shape: cute.Tensor, kv_keys: Int32, max_ctas: Int32):
         """(m_block, head, batch) of flat causal tile tile_idx.
 
         The (batch, head) pairs, batch-major, are cut into sections; a section's tiles run
@@ -566,14 +569,13 @@ class FlashAttentionForwardSm90:
         time behind a few long tiles at hdim 256, 4k, per ncu). It grows past one section
         to at most one pair per LPT_TAIL_CTAS_PER_PAIR CTAs, so that with short sequences
         (few tiles per pair) CTAs running together still share K/V (a 96-pair last section
-        cost 13% at 512). Sections are sized by mK's rows per (batch, head): on a paged cache
-        that is the page size, so every pair falls in one section there.
+        cost 13% at 512). Sections are sized by the K/V capacity (kv_keys) per pair.
         """
         num_m, heads = self._tile_grid(mQ_shape)
         pairs = heads * mQ_shape.shape[3]
         bytes_per_key = self.head_dim * self.dtype.width // 4  # K and V
         keys_per_section = (self.l2_section_mb << 20) // bytes_per_key
-        section = cutlass.max(cutlass.min(keys_per_section // cutlass.max(mK_shape.shape[0], 1), pairs), 1)
+        section = cutlass.max(cutlass.min(keys_per_section // cutlass.max(kv_keys, 1), pairs), 1)
         wanted = cutlass.min(cute.ceil_div(LPT_TAIL_TILES_PER_CTA * max_ctas, num_m), max_ctas // LPT_TAIL_CTAS_PER_PAIR)
         tail = cutlass.min(cutlass.max(section, wanted), pairs)
         head_pairs = pairs - tail
