@@ -47,7 +47,7 @@ class ForwardKernelKey:
     head_dim: int
     causal: bool
     config: AttentionConfig
-    writes_lse: bool
+    writes_lse: bool  # the final LSE (split kernels write their partial LSEs regardless)
     varlen_q: bool = False  # q packed as (total_q, nheads, d) with cu_seqlens_q
     kv_layout: str = "padded"  # "padded" | "packed" (cu_seqlens_k) | "paged"
     seqused_k: bool = False
@@ -132,22 +132,24 @@ def compile_forward(key: ForwardKernelKey, options: str = "") -> Callable:
         kv_shape = (sym(), seqlen_k, nheads_kv, d)
     k, v = tensor(dtype, kv_shape), tensor(dtype, kv_shape)
     lse_shape = (nheads, seqlen_q) if key.varlen_q else (batch, nheads, seqlen_q)
-    if key.split:
-        out = tensor(cutlass.Float32, (splits, *q_rows, nheads, d))
-        lse_shape = (splits, *lse_shape)
-    else:
-        out = tensor(dtype, (*q_rows, nheads, d))
+    out = tensor(dtype, (*q_rows, nheads, d))
     lse = tensor(cutlass.Float32, lse_shape, align=4) if key.writes_lse else None
+    out_partial = lse_partial = None
+    if key.split:
+        out_partial = tensor(cutlass.Float32, (splits, *q_rows, nheads, d))
+        lse_partial = tensor(cutlass.Float32, (splits, *lse_shape), align=4)
     int32 = cutlass.Int32
     cu_seqlens_q = tensor(int32, (sym(),), align=4) if key.varlen_q else None
     cu_seqlens_k = tensor(int32, (sym(),), align=4) if key.kv_layout == "packed" else None
     seqused_k = tensor(int32, (sym(),), align=4) if key.seqused_k else None
     page_table = tensor(int32, (sym(), sym()), align=4) if key.kv_layout == "paged" else None
-    tile_counter = tensor(int32, (2,), align=4) if key.uses_tile_counter else None
+    # The dynamic scheduler's tile counter (2 used) or a split launch's arrival counters (one
+    # per tile), from a shared buffer of any size.
+    tile_counter = tensor(int32, (sym(),), align=4) if key.uses_tile_counter or key.split else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     opts = ("--enable-tvm-ffi " + options).strip()
     return cute.compile(
-        kernel, q, k, v, out, lse, cutlass.Float32(1.0), cu_seqlens_q, cu_seqlens_k, seqused_k,
+        kernel, q, k, v, out, lse, out_partial, lse_partial, cutlass.Float32(1.0), cu_seqlens_q, cu_seqlens_k, seqused_k,
         page_table, tile_counter, int32(1), int32(1), stream, options=opts,
     )
 
@@ -159,7 +161,6 @@ class CombineKernelKey:
     out_dtype: str  # "float16" | "bfloat16" | "float32"
     head_dim: int
     writes_lse: bool
-    lse_heads_major: bool = False  # LSE given as (K, B, H, S) / (B, H, S), the forward's layout
 
 
 def compile_combine(key: CombineKernelKey, options: str = "") -> Callable:
@@ -180,7 +181,7 @@ def compile_combine(key: CombineKernelKey, options: str = "") -> Callable:
 
     fp32 = cutlass.Float32
     out_partial = tensor(fp32, (splits, batch, seqlen, nheads, d), 4, 16)
-    rows = (nheads, seqlen) if key.lse_heads_major else (seqlen, nheads)
+    rows = (seqlen, nheads)
     lse_partial = cute.runtime.make_fake_tensor(
         fp32, (splits, batch, *rows), stride=tuple(cute.sym_int64() for _ in range(4)), assumed_align=4
     )
@@ -190,7 +191,7 @@ def compile_combine(key: CombineKernelKey, options: str = "") -> Callable:
         lse = cute.runtime.make_fake_tensor(
             fp32, (batch, *rows), stride=tuple(cute.sym_int64() for _ in range(3)), assumed_align=4
         )
-    kernel = FlashAttentionCombine(out_dtype, d, key.writes_lse, key.lse_heads_major)
+    kernel = FlashAttentionCombine(out_dtype, d, key.writes_lse)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     opts = ("--enable-tvm-ffi " + options).strip()
     return cute.compile(kernel, out_partial, lse_partial, out, lse, stream, options=opts)

@@ -484,47 +484,45 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
     split = num_splits > 1
     key = ForwardKernelKey(
         dtype=checks.dtype_name(problem.dtype), head_dim=problem.head_dim, causal=causal,
-        config=config, writes_lse=split or lse is not None, varlen_q=problem.varlen_q,
+        config=config, writes_lse=lse is not None, varlen_q=problem.varlen_q,
         kv_layout=problem.kv_layout, seqused_k=seqused_k is not None,
         page_box_rows=math.gcd(problem.page_size, config.tile_n) if problem.page_size else None,
         split=split, pack_gqa_ratio=pack_ratio,
     )
     kernel = get_forward_kernel(key)
     partials = _SplitPartials.for_shapes(num_splits, tuple(out.shape), _lse_shape(problem, q)) if split else None
-    if split:
-        out_kernel, lse_kernel = partials.allocate(q.device)
-    else:
-        out_kernel = checks.for_tma(out) if checks.aligned_16b(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
-        lse_kernel = lse
+    out_kernel = checks.for_tma(out) if checks.aligned_16b(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
     q_k, k_k, v_k = checks.for_tma(q), checks.for_tma(k), checks.for_tma(v)
     max_ctas = num_sms(device_index) * config.ctas_per_sm  # the persistent grid's cap
-    with _on_device(q.device):  # (the tile counter depends on q's device's current stream)
-        tile_counter = _tile_counter(q.device) if key.uses_tile_counter else None
-        kernel(q_k, k_k, v_k, out_kernel, lse_kernel, scale_log2, cu_seqlens_q, cu_seqlens_k, seqused_k,
-               page_table, tile_counter, max_ctas, num_splits)
-        if split:
-            _combine_forward_partials(problem, out_kernel, lse_kernel, out, lse)
-        elif out_kernel.data_ptr() != out.data_ptr():
+    # Zeroed counters: the dynamic scheduler's tile counter, or a split launch's per-tile arrivals.
+    num_counters = 2 if key.uses_tile_counter else _split_tiles(problem, q, config, pack_ratio) if split else 0
+    with _on_device(q.device):  # (counters and scratch depend on q's device's current stream)
+        counters = _zeroed_counters(q.device, num_counters) if num_counters else None
+        out_partial, lse_partial = _split_scratch(q.device, partials) if split else (None, None)
+        kernel(q_k, k_k, v_k, out_kernel, lse, out_partial, lse_partial, scale_log2, cu_seqlens_q, cu_seqlens_k,
+               seqused_k, page_table, counters, max_ctas, num_splits)
+        if out_kernel.data_ptr() != out.data_ptr():
             out.copy_(out_kernel)
     # A call that needed no layout fix-ups can be replayed from its metadata alone.
-    if q_k is not q or k_k is not k or v_k is not v:
+    if q_k is not q or k_k is not k or v_k is not v or out_kernel is not out:
         return None
-    if (out_kernel is not out and not split) or (split and not checks.aligned_16b(out)):
-        return None
-    combine = None
-    if split and not problem.varlen_q:  # (varlen partials go through _combine_varlen_partials)
-        combine = raw_function(get_combine_kernel(CombineKernelKey(
-            out_dtype=checks.ALL_DTYPE_NAMES[out.dtype], head_dim=problem.head_dim,
-            writes_lse=lse is not None, lse_heads_major=True)))
     return _LaunchPlan(
-        forward=raw_function(kernel), combine=combine, device=q.device, dtype=q.dtype,
+        forward=raw_function(kernel), device=q.device, dtype=q.dtype,
         out_shape=tuple(out.shape), lse_shape=tuple(lse.shape) if lse is not None else None,
-        scale_log2=scale_log2, max_ctas=max_ctas, num_splits=num_splits,
-        uses_tile_counter=key.uses_tile_counter, varlen=problem.varlen_q,
+        scale_log2=scale_log2, max_ctas=max_ctas, num_splits=num_splits, num_counters=num_counters,
         out_like_q=q.is_contiguous() and tuple(out.shape) == tuple(q.shape) and out.dtype == q.dtype,
         partials=partials,
         extents=tuple(checks.byte_extent(t) for t in (q, k, v, out)),
     )
+
+
+def _split_tiles(problem: _Problem, q, config, pack_ratio: int) -> int:
+    """Tiles of a split launch (its grid without the split factor: grid.x * heads * grid.z in
+    FlashAttentionForwardSm90.__call__), one arrival counter each."""
+    heads = problem.nheads // pack_ratio
+    if problem.varlen_q:  # every sequence's query tiles, flattened, plus one spare per sequence
+        return (math.ceil(q.shape[0] * pack_ratio / config.tile_m) + problem.batch) * heads
+    return math.ceil(q.shape[1] * pack_ratio / config.tile_m) * heads * problem.batch
 
 
 try:
@@ -541,21 +539,24 @@ except AttributeError:  # pragma: no cover - other torch builds
 
     _stream_capturing = torch.cuda.is_current_stream_capturing
 
-_TILE_COUNTERS: dict = {}
+_COUNTERS: dict = {}
 
 
-def _tile_counter(device: torch.device) -> torch.Tensor:
-    """The zeroed (2,) int32 counter a dynamic-scheduler launch draws tiles from. Each launch
-    leaves it zero, so launches that run one after another share one: one per (device,
-    stream) for eager calls. A CUDA-graph capture gets a fresh one each time (zeroed by a
-    captured fill), so graphs replayed on different streams never share a counter."""
+def _zeroed_counters(device: torch.device, count: int) -> torch.Tensor:
+    """At least `count` zeroed int32 counters: a dynamic-scheduler launch's tile counter, or a
+    split launch's per-tile arrival counters. Each launch leaves its counters zero, so launches
+    that run one after another share them: one buffer per (device, stream) for eager calls,
+    grown when a launch needs more. A CUDA-graph capture gets a fresh buffer each time (zeroed
+    by a captured fill), so graphs replayed on different streams never share counters."""
     if _stream_capturing():
-        return torch.zeros(2, dtype=torch.int32, device=device)
+        return torch.zeros(count, dtype=torch.int32, device=device)
     key = (device.index, _current_raw_stream(device.index))
-    counter = _TILE_COUNTERS.get(key)
-    if counter is None:
-        counter = _TILE_COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
-    return counter
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < count:
+        # (A replaced buffer is freed in stream order, after the launches that used it.)
+        size = count if counters is None else max(count, 2 * counters.numel())
+        counters = _COUNTERS[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return counters
 
 
 _FUNC_PLANS: dict = {}
@@ -584,20 +585,18 @@ class _LaunchPlan:
     what metadata does not capture (16-byte pointer alignment, out not overlapping inputs, the
     current device) and launches."""
 
-    __slots__ = ("forward", "combine", "device", "device_index", "dtype", "out_shape", "lse_shape",
-                 "scale_log2", "max_ctas", "num_splits", "extents", "uses_tile_counter", "out_like_q",
-                 "partials", "varlen", "cache_prefix", "paged_length")
+    __slots__ = ("forward", "device", "device_index", "dtype", "out_shape", "lse_shape",
+                 "scale_log2", "max_ctas", "num_splits", "extents", "num_counters", "out_like_q",
+                 "partials", "cache_prefix", "paged_length")
 
-    def __init__(self, forward, combine, device, dtype, out_shape, lse_shape, scale_log2,
-                 max_ctas, num_splits, partials, extents, uses_tile_counter=False,
-                 out_like_q=False, varlen=False):
-        self.forward, self.combine = forward, combine
+    def __init__(self, forward, device, dtype, out_shape, lse_shape, scale_log2,
+                 max_ctas, num_splits, partials, extents, num_counters=0, out_like_q=False):
+        self.forward = forward
         self.extents = extents  # bytes spanned by q, k, v, out
         self.device, self.device_index, self.dtype = device, device.index, dtype
         self.out_shape, self.lse_shape = out_shape, lse_shape
         self.scale_log2, self.max_ctas, self.num_splits = scale_log2, max_ctas, num_splits
-        self.uses_tile_counter = uses_tile_counter
-        self.varlen = varlen
+        self.num_counters = num_counters  # zeroed int32 counters the kernel needs (0: none)
         self.out_like_q = out_like_q  # q contiguous: empty_like(q) is out (and cheaper to call)
         self.partials = partials
         # flash_attn_with_kvcache with an int cache_seqlens: the contiguous cache's key prefix
@@ -622,18 +621,12 @@ class _LaunchPlan:
         if out is None:
             out = torch.empty_like(q) if self.out_like_q else torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
-        if self.num_splits == 1:
-            counter = _tile_counter(self.device) if self.uses_tile_counter else None
-            self.forward(q, k, v, out, lse, self.scale_log2, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
-                         counter, self.max_ctas, 1)
-        else:
-            out_partial, lse_partial = self.partials.allocate(self.device)
-            self.forward(q, k, v, out_partial, lse_partial, self.scale_log2, cu_seqlens_q, cu_seqlens_k,
-                         seqused_k, page_table, None, self.max_ctas, self.num_splits)
-            if self.varlen:
-                _combine_varlen_partials(out_partial, lse_partial, out, lse)
-            else:
-                self.combine(out_partial, lse_partial, out, lse)
+        counters = _zeroed_counters(self.device, self.num_counters) if self.num_counters else None
+        out_partial = lse_partial = None
+        if self.partials is not None:
+            out_partial, lse_partial = _split_scratch(self.device, self.partials)
+        self.forward(q, k, v, out, lse, out_partial, lse_partial, self.scale_log2, cu_seqlens_q, cu_seqlens_k,
+                     seqused_k, page_table, counters, self.max_ctas, self.num_splits)
         return out if self.lse_shape is None else (out, lse)
 
 
@@ -650,6 +643,12 @@ class _SplitPartials:
     lse_offset: int
     numel: int
 
+    def __post_init__(self):  # hashed once: a split launch looks its scratch views up by layout
+        object.__setattr__(self, "_hash", hash((self.o_shape, self.o_stride, self.lse_shape, self.lse_stride)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
     @staticmethod
     def for_shapes(num_splits: int, out_shape: tuple, lse_shape: tuple) -> "_SplitPartials":
         o_shape, lse_shape = (num_splits, *out_shape), (num_splits, *lse_shape)
@@ -658,9 +657,39 @@ class _SplitPartials:
                               offset, offset + math.prod(lse_shape))
 
     def allocate(self, device):
-        buffer = torch.empty(self.numel, dtype=torch.float32, device=device)
+        return self.views_of(torch.empty(self.numel, dtype=torch.float32, device=device))
+
+    def views_of(self, buffer):
+        """(out_partial, lse_partial) at the start of an fp32 buffer of at least numel floats."""
         return (buffer.as_strided(self.o_shape, self.o_stride),
                 buffer.as_strided(self.lse_shape, self.lse_stride, self.lse_offset))
+
+
+# Split partials of up to this many floats (64 MB) stay allocated per stream between calls;
+# larger ones (long split prefills) are allocated per call, where the host cost is noise.
+_SCRATCH_MAX_FLOATS = 16 << 20
+_SCRATCH: dict = {}
+
+
+def _split_scratch(device: torch.device, partials: _SplitPartials):
+    """A split launch's (out_partial, lse_partial). The kernel merges them before it ends, so
+    launches that run one after another on a stream can share them: one buffer per (device,
+    stream), with its views cached per layout (torch.empty and two as_strided cost several us
+    per call). A CUDA-graph capture and large layouts allocate their own."""
+    if partials.numel > _SCRATCH_MAX_FLOATS or _stream_capturing():
+        return partials.allocate(device)
+    key = (device.index, _current_raw_stream(device.index))
+    scratch = _SCRATCH.get(key)
+    if scratch is None or scratch[0].numel() < partials.numel:
+        # (A replaced buffer is freed in stream order, after the launches that used it.)
+        size = partials.numel if scratch is None else max(partials.numel, min(2 * scratch[0].numel(), _SCRATCH_MAX_FLOATS))
+        scratch = _SCRATCH[key] = (torch.empty(size, dtype=torch.float32, device=device), {})
+    views = scratch[1].get(partials)
+    if views is None:
+        if len(scratch[1]) >= 64:
+            scratch[1].clear()
+        views = scratch[1][partials] = partials.views_of(scratch[0])
+    return views
 
 
 def _contiguous_strides(shape) -> tuple:
@@ -677,23 +706,8 @@ def _lse_shape(problem: _Problem, q):
     return (problem.batch, problem.nheads, problem.max_seqlen_q)
 
 
-def _combine_forward_partials(problem: _Problem, out_partial, lse_partial, out, lse):
-    """The forward kernel's split buffers -> out, lse."""
-    if problem.varlen_q:
-        _combine_varlen_partials(out_partial, lse_partial, out, lse)
-    else:  # (K, B, S, H, D), lse (K, B, H, S): the combine reads this layout directly
-        _combine(out_partial, lse_partial, out, lse, lse_heads_major=True)
-
-
-def _combine_varlen_partials(out_partial, lse_partial, out, lse):
-    """Varlen split buffers (K, T, H, D) and LSE (K, H, T), as the combine's (K, 1, T, H[, D])."""
-    l = lse.t().unsqueeze(0) if lse is not None else None
-    _combine(out_partial.unsqueeze(1), lse_partial.transpose(1, 2).unsqueeze(1), out.unsqueeze(0), l)
-
-
-def _combine(out_partial, lse_partial, out, lse, lse_heads_major=False):
-    """out_partial (K, B, S, H, D) or (K, T, H, D) and matching lse views -> out, lse.
-    With lse_heads_major the LSE tensors are (K, B, H, S) and (B, H, S)."""
+def _combine(out_partial, lse_partial, out, lse):
+    """out_partial (K, B, S, H, D) or (K, T, H, D) and matching lse views -> out, lse."""
     if out_partial.dim() == 4:
         out_partial, lse_partial = out_partial.unsqueeze(1), lse_partial.unsqueeze(1)
         out = out.unsqueeze(0)
@@ -703,7 +717,6 @@ def _combine(out_partial, lse_partial, out, lse, lse_heads_major=False):
     out_kernel = out if checks.aligned_16b(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
     key = CombineKernelKey(
         out_dtype=checks.ALL_DTYPE_NAMES[out.dtype], head_dim=out.shape[-1], writes_lse=lse is not None,
-        lse_heads_major=lse_heads_major,
     )
     with _on_device(out.device):
         get_combine_kernel(key)(out_partial, lse_partial, out_kernel, lse)

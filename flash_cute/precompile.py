@@ -61,7 +61,7 @@ def table_keys(head_dims: Optional[Iterable[int]] = None, writes_lse=(True, Fals
 
 def decode_keys(head_dims: Optional[Iterable[int]] = None, gqa_ratios=(4, 8)) -> List[ForwardKernelKey]:
     """Decode kernels as flash_attn_with_kvcache launches them for a padded cache with
-    cache_seqlens: causal or not, split or not, GQA packed at each ratio."""
+    cache_seqlens and no LSE returned: causal or not, split or not, GQA packed at each ratio."""
     keys = []
     for (head_dim, dtype), config in sorted(DECODE_CONFIGS.items(), key=str):
         if head_dims is not None and head_dim not in head_dims:
@@ -69,7 +69,7 @@ def decode_keys(head_dims: Optional[Iterable[int]] = None, gqa_ratios=(4, 8)) ->
         for causal in (False, True):
             for split in (False, True):
                 for ratio in gqa_ratios:
-                    keys.append(ForwardKernelKey(dtype, head_dim, causal, config, True, seqused_k=True,
+                    keys.append(ForwardKernelKey(dtype, head_dim, causal, config, False, seqused_k=True,
                                                  split=split, pack_gqa_ratio=ratio))
     return keys
 

@@ -30,6 +30,8 @@ Problem variants (static; each is a separate compiled kernel):
   seqused_k the valid key count per batch comes from a tensor.
 - split: grid.y covers nheads x num_splits; split s takes the s-th share of the key blocks and
   writes its partial O (fp32, normalized over its own keys) and LSE (-inf for an empty split).
+  The last of a tile's splits to finish (a per-tile arrival counter) merges the tile's
+  partials into O and the LSE, so a split launch needs no separate combine kernel.
 - pack_gqa: the qhead_per_kvhead query heads sharing a kv head are folded into the tile's rows
   (row = token * ratio + head), so each K/V tile is read once for all of them.
 O goes through smem and one TMA store for padded, unsplit problems, and straight from
@@ -53,6 +55,7 @@ from .masking import AttentionMask
 from .named_barriers import NamedBarrier
 from .seqlen_info import SeqlenInfo
 from .softmax import OnlineSoftmax, rescale_rows
+from .split_merge import lanes_per_row, merge_row
 from .tile_scheduler import PersistentTileScheduler
 from .tma_loads import TmaBlockLoader, TmaPagedBlockLoader
 from .varlen_tiles import varlen_tile
@@ -114,13 +117,16 @@ class FlashAttentionForwardSm90:
       q:    (B, seqlen_q, nheads, d), or (total_q, nheads, d) when varlen_q
       k, v: (B, seqlen_k, nheads_kv, d) padded, (total_k, nheads_kv, d) packed,
             (num_pages, page_size, nheads_kv, d) paged; nheads % nheads_kv == 0
-      out:  like q in q's dtype; with split fp32 (S, *q.shape)
-      lse:  (B, nheads, seqlen_q) or (nheads, total_q) fp32, with split (S, ...); or None
+      out:  like q in q's dtype
+      lse:  (B, nheads, seqlen_q) or (nheads, total_q) fp32, or None
+      out_partial, lse_partial: split kernels' fp32 partials, (S, *out.shape) and
+            (S, *lse.shape); None otherwise
       cu_seqlens_q / cu_seqlens_k: (B + 1,) int32; seqused_k: (B,) int32;
       page_table: (B, max_pages_per_seq) int32
-      tile_counter: (2,) int32, zero before the launch and left zero after it (the last CTA
-            resets it), for the dynamic persistent scheduler; None otherwise. Launches that
-            may run at the same time need different counters.
+      tile_counter: int32 counters, zero before the launch and left zero after it (the last
+            CTA to use each resets it): (2,) for the dynamic persistent scheduler, one per
+            tile (grid.x * heads * grid.z) for split kernels; None otherwise. Launches that may
+            run at the same time need different counters.
       max_ctas: the persistent grid's size cap (SMs x CTAs per SM); unused by other variants
       num_splits: splits of the key range (split kernels)
     Batch, sequence lengths, head counts, page size and num_splits are run-time values.
@@ -201,6 +207,14 @@ class FlashAttentionForwardSm90:
         num_m, _ = self._tile_grid(mQ_shape)
         return num_m + (mCuSeqlensQ.shape[0] - 1)
 
+    def _num_tiles(self, mQ_shape: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor]):
+        """Tiles of an unsplit launch (a persistent grid's work, the causal order's flat grid):
+        every (query tile, head, batch), or a varlen grid's tile indices for every head."""
+        num_m, heads = self._tile_grid(mQ_shape)
+        if const_expr(self.varlen_q):
+            return self._varlen_tiles_per_head(mQ_shape, mCuSeqlensQ) * heads
+        return num_m * heads * mQ_shape.shape[3]
+
     def _tile_grid(self, mQ_shape: cute.Tensor):
         """(query tiles per (head, batch), heads of the grid) for q in kernel mode order; with
         packed GQA the rows hold pack_gqa_ratio heads and the grid runs over kv heads."""
@@ -219,6 +233,8 @@ class FlashAttentionForwardSm90:
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: Optional[cute.Tensor],
+        mOPartial: Optional[cute.Tensor],
+        mLSEPartial: Optional[cute.Tensor],
         softmax_scale_log2: Float32,
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
@@ -233,14 +249,13 @@ class FlashAttentionForwardSm90:
         # (rows, head_dim) at coordinate (head, batch).
         q_modes = (0, 2, 1) if const_expr(self.varlen_q) else (1, 3, 2, 0)
         mQ = hopper_mma.permute_modes(mQ, q_modes)
-        o_modes = q_modes
         lse_modes = (1, 0) if const_expr(self.varlen_q) else (2, 1, 0)
-        if const_expr(self.split):  # leading split mode goes last
-            o_modes = tuple(m + 1 for m in q_modes) + (0,)
-            lse_modes = tuple(m + 1 for m in lse_modes) + (0,)
-        mO = hopper_mma.permute_modes(mO, o_modes)
+        mO = hopper_mma.permute_modes(mO, q_modes)
         if const_expr(mLSE is not None):
             mLSE = hopper_mma.permute_modes(mLSE, lse_modes)
+        if const_expr(self.split):  # the leading split mode goes last
+            mOPartial = hopper_mma.permute_modes(mOPartial, tuple(m + 1 for m in q_modes) + (0,))
+            mLSEPartial = hopper_mma.permute_modes(mLSEPartial, tuple(m + 1 for m in lse_modes) + (0,))
         kv_modes = (0, 2, 1) if const_expr(self.kv_layout == "packed") else (1, 3, 2, 0)
         mK, mV = [hopper_mma.permute_modes(t, kv_modes) for t in (mK, mV)]
 
@@ -296,6 +311,7 @@ class FlashAttentionForwardSm90:
             mbar_v: cute.struct.MemRange[cutlass.Int64, num_stages * 2]
             mbar_sched: cute.struct.MemRange[cutlass.Int64, 2 * 2]
             next_tile: cute.struct.MemRange[Int32, 2]
+            split_last: cute.struct.MemRange[Int32, 1]  # split kernels: this CTA merges the tile
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], self.smem_align]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], self.smem_align]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], self.smem_align]
@@ -307,20 +323,18 @@ class FlashAttentionForwardSm90:
         num_m, grid_heads = self._tile_grid(mQ)
         if const_expr(self.split):
             grid_heads = grid_heads * num_splits
-        if const_expr(self.varlen_q and self.persistent):
-            grid = (cutlass.min(self._varlen_tiles_per_head(mQ, mCuSeqlensQ) * grid_heads, max_ctas), 1, 1)
+        if const_expr(self.persistent):
+            grid = (cutlass.min(self._num_tiles(mQ, mCuSeqlensQ), max_ctas), 1, 1)
         elif const_expr(self.varlen_q):
             grid = (self._varlen_tiles_per_head(mQ, mCuSeqlensQ), grid_heads, 1)
-        elif const_expr(self.persistent):
-            grid = (cutlass.min(num_m * grid_heads * mQ.shape[3], max_ctas), 1, 1)
         elif const_expr(self.causal_lpt_grid):
             # One flat index over (head section of (batch, head) pairs, m_block, pair): see
             # _causal_lpt_tile.
-            grid = (num_m * grid_heads * mQ.shape[3], 1, 1)
+            grid = (self._num_tiles(mQ, mCuSeqlensQ), 1, 1)
         else:
             grid = (num_m, grid_heads, mQ.shape[3])
         self.kernel(
-            tma_Q, tma_K, tma_V, mO_kernel, mLSE, mQ, mK,
+            tma_Q, tma_K, tma_V, mO_kernel, mLSE, mOPartial, mLSEPartial, mQ, mK,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mTileCounter, num_splits, max_ctas,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             softmax_scale_log2,
@@ -349,6 +363,8 @@ class FlashAttentionForwardSm90:
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: Optional[cute.Tensor],
+        mOPartial: Optional[cute.Tensor],
+        mLSEPartial: Optional[cute.Tensor],
         mQ_shape: cute.Tensor,
         mK_shape: cute.Tensor,
         mCuSeqlensQ: Optional[cute.Tensor],
@@ -401,13 +417,8 @@ class FlashAttentionForwardSm90:
         )
         scheduler = None
         if const_expr(self.persistent):
-            num_m, heads = self._tile_grid(mQ_shape)
-            if const_expr(self.varlen_q):
-                num_tiles = self._varlen_tiles_per_head(mQ_shape, mCuSeqlensQ) * heads
-            else:
-                num_tiles = num_m * heads * mQ_shape.shape[3]
             scheduler = PersistentTileScheduler.create(
-                num_tiles, self.dynamic_scheduler, mTileCounter,
+                self._num_tiles(mQ_shape, mCuSeqlensQ), self.dynamic_scheduler, mTileCounter,
                 storage.mbar_sched.data_ptr(), storage.next_tile.get_tensor(cute.make_layout(2)),
                 self.num_mma_threads,
             )
@@ -467,8 +478,10 @@ class FlashAttentionForwardSm90:
                     )
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            # A split CTA's epilogue writes its partials; the merge writes O and the LSE.
+            tile_out, tile_lse = (mOPartial, mLSEPartial) if const_expr(self.split) else (mO, mLSE)
             mma_args = (
-                mO, mLSE, sQ, sK, sV, sP, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                tile_out, tile_lse, sQ, sK, sV, sP, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                 pipeline_q, pipeline_k, pipeline_v, softmax_scale_log2, tidx, warpgroup_idx,
             )
             if const_expr(self.persistent):
@@ -486,6 +499,9 @@ class FlashAttentionForwardSm90:
             else:
                 tile = self._tile_coords(bidx, bidy, bidz, shapes)
                 self.mma(*mma_args, tile, shapes, q_state, kv_state)
+                if const_expr(self.split):
+                    split_last = storage.split_last.get_tensor(cute.make_layout(1))
+                    self._merge_splits(mO, mLSE, mOPartial, mLSEPartial, mTileCounter, split_last, tile, shapes, tidx)
 
     @cute.jit
     def _tile_problem(self, tile: SimpleNamespace, shapes: SimpleNamespace):
@@ -942,6 +958,62 @@ class FlashAttentionForwardSm90:
                 number_of_threads=2 * THREADS_PER_WARPGROUP,
             )
 
+    @cute.jit
+    def _merge_splits(self, mO: cute.Tensor, mLSE: Optional[cute.Tensor], mOPartial: cute.Tensor,
+                      mLSEPartial: cute.Tensor, mArrivals: cute.Tensor, split_last: cute.Tensor,
+                      tile: SimpleNamespace, shapes: SimpleNamespace, tidx: Int32):
+        """MMA warps of a split CTA, after its partials are stored: count this split in; the
+        last of the tile's splits to arrive merges all of them into O and the LSE and resets
+        the tile's counter (every split has arrived, so none touches it again this launch)."""
+        num_splits = shapes.num_splits
+        # The CTA's partial stores happen before the arrival: the barrier orders them before
+        # thread 0's release (fence + atomic); its acquire orders the other splits' partials
+        # before the merge's loads, which the second barrier passes on to every thread.
+        cute.arch.barrier(barrier_id=int(NamedBarrier.SPLIT_MERGE), number_of_threads=self.num_mma_threads)
+        if tidx == 0:
+            bidx, bidy, bidz = cute.arch.block_idx()
+            grid_x, grid_y, _ = cute.arch.grid_dim()
+            slot = (bidz * (grid_y // num_splits) + bidy // num_splits) * grid_x + bidx
+            cute.arch.fence_acq_rel_gpu()
+            arrived = cute.arch.atomic_add((mArrivals.iterator + slot).llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
+            is_last = arrived == num_splits - 1
+            if is_last:
+                mArrivals[slot] = Int32(0)
+            split_last[0] = Int32(1) if is_last else Int32(0)
+        cute.arch.barrier(barrier_id=int(NamedBarrier.SPLIT_MERGE), number_of_threads=self.num_mma_threads)
+        seqlen = SeqlenInfo.create(
+            tile.batch_idx, shapes.mQ.shape[0], Int32(0), shapes.mCuSeqlensQ, None, None,
+        )
+        # The tile's rows that hold a token (a prefix of the tile).
+        valid_rows = cutlass.min(
+            cutlass.max(seqlen.seqlen_q * self.pack_gqa_ratio - tile.m_block * self.tile_m, 0), self.tile_m
+        )
+        # (Uniform over the CTA: the counter's verdict, and whether the tile has rows at all.)
+        if split_last[0] != 0 and valid_rows > 0:
+            group = lanes_per_row(self.head_dim)
+            rows_per_pass = self.num_mma_threads // group
+            sub = tidx % group
+            acc = cute.make_rmem_tensor(self.head_dim // group, Float32)
+            out = cute.make_rmem_tensor(self.head_dim // group, mO.element_type)
+            for i in cutlass.range(cute.ceil_div(valid_rows, rows_per_pass), unroll=1):
+                token, head = self._row_of_tile(i * rows_per_pass + tidx // group, tile)
+                valid = token < seqlen.seqlen_q
+                if not valid:  # merge the tile's first row (no stores): every lane reaches the shuffles
+                    token, head = self._row_of_tile(Int32(0), tile)
+                idx = self._out_index(token, head, tile, seqlen, with_split=False)
+                o_splits = mOPartial[(idx[0], None, *idx[1:], None)]  # (d, S)
+                lse = merge_row(
+                    mLSEPartial[(*idx, None)], cute.make_tensor(o_splits.iterator, cute.select(o_splits.layout, mode=[1, 0])),
+                    sub, group, acc,
+                )
+                if valid:
+                    hopper_mma.convert_to_16bit(acc, out)
+                    dst = cute.local_tile(mO[(idx[0], None, *idx[1:])], (self.head_dim // group,), (sub,))
+                    dst.store(out.load())
+                    if const_expr(mLSE is not None):
+                        if sub == 0:
+                            mLSE[idx] = lse
+
     def _stmatrix_atom(self):
         return cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
@@ -956,14 +1028,15 @@ class FlashAttentionForwardSm90:
             return token, tile.head_kv_idx * self.pack_gqa_ratio + (row - token * self.pack_gqa_ratio)
         return row, tile.head_idx
 
-    def _out_index(self, token: Int32, head: Int32, tile: SimpleNamespace, seqlen: SeqlenInfo):
-        """Coordinates of (row, head[, batch][, split]) in out/lse (kernel mode order),
-        without the head_dim mode."""
+    def _out_index(self, token: Int32, head: Int32, tile: SimpleNamespace, seqlen: SeqlenInfo,
+                   with_split: bool = True):
+        """Coordinates of (row, head[, batch][, split]) in out/lse (kernel mode order; the split
+        in split kernels' partials), without the head_dim mode."""
         if const_expr(self.varlen_q):
             idx = (seqlen.offset_q + token, head)
         else:
             idx = (token, head, tile.batch_idx)
-        if const_expr(self.split):
+        if const_expr(self.split and with_split):
             idx = idx + (tile.split_idx,)
         return idx
 

@@ -10,3 +10,4 @@ class NamedBarrier(enum.IntEnum):
     WG_SCHEDULE_2 = 3
     WG_SCHEDULE_3 = 4
     O_SMEM_FREE = 5  # persistent kernels: the MMA warpgroups before reusing sO
+    SPLIT_MERGE = 6  # split kernels: the MMA warpgroups around the per-tile arrival count

@@ -117,3 +117,23 @@ def test_two_ctas_per_sm_budget():
         AttentionConfig(64, 128, num_stages=3, pingpong=False, ctas_per_sm=2).validate(128)
     with pytest.raises(ValueError, match="ctas_per_sm"):
         AttentionConfig(64, 64, ctas_per_sm=3)
+
+
+def test_split_tile_counts_match_the_kernel_grid():
+    """One arrival counter per tile of a split launch: the forward kernel's grid without the
+    split factor (grid.x * heads * grid.z), counted here by hand."""
+    import torch
+
+    from flash_cute.interface import _Problem, _split_tiles
+
+    cfg = AttentionConfig(64, 128)
+    padded = _Problem(batch=3, nheads=32, nheads_kv=8, head_dim=128, dtype=torch.bfloat16,
+                      max_seqlen_q=17, max_seqlen_k=900)
+    q = torch.empty(3, 17, 32, 128, device="meta")
+    assert _split_tiles(padded, q, cfg, pack_ratio=4) == 2 * 8 * 3  # ceil(17 * 4 / 64) m-blocks
+    assert _split_tiles(padded, q, cfg, pack_ratio=1) == 1 * 32 * 3
+    varlen = _Problem(batch=5, nheads=32, nheads_kv=8, head_dim=128, dtype=torch.bfloat16,
+                      max_seqlen_q=400, max_seqlen_k=900, varlen_q=True)
+    q = torch.empty(1000, 32, 128, device="meta")  # total_q = 1000
+    # every sequence's tiles flattened: ceil(1000 * 4 / 64) + one spare per sequence, per kv head
+    assert _split_tiles(varlen, q, cfg, pack_ratio=4) == (63 + 5) * 8

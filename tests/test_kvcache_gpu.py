@@ -307,6 +307,27 @@ def test_combine(out_dtype, head_dim):
     torch.testing.assert_close(out4.float(), want.flatten(0, 1), atol=tol, rtol=tol)
 
 
+def test_split_arrival_counters_reset_between_launches():
+    """Split launches merge in-kernel: the last CTA of each tile's splits to arrive merges them
+    and resets the tile's counter. Launches of different split and tile counts, one after
+    another on two streams (growing the counter buffer and the partials scratch they share
+    per stream), are each correct, and every counter is zero afterwards, as the next launch on
+    the stream needs."""
+    from flash_cute import interface
+
+    cases = [(2, 1, 2), (5, 3, 6), (16, 1, 40), (3, 64, 5), (7, 1, 3)]  # (num_splits, seqlen_q, batch)
+    for stream_idx, stream in enumerate([torch.cuda.current_stream(), torch.cuda.Stream()]):
+        with torch.cuda.stream(stream):
+            for i, (splits, seqlen_q, batch) in enumerate(cases):
+                run_kvcache_case(batch, seqlen_q, 32, 8, 128, torch.bfloat16, None, 700, splits, causal=i % 2 == 1,
+                                 seed=100 * stream_idx + i)
+    torch.cuda.synchronize()
+    assert interface._COUNTERS, "split launches took no arrival counters"
+    assert interface._SCRATCH, "split launches took no per-stream partials scratch"
+    for buffer in interface._COUNTERS.values():
+        assert int(buffer.count_nonzero()) == 0, "a split launch left an arrival counter set"
+
+
 def test_decode_graph_replay_with_new_lengths_and_pages():
     """Capture one decode step; replay after changing cache_seqlens and the page table."""
     gen = torch.Generator(device="cuda").manual_seed(9)
