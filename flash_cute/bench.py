@@ -117,17 +117,21 @@ def time_interleaved(fns: Dict[str, Callable[[], object]], warmup: int = 5, reps
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
-def host_us_per_call(fn: Callable[[], object], calls: int = 500) -> float:
-    """Host microseconds per call of fn() issued back to back (tiny problems: the GPU keeps up)."""
+def host_us_per_call(fn: Callable[[], object], calls: int = 200, rounds: int = 7) -> float:
+    """Host microseconds per call of fn() issued back to back (tiny problems: the GPU keeps
+    up): the median over `rounds` rounds of `calls` calls, since a shared host CPU moves
+    single rounds by tens of percent."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    per_round = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_round.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(per_round)
 
 
 def prefill_peers(q, k, v, causal: bool) -> Dict[str, Callable[[], object]]:
@@ -580,9 +584,17 @@ def run_host() -> List[str]:
         "flash_cute.flash_attn_func(out=)": lambda: flash_cute.flash_attn_func(q, k, v, out=out),
         "flash_cute.flash_attn_with_kvcache (no split)": lambda: flash_cute.flash_attn_with_kvcache(
             qd, kc, vc, cache_seqlens=seqlens, num_splits=1),
-        "flash_cute.flash_attn_with_kvcache (auto split: 2 kernels)": lambda: flash_cute.flash_attn_with_kvcache(
+        "flash_cute.flash_attn_with_kvcache (auto split, merged in-kernel)": lambda: flash_cute.flash_attn_with_kvcache(
             qd, kc, vc, cache_seqlens=seqlens),
     }
+    # A vLLM-style paged decode step through the varlen entry point: 4 sequences, 4 splits.
+    qv = torch.randn(4, 16, 128, device=dev, dtype=bf16)
+    kp, vp = (torch.randn(64, 16, 2, 128, device=dev, dtype=bf16) for _ in range(2))
+    cu_q = torch.arange(5, dtype=torch.int32, device=dev)
+    pages = torch.arange(64, dtype=torch.int32, device=dev).view(4, 16)
+    used = torch.full((4,), 256, dtype=torch.int32, device=dev)
+    calls["flash_cute.flash_attn_varlen_func (paged decode, 4 splits)"] = lambda: flash_cute.flash_attn_varlen_func(
+        qv, kp, vp, cu_q, 1, seqused_k=used, max_seqlen_k=256, page_table=pages, num_splits=4)
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))

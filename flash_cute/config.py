@@ -104,6 +104,11 @@ class AttentionConfig:
             object.__setattr__(self, "producer_registers", split[0])
         if self.mma_registers is None:
             object.__setattr__(self, "mma_registers", split[1])
+        # Hashed once: a config passed to every call is part of each call's launch-plan key.
+        object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def persistent(self) -> bool:
