@@ -8,7 +8,13 @@ from .config import (
     decode_config,
     default_config,
 )
-from .interface import flash_attn_combine, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from .interface import (
+    empty_cache,
+    flash_attn_combine,
+    flash_attn_func,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+)
 
 __version__ = "0.1.0"
 
@@ -19,6 +25,7 @@ __all__ = [
     "SHORT_SEQUENCE_CONFIGS",
     "decode_config",
     "default_config",
+    "empty_cache",
     "flash_attn_combine",
     "flash_attn_func",
     "flash_attn_varlen_func",

@@ -110,6 +110,15 @@ class AttentionConfig:
     def __hash__(self) -> int:
         return self._hash
 
+    # The cached hash is per process (string hashing is seeded): rebuilt when unpickled.
+    def __getstate__(self):
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def __setstate__(self, state):
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
+
     @property
     def persistent(self) -> bool:
         return self.scheduler != "single_tile"

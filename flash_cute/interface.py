@@ -362,7 +362,8 @@ def flash_attn_combine(
             (num_splits, total_q, nheads, headdim), float32; split k's output normalized over
             its own keys. headdim a multiple of 8.
         lse_partial: (num_splits, batch, seqlen, nheads) or (num_splits, total_q, nheads),
-            float32 natural-log LSE; -inf marks an empty split (its out_k is not read).
+            float32 natural-log LSE; -inf marks an empty split (its out_k is ignored: any
+            values, NaN included).
         out: optional output, out_partial's shape without the split dim.
         out_dtype: dtype of out when it is allocated (float32 default, or float16/bfloat16).
         return_lse: also return the merged lse, shaped like lse_partial without the split dim.
@@ -665,10 +666,21 @@ class _SplitPartials:
                 buffer.as_strided(self.lse_shape, self.lse_stride, self.lse_offset))
 
 
-# Split partials of up to this many floats (64 MB) stay allocated per stream between calls;
-# larger ones (long split prefills) are allocated per call, where the host cost is noise.
-_SCRATCH_MAX_FLOATS = 16 << 20
+# Split partials of up to this many floats (16 MB: decode steps need well under 1 MB per 8
+# sequences) stay allocated per stream between calls; larger ones (split prefills) are
+# allocated per call, where the host cost is noise. empty_cache() drops them.
+_SCRATCH_MAX_FLOATS = 4 << 20
 _SCRATCH: dict = {}
+
+
+def empty_cache() -> None:
+    """Drop the buffers flash_cute keeps between calls on each (device, stream): split-KV
+    partials scratch (up to 16 MB each) and the zeroed tile counters. Their memory goes back to
+    torch's caching allocator (torch.cuda.empty_cache() then returns it to the driver); launches
+    already queued are unaffected, since the allocator reuses a block only in stream order.
+    CUDA graphs keep the buffers they captured."""
+    _SCRATCH.clear()
+    _COUNTERS.clear()
 
 
 def _split_scratch(device: torch.device, partials: _SplitPartials):

@@ -830,8 +830,8 @@ class FlashAttentionForwardSm90:
             else:
                 self._schedule_signal_next(warpgroup_idx)
 
-            # A split's partial O is normalized by its own row sum; the combine weighs it by
-            # exp(lse_split - lse).
+            # A split's partial O is normalized by its own row sum; the merge (_merge_splits)
+            # weighs it by exp(lse_split - lse).
             inv_row_sum, row_lse = softmax.finalize()
             rescale_rows(acc_O, inv_row_sum)
             lse.store(row_lse.load())

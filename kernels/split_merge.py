@@ -3,8 +3,9 @@ kernel and the split forward kernel's in-kernel merge.
 
 For a row with splits k: lse = log(sum_k exp(lse_k)), out = sum_k exp(lse_k - lse) * out_k,
 where out_k is split k's output normalized over its own keys. Splits with lse_k = -inf (empty)
-are skipped without reading their out_k; a row whose splits are all empty gets out = 0 and
-lse = -inf.
+add nothing: their out_k is loaded with the others (the loads run ahead of the check) but never
+used, so it may hold anything, NaN included; a row whose splits are all empty gets out = 0
+and lse = -inf.
 
 A row is handled by a group of lanes of one warp (`lanes_per_row`, a power of two), each lane
 owning `head_dim // group` consecutive floats of the head dim: the fp32 partials stream in with

@@ -119,9 +119,9 @@ def test_two_ctas_per_sm_budget():
         AttentionConfig(64, 64, ctas_per_sm=3)
 
 
-def test_split_tile_counts_match_the_kernel_grid():
-    """One arrival counter per tile of a split launch: the forward kernel's grid without the
-    split factor (grid.x * heads * grid.z), counted here by hand."""
+def test_split_tile_counts_for_hand_counted_shapes():
+    """The host's count of a split launch's tiles (one arrival counter each) on shapes counted
+    by hand from the kernel's grid; test_kvcache_gpu checks it against the kernel itself."""
     import torch
 
     from flash_cute.interface import _Problem, _split_tiles
@@ -137,3 +137,16 @@ def test_split_tile_counts_match_the_kernel_grid():
     q = torch.empty(1000, 32, 128, device="meta")  # total_q = 1000
     # every sequence's tiles flattened: ceil(1000 * 4 / 64) + one spare per sequence, per kv head
     assert _split_tiles(varlen, q, cfg, pack_ratio=4) == (63 + 5) * 8
+
+
+def test_config_pickles_with_a_fresh_hash():
+    """A config's hash is cached per process; an unpickled one rebuilds it (so configs sent to
+    compile workers still find equal ones in dicts there)."""
+    import pickle
+
+    cfg = AttentionConfig(128, 128, scheduler="dynamic_persistent")
+    state = cfg.__getstate__()
+    assert "_hash" not in state
+    clone = pickle.loads(pickle.dumps(cfg))
+    assert clone == cfg and hash(clone) == hash(cfg) and {cfg: 1}[clone] == 1
+    assert hash(cfg.replace(tile_n=64)) != hash(cfg)

@@ -4,6 +4,8 @@ Same bar as test_forward_gpu: error <= 2 x the input-dtype PyTorch error + a rou
 outputs poisoned (NaN) before each call.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -292,7 +294,7 @@ def test_combine(out_dtype, head_dim):
     out_p = torch.randn(splits, batch, seqlen, nheads, head_dim, device="cuda", generator=gen)
     lse_p = torch.randn(splits, batch, seqlen, nheads, device="cuda", generator=gen) * 3
     lse_p[::2, 0] = float("-inf")  # empty splits ...
-    out_p[::2, 0] = float("nan")  # ... whose partial out must not be read
+    out_p[::2, 0] = float("nan")  # ... whose partial out must not be used
     lse_p[:, 1, 3, 2] = float("-inf")  # a row with no keys at all
     out, lse = flash_cute.flash_attn_combine(out_p, lse_p, out_dtype=out_dtype, return_lse=True)
     want, want_lse = combine_ref(out_p, lse_p)
@@ -307,25 +309,120 @@ def test_combine(out_dtype, head_dim):
     torch.testing.assert_close(out4.float(), want.flatten(0, 1), atol=tol, rtol=tol)
 
 
-def test_split_arrival_counters_reset_between_launches():
-    """Split launches merge in-kernel: the last CTA of each tile's splits to arrive merges them
-    and resets the tile's counter. Launches of different split and tile counts, one after
-    another on two streams (growing the counter buffer and the partials scratch they share
-    per stream), are each correct, and every counter is zero afterwards, as the next launch on
-    the stream needs."""
+def _split_launches(gen):
+    """Split launches of several kinds, as partials over fixed random inputs: padded caches
+    with GQA packed (ratio 4), packing off, 1-70 query tokens, empty and full cache lengths;
+    a causal varlen batch on a paged cache with empty and short sequences."""
+    bf16 = torch.bfloat16
+    launches = []
+    for batch, seqlen_q, nheads, nheads_kv, pack_gqa, splits, causal in [
+        (2, 1, 32, 8, None, 2, False), (6, 5, 32, 8, None, 5, True), (3, 70, 16, 4, None, 3, True),
+        (5, 1, 8, 8, None, 16, False), (4, 3, 32, 8, False, 7, False), (40, 1, 32, 8, None, 4, False),
+    ]:
+        q = torch.randn(batch, seqlen_q, nheads, 128, device="cuda", dtype=bf16, generator=gen)
+        k = torch.randn(batch, 700, nheads_kv, 128, device="cuda", dtype=bf16, generator=gen)
+        v = torch.randn_like(k)
+        lengths = ragged_lengths(batch, 700, gen)
+        launches.append(functools.partial(flash_cute.flash_attn_with_kvcache, q, k, v, cache_seqlens=lengths,
+                                          causal=causal, num_splits=splits, pack_gqa=pack_gqa))
+    q_lens, k_lens = [1, 0, 17, 100, 3], [600, 0, 17, 300, 1]
+    cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu_q[-1]), 16, 128, device="cuda", dtype=bf16, generator=gen)
+    k, v, page_table, _, _ = make_cache(len(q_lens), 640, 4, 128, bf16, 64, gen)
+    used = torch.tensor(k_lens, device="cuda", dtype=torch.int32)
+    launches.append(functools.partial(
+        flash_cute.flash_attn_varlen_func, q, k, v, cu_q, max(q_lens), seqused_k=used, max_seqlen_k=max(k_lens),
+        page_table=page_table, causal=True, num_splits=4))
+    return launches
+
+
+def test_split_counters_match_the_kernel_grid(monkeypatch):
+    """Each split launch gets exactly the counters the host counts for it (_split_tiles),
+    followed by sentinel slots: the kernel's per-tile slots stay inside the count (no sentinel
+    touched) and the last CTA of every tile resets its slot."""
     from flash_cute import interface
 
-    cases = [(2, 1, 2), (5, 3, 6), (16, 1, 40), (3, 64, 5), (7, 1, 3)]  # (num_splits, seqlen_q, batch)
-    for stream_idx, stream in enumerate([torch.cuda.current_stream(), torch.cuda.Stream()]):
-        with torch.cuda.stream(stream):
-            for i, (splits, seqlen_q, batch) in enumerate(cases):
-                run_kvcache_case(batch, seqlen_q, 32, 8, 128, torch.bfloat16, None, 700, splits, causal=i % 2 == 1,
-                                 seed=100 * stream_idx + i)
+    sentinel = 0x5EED
+    handed_out = []
+
+    def exact_counters(device, count):
+        buffer = torch.full((count + 64,), sentinel, dtype=torch.int32, device=device)
+        buffer[:count] = 0
+        handed_out.append((buffer, count))
+        return buffer
+
+    monkeypatch.setattr(interface, "_zeroed_counters", exact_counters)
+    gen = torch.Generator(device="cuda").manual_seed(41)
+    for launch in _split_launches(gen):
+        for _ in range(2):  # the first call builds the launch plan, the second replays it
+            handed_out.clear()
+            launch()
+            torch.cuda.synchronize()
+            assert len(handed_out) == 1, "a split launch took no counters"
+            buffer, count = handed_out[0]
+            assert int(buffer[:count].count_nonzero()) == 0, "a split launch left an arrival counter set"
+            assert bool((buffer[count:] == sentinel).all()), "a split launch used a counter past the host's count"
+
+
+def test_split_launches_back_to_back_on_two_streams():
+    """Split launches queued without host syncs, on the current stream and a second one (each
+    stream's launches share its counters and partials scratch, which grow along the way), give
+    the same bits as the same launches run one at a time (which match their unsplit results),
+    and leave every counter zero."""
+    from flash_cute import interface
+
+    gen = torch.Generator(device="cuda").manual_seed(42)
+    launches = _split_launches(gen)
+    expected = []
+    for launch in launches:
+        expected.append(launch().clone())
+        unsplit = launch.func(*launch.args, **{**launch.keywords, "num_splits": 1})
+        torch.testing.assert_close(expected[-1].float(), unsplit.float(), atol=1e-2, rtol=0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    results = []
+    for _ in range(3):
+        for launch in launches:
+            results.append(launch())
+            with torch.cuda.stream(side):
+                results.append(launch())
     torch.cuda.synchronize()
-    assert interface._COUNTERS, "split launches took no arrival counters"
-    assert interface._SCRATCH, "split launches took no per-stream partials scratch"
+    for i, out in enumerate(results):
+        assert torch.equal(out, expected[(i // 2) % len(launches)]), f"queued launch {i} differs"
+    assert len([key for key in interface._COUNTERS if key[1] == side.cuda_stream]) == 1
     for buffer in interface._COUNTERS.values():
         assert int(buffer.count_nonzero()) == 0, "a split launch left an arrival counter set"
+    flash_cute.empty_cache()
+    assert not interface._COUNTERS and not interface._SCRATCH
+    assert torch.equal(launches[0](), expected[0]), "a launch after empty_cache differs"
+
+
+@pytest.mark.parametrize("out_kind", ["slice", "odd_strides"])
+def test_split_merge_writes_into_given_out(out_kind):
+    """The in-kernel merge writes O through out's strides: a slice of a bigger buffer gets only
+    its own elements; strides that are not multiples of 16 bytes go through a copy."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    batch, nheads, nheads_kv, d = 3, 16, 4, 128
+    q = torch.randn(batch, 2, nheads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(batch, 900, nheads_kv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+    lengths = torch.tensor([900, 1, 517], dtype=torch.int32, device="cuda")
+    width = nheads + 3 if out_kind == "slice" else nheads + 1
+    last = d if out_kind == "slice" else d + 1  # head stride d + 1 elements: 258 bytes
+    big = torch.full((batch, 2, width, last), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = big[:, :, 1:nheads + 1, :d]
+    for _ in range(2):  # the second call replays the launch plan
+        out.fill_(float("nan"))
+        flash_cute.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, num_splits=5, out=out)
+        n = lengths.tolist()
+        refs, lowps, _ = reference_per_sequence(
+            [q[b:b + 1] for b in range(batch)], [k[b:b + 1, :n[b]] for b in range(batch)],
+            [v[b:b + 1, :n[b]] for b in range(batch)], False,
+        )
+        assert_close_to_reference([out[b:b + 1] for b in range(batch)], None, refs, lowps, None)
+    assert big[:, :, 0].isnan().all() and big[:, :, nheads + 1:].isnan().all(), "wrote outside out"
+    if out_kind == "odd_strides":
+        assert big[..., d:].isnan().all(), "wrote outside out"
 
 
 def test_decode_graph_replay_with_new_lengths_and_pages():
