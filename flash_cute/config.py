@@ -242,8 +242,8 @@ def _row(tile_m, tile_n, **knobs) -> AttentionConfig:
 
 _BY_HEAD_DIM = {
     # 3 warpgroups, P in registers: best of 36 configs at 512-8k (511 TFLOP/s at 8k; the next,
-    # 192x96, 500). Ping-pong is worth 7% here. One CTA per tile from 8k (H100: 544 / 558 at
-    # 8k / 16k against 533 / 509 persistent); shorter problems use SHORT_SEQUENCE_CONFIGS.
+    # 192x96, 500). Ping-pong is worth 7% here. One CTA per tile above 8k (H100, 16k: 536-549
+    # against 525-533 static persistent); up to 8k SHORT_SEQUENCE_CONFIGS' persistent row.
     # Polling the K/V barriers before the blocking wait: +0.4-2.6% at 1k-16k (H100).
     (64, False): _row(192, 128, mbarrier_probe=True),
     # Dynamic persistent beats one CTA per tile at every length from 2k (H100: 423 / 464 / 507 /
@@ -281,8 +281,10 @@ FORWARD_CONFIGS = {
 # there are few query rows per (batch, head).
 _SHORT_BY_HEAD_DIM = {
     # Persistent CTAs hide each short tile's prologue and epilogue: 192x128 dynamic 367 / 417 /
-    # 482 / 504 at 512-4k against 304 / 374 / 457 / 493 with one CTA per tile (H100).
-    (64, False): (4096, _row(192, 128, scheduler="dynamic_persistent", mbarrier_probe=True)),
+    # 482 / 504 at 512-4k against 304 / 374 / 457 / 493 with one CTA per tile (H100). Static
+    # persistent: level with dynamic to 4k and +1.5-2.6% over one CTA per tile at 8k (four
+    # runs, bf16 and fp16), 1.5-3% behind it at 16k (benchmarks/sweeps/scheduler_h100/sched64_*).
+    (64, False): (8192, _row(192, 128, scheduler="static_persistent", mbarrier_probe=True)),
     # 128x128 dynamic: 242 / 327 at 512 / 1k against 214 / 292 for 192x128 dynamic and 172 /
     # 263 for 128x128 with one CTA per tile (H100).
     (64, True): (1024, _row(128, 128, scheduler="dynamic_persistent", mbarrier_probe=True)),
