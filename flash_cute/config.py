@@ -250,7 +250,9 @@ _BY_HEAD_DIM = {
     # 535 against 372 / 433 / 490 / 527 at 2k-16k).
     (64, True): _row(192, 128, scheduler="dynamic_persistent", mbarrier_probe=True),
     # P from registers with 192-row tiles spills at head dim 96, so P goes through smem.
-    (96, False): _row(192, 144, pv_from_registers=False),
+    # Dynamic persistent: +2-5% at 1k-16k (H100: 444 / 529 / 591 / 616 / 628 against 424 / 512 /
+    # 576 / 603 / 617 with one CTA per tile, benchmarks/sweeps/scheduler_h100/sched96.json).
+    (96, False): _row(192, 144, pv_from_registers=False, scheduler="dynamic_persistent"),
     (96, True): _row(192, 128, pv_from_registers=False, scheduler="dynamic_persistent"),
     # 3 warpgroups with P through smem win from 4k (655 vs 628 TFLOP/s at 4k, 673 vs 660 at 8k);
     # dynamic persistent adds 1-2% (H100: 653 / 673 / 682 against 641 / 666 / 675 at 4k-16k).
@@ -260,7 +262,9 @@ _BY_HEAD_DIM = {
     # 644 / 662 against 267 / 396 / 535 / 619 / 641).
     (128, True): _row(128, 128, scheduler="dynamic_persistent"),
     # Large O accumulators: no ping-pong; rescale O under the Q K^T instead.
-    (192, False): _row(128, 112, pingpong=False, rescale_o_before_pv=True),
+    # Dynamic persistent: +1-7% at 1k-16k (H100: 621 / 723 / 705 / 729 / 767 against 578 / 695 /
+    # 686 / 717 / 761; static persistent 562-633, sched192.json).
+    (192, False): _row(128, 112, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent"),
     (192, True): _row(128, 112, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent"),
     # 128 x 80 is the largest tile whose two-stage K/V ring fits in shared memory; rescaling O
     # before P V is worth 24% at 8k (753 vs 609), ping-pong costs 7%. Non-causal: persistent
