@@ -279,8 +279,8 @@ def flash_attn_with_kvcache(
         key = plan = None
     if plan is not None and plan.usable(q, k_cache, v_cache, out):
         seqused = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
-        if plan.paged_length is not None:  # a fresh tensor: nothing outlives the call or a graph
-            seqused = torch.full((q.shape[0],), plan.paged_length, dtype=torch.int32, device=plan.device)
+        if plan.paged_length is not None:
+            seqused = _constant_lengths(plan.device, q.shape[0], plan.paged_length)
         if plan.cache_prefix is not None:
             k_cache, v_cache = k_cache[:, :plan.cache_prefix], v_cache[:, :plan.cache_prefix]
         return plan.launch(q, k_cache, v_cache, out, seqused_k=seqused, page_table=page_table)
@@ -601,7 +601,7 @@ class _LaunchPlan:
         self.out_like_q = out_like_q  # q contiguous: empty_like(q) is out (and cheaper to call)
         self.partials = partials
         # flash_attn_with_kvcache with an int cache_seqlens: the contiguous cache's key prefix
-        # to slice, or the paged cache's length to fill a (batch,) tensor with.
+        # to slice, or the paged cache's length (its (batch,) tensor: _constant_lengths).
         self.cache_prefix = None
         self.paged_length = None
 
@@ -673,14 +673,35 @@ _SCRATCH_MAX_FLOATS = 4 << 20
 _SCRATCH: dict = {}
 
 
+_LENGTHS: dict = {}
+
+
+def _constant_lengths(device: torch.device, batch: int, length: int) -> torch.Tensor:
+    """(batch,) int32 all `length`: the seqused_k of a paged kvcache call with an int
+    cache_seqlens. Never written after its fill, so launches on the stream that filled it can
+    share it: cached per (device, stream, batch, length). A CUDA-graph capture fills its own
+    (so no graph holds a cached one, and dropping them is always safe)."""
+    if _stream_capturing():
+        return torch.full((batch,), length, dtype=torch.int32, device=device)
+    key = (device.index, _current_raw_stream(device.index), batch, length)
+    lengths = _LENGTHS.get(key)
+    if lengths is None:
+        if len(_LENGTHS) >= 256:
+            _LENGTHS.clear()
+        lengths = _LENGTHS[key] = torch.full((batch,), length, dtype=torch.int32, device=device)
+    return lengths
+
+
 def empty_cache() -> None:
     """Drop the buffers flash_cute keeps between calls on each (device, stream): split-KV
-    partials scratch (up to 16 MB each) and the zeroed tile counters. Their memory goes back to
+    partials scratch (up to 16 MB each), the zeroed tile counters, and the length tensors of
+    paged calls with an int cache_seqlens. Their memory goes back to
     torch's caching allocator (torch.cuda.empty_cache() then returns it to the driver); launches
     already queued are unaffected, since the allocator reuses a block only in stream order.
     CUDA graphs keep the buffers they captured."""
     _SCRATCH.clear()
     _COUNTERS.clear()
+    _LENGTHS.clear()
 
 
 def _split_scratch(device: torch.device, partials: _SplitPartials):

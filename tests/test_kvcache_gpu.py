@@ -160,8 +160,9 @@ def test_int_and_missing_cache_seqlens():
 @pytest.mark.parametrize("num_splits", [1, 0], ids=lambda s: f"splits{s}" if s else "splits_auto")
 def test_int_cache_seqlens_replays_launch_plan(page_size, num_splits, monkeypatch):
     """Repeated calls with an int cache_seqlens replay a launch plan (slicing the contiguous
-    cache, or a fresh length tensor for a paged one) on new cache tensors of the same layout,
-    also inside a CUDA graph."""
+    cache, or a per-stream length tensor for a paged one) on new cache tensors of the same
+    layout, also inside a CUDA graph, which keeps its own buffers (empty_cache() before the
+    replay drops the cached ones)."""
     gen = torch.Generator(device="cuda").manual_seed(9)
     batch, capacity = 2, 700
     q = torch.randn(batch, 1, 16, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -186,6 +187,9 @@ def test_int_cache_seqlens_replays_launch_plan(page_size, num_splits, monkeypatc
                                                  num_splits=num_splits)
         check(out, k_cache, v_cache, n)
     assert len(runs) == 2, f"expected 2 full-path calls (n = 333, 700), got {len(runs)}"
+    if page_size is not None:
+        key = (q.device.index, torch.cuda.current_stream().cuda_stream, batch, 333)
+        assert key in flash_cute.interface._LENGTHS, "replays did not reuse a length tensor"
     # Captured: the replayed plan's launch (and, for a paged cache, its length tensor) in a graph.
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -195,6 +199,7 @@ def test_int_cache_seqlens_replays_launch_plan(page_size, num_splits, monkeypatc
             out = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=333, page_table=page_table,
                                                      num_splits=num_splits)
     torch.cuda.current_stream().wait_stream(stream)
+    flash_cute.empty_cache()
     k_cache.normal_(generator=gen)
     v_cache.normal_(generator=gen)
     out.fill_(float("nan"))
