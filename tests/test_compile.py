@@ -60,8 +60,16 @@ SPLITKV_KEYS = [
     ForwardKernelKey("bfloat16", 128, True, AttentionConfig(128, 128), True, varlen_q=True, kv_layout="packed"),
     ForwardKernelKey("bfloat16", 128, True, AttentionConfig(128, 128), True, varlen_q=True, kv_layout="paged",
                      seqused_k=True, page_box_rows=32, split=True),
-    ForwardKernelKey("bfloat16", 96, False, AttentionConfig(192, 144, pv_from_registers=False), False,
+    # The table's rows as varlen and KV-cache prefill calls run them (persistent schedulers).
+    ForwardKernelKey("bfloat16", 96, False, AttentionConfig(192, 144, pv_from_registers=False,
+                                                            scheduler="dynamic_persistent"), False,
                      varlen_q=True, kv_layout="padded", seqused_k=True, pack_gqa_ratio=4),
+    ForwardKernelKey("float16", 192, False, AttentionConfig(128, 112, pingpong=False, rescale_o_before_pv=True,
+                                                            scheduler="dynamic_persistent"), True,
+                     varlen_q=True, kv_layout="packed"),
+    ForwardKernelKey("bfloat16", 64, False, AttentionConfig(192, 128, scheduler="static_persistent",
+                                                            mbarrier_probe=True), False,
+                     kv_layout="paged", seqused_k=True, page_box_rows=64),
 ]
 
 

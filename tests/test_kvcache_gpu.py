@@ -161,8 +161,8 @@ def test_int_and_missing_cache_seqlens():
 def test_int_cache_seqlens_replays_launch_plan(page_size, num_splits, monkeypatch):
     """Repeated calls with an int cache_seqlens replay a launch plan (slicing the contiguous
     cache, or a per-stream length tensor for a paged one) on new cache tensors of the same
-    layout, also inside a CUDA graph, which keeps its own buffers (empty_cache() before the
-    replay drops the cached ones)."""
+    layout, also inside a CUDA graph, which fills its own length tensor: the graph replays
+    right after the capture stream's cached one is overwritten, and after empty_cache()."""
     gen = torch.Generator(device="cuda").manual_seed(9)
     batch, capacity = 2, 700
     q = torch.randn(batch, 1, 16, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -171,6 +171,9 @@ def test_int_cache_seqlens_replays_launch_plan(page_size, num_splits, monkeypatc
     real_run = flash_cute.interface._run
     monkeypatch.setattr(flash_cute.interface, "_run", lambda *a, **kw: runs.append(1) or real_run(*a, **kw))
     flash_cute.interface._KVCACHE_PLANS.clear()
+    flash_cute.empty_cache()
+    key = (q.device.index, torch.cuda.current_stream().cuda_stream, batch, 333)
+    cached = []
 
     def check(out, k_cache, v_cache, n):
         if page_size is None:
@@ -186,26 +189,33 @@ def test_int_cache_seqlens_replays_launch_plan(page_size, num_splits, monkeypatc
         out = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=n, page_table=page_table,
                                                  num_splits=num_splits)
         check(out, k_cache, v_cache, n)
+        if page_size is not None and n == 333:
+            cached.append(flash_cute.interface._LENGTHS.get(key))
     assert len(runs) == 2, f"expected 2 full-path calls (n = 333, 700), got {len(runs)}"
-    if page_size is not None:
-        key = (q.device.index, torch.cuda.current_stream().cuda_stream, batch, 333)
-        assert key in flash_cute.interface._LENGTHS, "replays did not reuse a length tensor"
+    if page_size is not None:  # the first call took the full path; both replays one tensor
+        assert cached[0] is None and cached[1] is not None and cached[2] is cached[1], "length tensor not reused"
     # Captured: the replayed plan's launch (and, for a paged cache, its length tensor) in a graph.
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
+        # An eager replay on the capture stream first: its cached length tensor must stay out of the graph.
+        flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=333, page_table=page_table,
+                                           num_splits=num_splits)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             out = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=333, page_table=page_table,
                                                      num_splits=num_splits)
     torch.cuda.current_stream().wait_stream(stream)
-    flash_cute.empty_cache()
-    k_cache.normal_(generator=gen)
-    v_cache.normal_(generator=gen)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    check(out, k_cache, v_cache, 333)
+    if page_size is not None:
+        flash_cute.interface._LENGTHS[(q.device.index, stream.cuda_stream, batch, 333)].fill_(1)
+    for _ in range(2):  # overwritten cached tensor, then no cached buffers at all
+        k_cache.normal_(generator=gen)
+        v_cache.normal_(generator=gen)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, k_cache, v_cache, 333)
+        flash_cute.empty_cache()
     assert len(runs) == 2
 
 
@@ -264,11 +274,12 @@ def run_varlen_mixed(kv_layout, causal, num_splits, config=None):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("scheduler", [None, "single_tile", "static_persistent"], ids=lambda s: s or "table")
+@pytest.mark.parametrize("scheduler", [None, "single_tile", "static_persistent", "dynamic_persistent"],
+                         ids=lambda s: s or "table")
 def test_varlen_many_sequences(causal, num_splits, scheduler):
     """More sequences than a warp scans at once (the varlen tile lookup walks 32 at a time),
     and more tiles than SMs, so persistent CTAs take several tiles (the table's rows for this
-    problem are dynamic persistent)."""
+    problem: static persistent non-causal, dynamic persistent causal)."""
     config = None if scheduler is None else flash_cute.AttentionConfig(128, 128, scheduler=scheduler)
     gen = torch.Generator(device="cuda").manual_seed(int(causal) + 2 * num_splits)
     batch, nheads, nheads_kv, d, dtype = 70, 8, 2, 64, torch.float16
