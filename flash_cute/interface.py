@@ -540,6 +540,26 @@ except AttributeError:  # pragma: no cover - other torch builds
 
     _stream_capturing = torch.cuda.is_current_stream_capturing
 
+def _stream_key(device: torch.device):
+    """(device index, current raw stream): the key of the buffers kept per stream between
+    calls; None while a CUDA graph is being captured (a capture makes its own buffers, so no
+    graph holds a cached one)."""
+    if _stream_capturing():
+        return None
+    return device.index, _current_raw_stream(device.index)
+
+
+def _grown_size(current: Optional[torch.Tensor], needed: int, cap: Optional[int] = None) -> int:
+    """Size of a per-stream buffer replacing `current` (None: none yet) that is too small for
+    `needed` elements: doubled, so a run of growing calls reallocates a few times only (at most
+    `cap`, unless `needed` is larger). The replaced buffer is freed in stream order, after the
+    launches that used it."""
+    if current is None:
+        return needed
+    doubled = 2 * current.numel()
+    return max(needed, doubled if cap is None else min(doubled, cap))
+
+
 _COUNTERS: dict = {}
 
 
@@ -549,14 +569,12 @@ def _zeroed_counters(device: torch.device, count: int) -> torch.Tensor:
     that run one after another share them: one buffer per (device, stream) for eager calls,
     grown when a launch needs more. A CUDA-graph capture gets a fresh buffer each time (zeroed
     by a captured fill), so graphs replayed on different streams never share counters."""
-    if _stream_capturing():
+    key = _stream_key(device)
+    if key is None:
         return torch.zeros(count, dtype=torch.int32, device=device)
-    key = (device.index, _current_raw_stream(device.index))
     counters = _COUNTERS.get(key)
     if counters is None or counters.numel() < count:
-        # (A replaced buffer is freed in stream order, after the launches that used it.)
-        size = count if counters is None else max(count, 2 * counters.numel())
-        counters = _COUNTERS[key] = torch.zeros(size, dtype=torch.int32, device=device)
+        counters = _COUNTERS[key] = torch.zeros(_grown_size(counters, count), dtype=torch.int32, device=device)
     return counters
 
 
@@ -681,9 +699,10 @@ def _constant_lengths(device: torch.device, batch: int, length: int) -> torch.Te
     cache_seqlens. Never written after its fill, so launches on the stream that filled it can
     share it: cached per (device, stream, batch, length). A CUDA-graph capture fills its own
     (so no graph holds a cached one, and dropping them is always safe)."""
-    if _stream_capturing():
+    stream_key = _stream_key(device)
+    if stream_key is None:
         return torch.full((batch,), length, dtype=torch.int32, device=device)
-    key = (device.index, _current_raw_stream(device.index), batch, length)
+    key = (*stream_key, batch, length)
     lengths = _LENGTHS.get(key)
     if lengths is None:
         if len(_LENGTHS) >= 256:
@@ -709,13 +728,12 @@ def _split_scratch(device: torch.device, partials: _SplitPartials):
     launches that run one after another on a stream can share them: one buffer per (device,
     stream), with its views cached per layout (torch.empty and two as_strided cost several us
     per call). A CUDA-graph capture and large layouts allocate their own."""
-    if partials.numel > _SCRATCH_MAX_FLOATS or _stream_capturing():
+    key = None if partials.numel > _SCRATCH_MAX_FLOATS else _stream_key(device)
+    if key is None:
         return partials.allocate(device)
-    key = (device.index, _current_raw_stream(device.index))
     scratch = _SCRATCH.get(key)
     if scratch is None or scratch[0].numel() < partials.numel:
-        # (A replaced buffer is freed in stream order, after the launches that used it.)
-        size = partials.numel if scratch is None else max(partials.numel, min(2 * scratch[0].numel(), _SCRATCH_MAX_FLOATS))
+        size = _grown_size(None if scratch is None else scratch[0], partials.numel, _SCRATCH_MAX_FLOATS)
         scratch = _SCRATCH[key] = (torch.empty(size, dtype=torch.float32, device=device), {})
     views = scratch[1].get(partials)
     if views is None:

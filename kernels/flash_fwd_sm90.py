@@ -503,14 +503,18 @@ class FlashAttentionForwardSm90:
                     split_last = storage.split_last.get_tensor(cute.make_layout(1))
                     self._merge_splits(mO, mLSE, mOPartial, mLSEPartial, mTileCounter, split_last, tile, shapes, tidx)
 
+    def _kv_capacity(self, shapes: SimpleNamespace):
+        """Keys a (batch, head) can hold: k's rows, or a paged cache's pages x page size (packed
+        k: the total, split by cu_seqlens_k per tile)."""
+        if const_expr(self.kv_layout == "paged"):
+            return shapes.mK.shape[0] * shapes.mPageTable.shape[1]
+        return shapes.mK.shape[0]
+
     @cute.jit
     def _tile_problem(self, tile: SimpleNamespace, shapes: SimpleNamespace):
         """(seqlen info, key block range, n_block_min, n_block_max) of a tile."""
-        seqlen_k_capacity = shapes.mK.shape[0]
-        if const_expr(self.kv_layout == "paged"):
-            seqlen_k_capacity = shapes.mK.shape[0] * shapes.mPageTable.shape[1]
         seqlen = SeqlenInfo.create(
-            tile.batch_idx, shapes.mQ.shape[0], seqlen_k_capacity, shapes.mCuSeqlensQ,
+            tile.batch_idx, shapes.mQ.shape[0], self._kv_capacity(shapes), shapes.mCuSeqlensQ,
             shapes.mCuSeqlensK, shapes.mSeqUsedK,
         )
         block_range = KeyBlockRange(
@@ -546,10 +550,7 @@ class FlashAttentionForwardSm90:
                 if m_block < num_tiles:  # (not a spare CTA)
                     m_block = num_tiles - 1 - m_block
         elif const_expr(self.causal_lpt_grid):
-            kv_keys = mK_shape.shape[0]  # per (batch, head): the padded length, or paged capacity
-            if const_expr(self.kv_layout == "paged"):
-                kv_keys = mK_shape.shape[0] * shapes.mPageTable.shape[1]
-            m_block, bidy, batch_idx = self._causal_lpt_tile(bidx, mQ_shape, kv_keys, shapes.max_ctas)
+            m_block, bidy, batch_idx = self._causal_lpt_tile(bidx, mQ_shape, self._kv_capacity(shapes), shapes.max_ctas)
         elif const_expr(self.persistent):
             # m_block fastest, then head, then batch: CTAs running together share K/V.
             num_m, heads = self._tile_grid(mQ_shape)
