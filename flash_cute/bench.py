@@ -586,6 +586,8 @@ def run_host() -> List[str]:
             qd, kc, vc, cache_seqlens=seqlens, num_splits=1),
         "flash_cute.flash_attn_with_kvcache (auto split, merged in-kernel)": lambda: flash_cute.flash_attn_with_kvcache(
             qd, kc, vc, cache_seqlens=seqlens),
+        "flash_cute.flash_attn_with_kvcache (int cache_seqlens, auto split)": lambda: flash_cute.flash_attn_with_kvcache(
+            qd, kc, vc, cache_seqlens=1000),
     }
     # A vLLM-style paged decode step through the varlen entry point: 4 sequences, 4 splits.
     qv = torch.randn(4, 16, 128, device=dev, dtype=bf16)

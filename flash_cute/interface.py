@@ -279,10 +279,6 @@ def flash_attn_with_kvcache(
         key = plan = None
     if plan is not None and plan.usable(q, k_cache, v_cache, out):
         seqused = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
-        if plan.paged_length is not None:
-            seqused = _constant_lengths(plan.device, q.shape[0], plan.paged_length)
-        if plan.cache_prefix is not None:
-            k_cache, v_cache = k_cache[:, :plan.cache_prefix], v_cache[:, :plan.cache_prefix]
         return plan.launch(q, k_cache, v_cache, out, seqused_k=seqused, page_table=page_table)
     checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     paged = page_table is not None
@@ -302,7 +298,7 @@ def flash_attn_with_kvcache(
         if k_cache.shape[0] != batch:
             raise ValueError(f"k_cache must have batch size {batch} (that of q), got shape {tuple(k_cache.shape)}")
         capacity = k_cache.shape[1]
-    seqused_k = None
+    seqused_k = int_length = None
     max_seqlen_k = capacity
     if cache_seqlens is None:
         pass
@@ -310,14 +306,9 @@ def flash_attn_with_kvcache(
         checks.check_seqused("cache_seqlens", cache_seqlens, batch)
         seqused_k = cache_seqlens
     else:
-        n = checks.check_host_int("cache_seqlens", cache_seqlens)
-        if n > capacity:
-            raise ValueError(f"cache_seqlens={n} exceeds the cache's capacity of {capacity} keys")
-        max_seqlen_k = n
-        if paged:
-            seqused_k = torch.full((batch,), n, dtype=torch.int32, device=q.device)
-        else:
-            k_cache, v_cache = k_cache[:, :n], v_cache[:, :n]
+        int_length = max_seqlen_k = checks.check_host_int("cache_seqlens", cache_seqlens)
+        if int_length > capacity:
+            raise ValueError(f"cache_seqlens={int_length} exceeds the cache's capacity of {capacity} keys")
     problem = _Problem(
         batch=batch, nheads=nheads, nheads_kv=k_cache.shape[2], head_dim=head_dim, dtype=q.dtype,
         max_seqlen_q=seqlen_q, max_seqlen_k=max_seqlen_k, kv_capacity=max_seqlen_k,
@@ -331,18 +322,18 @@ def flash_attn_with_kvcache(
              ("cache_seqlens", seqused_k)]
     checks.check_cuda([(n, t) for n, t in named if t is not None])
     checks.check_hopper(q.device)
+    if int_length is not None:
+        # A (batch,) length tensor, also for a contiguous cache (rather than a slice of it): a
+        # replay then reuses its stream's cached tensor, where slicing costs two views per call.
+        with _on_device(q.device):
+            seqused_k = _constant_lengths(q.device, batch, int_length, _stream_key(q.device))
     out = _prepare_out(out, q, k_cache, v_cache)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     if out.numel() > 0:
         plan = _run(problem, q, k_cache, v_cache, out, lse, scale_log2, causal, config, num_splits, pack_gqa,
                     seqused_k=seqused_k, page_table=page_table)
-        if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
-            # An int length: replays slice the contiguous cache alike, or build the paged
-            # cache's length tensor again.
-            if plan is not None and paged:
-                plan.paged_length = max_seqlen_k
-            elif plan is not None:
-                plan.cache_prefix = max_seqlen_k
+        if plan is not None:
+            plan.int_length = int_length  # replays take the length tensor of their stream
         _remember(_KVCACHE_PLANS, key, plan)
     return (out, lse) if return_lse else out
 
@@ -498,8 +489,9 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
     # Zeroed counters: the dynamic scheduler's tile counter, or a split launch's per-tile arrivals.
     num_counters = 2 if key.uses_tile_counter else _split_tiles(problem, q, config, pack_ratio) if split else 0
     with _on_device(q.device):  # (counters and scratch depend on q's device's current stream)
-        counters = _zeroed_counters(q.device, num_counters) if num_counters else None
-        out_partial, lse_partial = _split_scratch(q.device, partials) if split else (None, None)
+        stream = _stream_key(q.device)
+        counters = _zeroed_counters(q.device, num_counters, stream) if num_counters else None
+        out_partial, lse_partial = _split_scratch(q.device, partials, stream) if split else (None, None)
         kernel(q_k, k_k, v_k, out_kernel, lse, out_partial, lse_partial, scale_log2, cu_seqlens_q, cu_seqlens_k,
                seqused_k, page_table, counters, max_ctas, num_splits)
         if out_kernel.data_ptr() != out.data_ptr():
@@ -563,18 +555,18 @@ def _grown_size(current: Optional[torch.Tensor], needed: int, cap: Optional[int]
 _COUNTERS: dict = {}
 
 
-def _zeroed_counters(device: torch.device, count: int) -> torch.Tensor:
+def _zeroed_counters(device: torch.device, count: int, stream: Optional[tuple]) -> torch.Tensor:
     """At least `count` zeroed int32 counters: a dynamic-scheduler launch's tile counter, or a
     split launch's per-tile arrival counters. Each launch leaves its counters zero, so launches
     that run one after another share them: one buffer per (device, stream) for eager calls,
     grown when a launch needs more. A CUDA-graph capture gets a fresh buffer each time (zeroed
-    by a captured fill), so graphs replayed on different streams never share counters."""
-    key = _stream_key(device)
-    if key is None:
+    by a captured fill), so graphs replayed on different streams never share counters.
+    `stream` is _stream_key(device), which the caller queries once for all such buffers."""
+    if stream is None:
         return torch.zeros(count, dtype=torch.int32, device=device)
-    counters = _COUNTERS.get(key)
+    counters = _COUNTERS.get(stream)
     if counters is None or counters.numel() < count:
-        counters = _COUNTERS[key] = torch.zeros(_grown_size(counters, count), dtype=torch.int32, device=device)
+        counters = _COUNTERS[stream] = torch.zeros(_grown_size(counters, count), dtype=torch.int32, device=device)
     return counters
 
 
@@ -606,7 +598,7 @@ class _LaunchPlan:
 
     __slots__ = ("forward", "device", "device_index", "dtype", "out_shape", "lse_shape",
                  "scale_log2", "max_ctas", "num_splits", "extents", "num_counters", "out_like_q",
-                 "partials", "cache_prefix", "paged_length")
+                 "partials", "int_length")
 
     def __init__(self, forward, device, dtype, out_shape, lse_shape, scale_log2,
                  max_ctas, num_splits, partials, extents, num_counters=0, out_like_q=False):
@@ -618,10 +610,9 @@ class _LaunchPlan:
         self.num_counters = num_counters  # zeroed int32 counters the kernel needs (0: none)
         self.out_like_q = out_like_q  # q contiguous: empty_like(q) is out (and cheaper to call)
         self.partials = partials
-        # flash_attn_with_kvcache with an int cache_seqlens: the contiguous cache's key prefix
-        # to slice, or the paged cache's length (its (batch,) tensor: _constant_lengths).
-        self.cache_prefix = None
-        self.paged_length = None
+        # flash_attn_with_kvcache with an int cache_seqlens: the length, whose (batch,) tensor
+        # each replay takes from _constant_lengths.
+        self.int_length = None
 
     def usable(self, q, k, v, out) -> bool:
         qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
@@ -640,10 +631,15 @@ class _LaunchPlan:
         if out is None:
             out = torch.empty_like(q) if self.out_like_q else torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
-        counters = _zeroed_counters(self.device, self.num_counters) if self.num_counters else None
-        out_partial = lse_partial = None
-        if self.partials is not None:
-            out_partial, lse_partial = _split_scratch(self.device, self.partials)
+        counters = out_partial = lse_partial = None
+        if self.num_counters or self.partials is not None or self.int_length is not None:
+            stream = _stream_key(self.device)  # one query for every per-stream buffer
+            if self.num_counters:
+                counters = _zeroed_counters(self.device, self.num_counters, stream)
+            if self.partials is not None:
+                out_partial, lse_partial = _split_scratch(self.device, self.partials, stream)
+            if self.int_length is not None:
+                seqused_k = _constant_lengths(self.device, q.shape[0], self.int_length, stream)
         self.forward(q, k, v, out, lse, out_partial, lse_partial, self.scale_log2, cu_seqlens_q, cu_seqlens_k,
                      seqused_k, page_table, counters, self.max_ctas, self.num_splits)
         return out if self.lse_shape is None else (out, lse)
@@ -694,15 +690,14 @@ _SCRATCH: dict = {}
 _LENGTHS: dict = {}
 
 
-def _constant_lengths(device: torch.device, batch: int, length: int) -> torch.Tensor:
-    """(batch,) int32 all `length`: the seqused_k of a paged kvcache call with an int
-    cache_seqlens. Never written after its fill, so launches on the stream that filled it can
-    share it: cached per (device, stream, batch, length). A CUDA-graph capture fills its own
-    (so no graph holds a cached one, and dropping them is always safe)."""
-    stream_key = _stream_key(device)
-    if stream_key is None:
+def _constant_lengths(device: torch.device, batch: int, length: int, stream: Optional[tuple]) -> torch.Tensor:
+    """(batch,) int32 all `length`: the seqused_k of a kvcache call with an int cache_seqlens.
+    Never written after its fill, so launches on the stream that filled it can share it:
+    cached per (device, stream, batch, length), `stream` being _stream_key(device). A CUDA-graph
+    capture fills its own (so no graph holds a cached one, and dropping them is always safe)."""
+    if stream is None:
         return torch.full((batch,), length, dtype=torch.int32, device=device)
-    key = (*stream_key, batch, length)
+    key = (*stream, batch, length)
     lengths = _LENGTHS.get(key)
     if lengths is None:
         if len(_LENGTHS) >= 256:
@@ -723,12 +718,13 @@ def empty_cache() -> None:
     _LENGTHS.clear()
 
 
-def _split_scratch(device: torch.device, partials: _SplitPartials):
+def _split_scratch(device: torch.device, partials: _SplitPartials, stream: Optional[tuple]):
     """A split launch's (out_partial, lse_partial). The kernel merges them before it ends, so
     launches that run one after another on a stream can share them: one buffer per (device,
     stream), with its views cached per layout (torch.empty and two as_strided cost several us
-    per call). A CUDA-graph capture and large layouts allocate their own."""
-    key = None if partials.numel > _SCRATCH_MAX_FLOATS else _stream_key(device)
+    per call); `stream` is _stream_key(device). A CUDA-graph capture and large layouts
+    allocate their own."""
+    key = None if partials.numel > _SCRATCH_MAX_FLOATS else stream
     if key is None:
         return partials.allocate(device)
     scratch = _SCRATCH.get(key)

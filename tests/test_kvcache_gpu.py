@@ -159,10 +159,10 @@ def test_int_and_missing_cache_seqlens():
 @pytest.mark.parametrize("page_size", [None, 64], ids=lambda p: f"page{p}" if p else "contiguous")
 @pytest.mark.parametrize("num_splits", [1, 0], ids=lambda s: f"splits{s}" if s else "splits_auto")
 def test_int_cache_seqlens_replays_launch_plan(page_size, num_splits, monkeypatch):
-    """Repeated calls with an int cache_seqlens replay a launch plan (slicing the contiguous
-    cache, or a per-stream length tensor for a paged one) on new cache tensors of the same
-    layout, also inside a CUDA graph, which fills its own length tensor: the graph replays
-    right after the capture stream's cached one is overwritten, and after empty_cache()."""
+    """Repeated calls with an int cache_seqlens replay a launch plan (with a per-stream length
+    tensor, for a contiguous or a paged cache) on new cache tensors of the same layout, also
+    inside a CUDA graph, which fills its own length tensor: the graph replays right after the
+    capture stream's cached one is overwritten, and after empty_cache()."""
     gen = torch.Generator(device="cuda").manual_seed(9)
     batch, capacity = 2, 700
     q = torch.randn(batch, 1, 16, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -189,11 +189,11 @@ def test_int_cache_seqlens_replays_launch_plan(page_size, num_splits, monkeypatc
         out = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=n, page_table=page_table,
                                                  num_splits=num_splits)
         check(out, k_cache, v_cache, n)
-        if page_size is not None and n == 333:
+        if n == 333:
             cached.append(flash_cute.interface._LENGTHS.get(key))
     assert len(runs) == 2, f"expected 2 full-path calls (n = 333, 700), got {len(runs)}"
-    if page_size is not None:  # the first call took the full path; both replays one tensor
-        assert cached[0] is None and cached[1] is not None and cached[2] is cached[1], "length tensor not reused"
+    # The full-path call and both replays share one tensor.
+    assert cached[0] is not None and cached[1] is cached[0] and cached[2] is cached[0], "length tensor not reused"
     # Captured: the replayed plan's launch (and, for a paged cache, its length tensor) in a graph.
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -206,8 +206,7 @@ def test_int_cache_seqlens_replays_launch_plan(page_size, num_splits, monkeypatc
             out = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=333, page_table=page_table,
                                                      num_splits=num_splits)
     torch.cuda.current_stream().wait_stream(stream)
-    if page_size is not None:
-        flash_cute.interface._LENGTHS[(q.device.index, stream.cuda_stream, batch, 333)].fill_(1)
+    flash_cute.interface._LENGTHS[(q.device.index, stream.cuda_stream, batch, 333)].fill_(1)
     for _ in range(2):  # overwritten cached tensor, then no cached buffers at all
         k_cache.normal_(generator=gen)
         v_cache.normal_(generator=gen)
@@ -361,7 +360,7 @@ def test_split_counters_match_the_kernel_grid(monkeypatch):
     sentinel = 0x5EED
     handed_out = []
 
-    def exact_counters(device, count):
+    def exact_counters(device, count, stream):
         buffer = torch.full((count + 64,), sentinel, dtype=torch.int32, device=device)
         buffer[:count] = 0
         handed_out.append((buffer, count))
