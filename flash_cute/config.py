@@ -267,8 +267,8 @@ _BY_HEAD_DIM = {
     (192, False): _row(128, 112, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent"),
     (192, True): _row(128, 112, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent"),
     # 128 x 80 is the largest tile whose two-stage K/V ring fits in shared memory; rescaling O
-    # before P V is worth 24% at 8k (753 vs 609), ping-pong costs 7%. Non-causal: persistent
-    # within 1% from 4k and 4% behind at 2k (H100: 682 vs 712), so one CTA per tile.
+    # before P V is worth 24% at 8k (753 vs 609), ping-pong costs 7%. Non-causal from 8k: one
+    # CTA per tile (persistent level at 8k, 0.5-2.3% behind at 16k; up to 4k SHORT_SEQUENCE_CONFIGS).
     (256, False): _row(128, 80, pingpong=False, rescale_o_before_pv=True),
     # Dynamic persistent: +2-5% at every length (H100: 307 / 476 / 616 / 649 / 696 / 715
     # against 300 / 453 / 596 / 638 / 687 / 710 at 512-16k).
@@ -295,8 +295,10 @@ _SHORT_BY_HEAD_DIM = {
     # 128x128 RS dynamic: 523 / 587 / 631 at 512 / 1k / 2k against 456 / 526 / 598 for 192x128
     # SS dynamic and 439 / 531 / 590 for 128x128 RS with one CTA per tile (H100).
     (128, False): (2048, _row(128, 128, scheduler="dynamic_persistent")),
-    # Dynamic persistent: 513 / 662 at 512 / 1k against 500 / 651 (H100).
-    (256, False): (1024, _row(128, 80, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent")),
+    # Dynamic persistent: 513 / 662 at 512 / 1k against 500 / 651 (H100); up to 4k in two
+    # fifth-session sweeps, 729 / 714 and 702 / 694 at 2k / 4k against 716 / 704 and 696 / 686
+    # with one CTA per tile, which is level at 8k and ahead at 16k (benchmarks/sweeps/hdim256_h100).
+    (256, False): (4096, _row(128, 80, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent")),
 }
 SHORT_SEQUENCE_CONFIGS = {
     (head_dim, dtype, causal): entry
