@@ -708,8 +708,8 @@ def _constant_lengths(device: torch.device, batch: int, length: int, stream: Opt
 
 def empty_cache() -> None:
     """Drop the buffers flash_cute keeps between calls on each (device, stream): split-KV
-    partials scratch (up to 16 MB each), the zeroed tile counters, and the length tensors of
-    paged calls with an int cache_seqlens. Their memory goes back to
+    partials scratch (up to 16 MB each), the zeroed tile counters, and the (batch,) length
+    tensors of calls with an int cache_seqlens. Their memory goes back to
     torch's caching allocator (torch.cuda.empty_cache() then returns it to the driver); launches
     already queued are unaffected, since the allocator reuses a block only in stream order.
     CUDA graphs keep the buffers they captured."""

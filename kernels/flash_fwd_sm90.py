@@ -108,6 +108,9 @@ class MainloopOperands:
     pipeline_k: pipeline.PipelineAsync
     pipeline_v: pipeline.PipelineAsync
     warpgroup_idx: Int32
+    sV: cute.Tensor
+    last_block: Int32  # the tile's last key block, processed first
+    last_block_keys: Int32  # the keys of it that exist (may be fewer than tile_n)
 
 
 class FlashAttentionForwardSm90:
@@ -170,6 +173,8 @@ class FlashAttentionForwardSm90:
         self.varlen_q = varlen_q
         self.kv_layout = kv_layout
         self.seqused_k = seqused_k
+        # Whether K/V rows past a sequence's end can be loaded (see _clear_v_tail).
+        self.clears_v_tail = kv_layout != "padded" or seqused_k
         self.page_box_rows = page_box_rows
         self.split = split
         self.pack_gqa_ratio = pack_gqa_ratio
@@ -789,6 +794,9 @@ class FlashAttentionForwardSm90:
             pipeline_k=pipeline_k,
             pipeline_v=pipeline_v,
             warpgroup_idx=warpgroup_idx,
+            sV=sV,
+            last_block=n_block_max - 1,
+            last_block_keys=seqlen.seqlen_k - (n_block_max - 1) * self.tile_n,
         )
 
         acc_O.fill(0.0)
@@ -825,6 +833,8 @@ class FlashAttentionForwardSm90:
                 if const_expr(self.rescale_o_before_pv):
                     rescale_rows(acc_O, ctx.pending_scale)
                 self._wait_full(pipeline_v, kv_state)
+                if const_expr(self.clears_v_tail):
+                    self._clear_v_tail(ctx, kv_state.index, n_block_min, tidx)
                 self._pv_gemm(ctx, kv_state.index, 0)
                 pipeline_v.consumer_release(kv_state)
                 kv_state.advance()
@@ -897,6 +907,8 @@ class FlashAttentionForwardSm90:
         if const_expr(self.rescale_o_before_pv):
             rescale_rows(ctx.acc_O, ctx.pending_scale)
         self._wait_full(ctx.pipeline_v, v_state)
+        if const_expr(self.clears_v_tail):
+            self._clear_v_tail(ctx, v_state.index, n_block + 1, cute.arch.thread_idx()[0])
         self._pv_gemm(ctx, v_state.index, -1)
         self._schedule_signal_next(ctx.warpgroup_idx)
         warpgroup.wait_group(1)
@@ -926,11 +938,38 @@ class FlashAttentionForwardSm90:
         self._scores_to_p(ctx, acc_S)
         rescale_rows(ctx.acc_O, row_scale)
         self._wait_full(ctx.pipeline_v, kv_state)
+        if const_expr(is_first and self.clears_v_tail):
+            self._clear_v_tail(ctx, kv_state.index, n_block, cute.arch.thread_idx()[0])
         self._schedule_wait(ctx.warpgroup_idx)
         self._pv_gemm(ctx, kv_state.index, 0)
         ctx.pipeline_v.consumer_release(kv_state)
         kv_state.advance()
         return kv_state
+
+    @cute.jit
+    def _clear_v_tail(self, ctx, stage, v_block: Int32, tidx: Int32):
+        """Before the P V of key block v_block (V in stage `stage`): if that block is the
+        tile's last and partial, zero its V rows past the sequence's last key. P is 0 there,
+        but the rows hold whatever follows the sequence in memory (a cache's unused slots,
+        another sequence's keys), and 0 * NaN or 0 * inf would reach O; only padded K/V
+        without seqused_k end where the tensor (and TMA's zero fill) does. Each MMA warpgroup
+        zeroes the whole tail before its own P V (they write the same zeros), in 16-byte
+        pieces, then makes the stores visible to its WGMMA. Runs while Q K^T is in flight."""
+        valid = ctx.last_block_keys
+        if v_block == ctx.last_block and valid < self.tile_n:
+            pieces_per_row = self.head_dim // 8
+            pieces = cute.zipped_divide(ctx.sV[None, None, stage], (1, 8))  # ((1, 8), (rows, d / 8))
+            zeros = cute.make_rmem_tensor((1, 8), self.dtype)
+            zeros.fill(0.0)
+            wg_thread = tidx % THREADS_PER_WARPGROUP
+            first = cutlass.max(valid, 0) * pieces_per_row
+            for j in cutlass.range(first + wg_thread, self.tile_n * pieces_per_row, THREADS_PER_WARPGROUP, unroll=1):
+                row = j // pieces_per_row
+                cute.autovec_copy(zeros, pieces[None, (row, j - row * pieces_per_row)])
+            cute.arch.fence_view_async_shared()  # generic-proxy stores -> the WGMMA's reads
+            cute.arch.barrier(
+                barrier_id=int(NamedBarrier.V_TAIL_1) + ctx.warpgroup_idx, number_of_threads=THREADS_PER_WARPGROUP
+            )
 
     def _wait_full(self, ring, state):
         """Wait for a K/V stage. With mbarrier_probe, poll the barrier once first and take

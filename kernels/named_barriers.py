@@ -11,3 +11,7 @@ class NamedBarrier(enum.IntEnum):
     WG_SCHEDULE_3 = 4
     O_SMEM_FREE = 5  # persistent kernels: the MMA warpgroups before reusing sO
     SPLIT_MERGE = 6  # split kernels: the MMA warpgroups around the per-tile arrival count
+    # MMA warpgroup i after zeroing the V rows past the sequence end (V_TAIL_1 + i).
+    V_TAIL_1 = 7
+    V_TAIL_2 = 8
+    V_TAIL_3 = 9

@@ -194,7 +194,7 @@ def test_int_cache_seqlens_replays_launch_plan(page_size, num_splits, monkeypatc
     assert len(runs) == 2, f"expected 2 full-path calls (n = 333, 700), got {len(runs)}"
     # The full-path call and both replays share one tensor.
     assert cached[0] is not None and cached[1] is cached[0] and cached[2] is cached[0], "length tensor not reused"
-    # Captured: the replayed plan's launch (and, for a paged cache, its length tensor) in a graph.
+    # Captured: the replayed plan's launch and its length tensor in a graph.
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -511,3 +511,66 @@ def test_varlen_repeated_calls_use_new_contents(num_splits, return_lse):
         lses = [lse[:, cq[b]:cq[b + 1]].unsqueeze(0) for b in range(batch)] if return_lse else None
         assert_close_to_reference(outs, lses, refs, lowps, lse_refs)
     assert len(flash_cute.interface._VARLEN_PLANS) > 0, "the repeated calls did not take the launch-plan path"
+
+
+def poison_past_lengths(k_cache, v_cache, page_table, lengths, capacity):
+    """Write NaN into every cache slot at or past each sequence's length (what a cache from
+    torch.empty may hold), through the page table for a paged cache."""
+    for b, n in enumerate(lengths):
+        if n >= capacity:
+            continue
+        if page_table is None:
+            k_cache[b, n:] = float("nan")
+            v_cache[b, n:] = float("nan")
+            continue
+        page_size = k_cache.shape[1]
+        positions = torch.arange(n, capacity, device="cuda")
+        pages = page_table[b, positions // page_size].long()
+        k_cache[pages, positions % page_size] = float("nan")
+        v_cache[pages, positions % page_size] = float("nan")
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 64], ids=lambda p: f"page{p}" if p else "contiguous")
+@pytest.mark.parametrize("lengths", ["int", "tensor"])
+@pytest.mark.parametrize("num_splits", [1, 0], ids=lambda s: f"splits{s}" if s else "splits_auto")
+@pytest.mark.parametrize("seqlen_q,causal", [(1, False), (37, True)], ids=["decode", "prefill_causal"])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
+def test_nan_past_cache_lengths_stays_out(page_size, lengths, num_splits, seqlen_q, causal, overlap):
+    """Cache slots past cache_seqlens hold NaN: the keys there are masked, and the V rows the
+    last key block loads past the end must not reach the output (P = 0 there, but 0 * NaN is
+    NaN), with and without intra-warpgroup overlap (their first P V happens in different places)."""
+    gen = torch.Generator(device="cuda").manual_seed(hash((page_size, lengths, num_splits, seqlen_q, overlap)) % 2**31)
+    batch, capacity, nheads, nheads_kv, d, dtype = 3, 700, 16, 4, 128, torch.bfloat16
+    q = torch.randn(batch, seqlen_q, nheads, d, device="cuda", dtype=dtype, generator=gen)
+    k_cache, v_cache, page_table, _, _ = make_cache(batch, capacity, nheads_kv, d, dtype, page_size, gen)
+    # Lengths that end inside a key block (and one that ends exactly on the capacity).
+    per_seq = [333, 333, 333] if lengths == "int" else [37, 333, 700]
+    ref_k = gather_paged(k_cache, page_table, capacity) if page_size else k_cache.clone()
+    ref_v = gather_paged(v_cache, page_table, capacity) if page_size else v_cache.clone()
+    poison_past_lengths(k_cache, v_cache, page_table, per_seq, capacity)
+    cache_seqlens = 333 if lengths == "int" else torch.tensor(per_seq, device="cuda", dtype=torch.int32)
+    config = None if overlap else flash_cute.AttentionConfig(64, 128, intra_wg_overlap=False, pingpong=False)
+    out = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table,
+                                             causal=causal, num_splits=num_splits, config=config)
+    refs, lowps, _ = reference_per_sequence(
+        [q[b:b + 1] for b in range(batch)], [ref_k[b:b + 1, :n] for b, n in enumerate(per_seq)],
+        [ref_v[b:b + 1, :n] for b, n in enumerate(per_seq)], causal)
+    assert_close_to_reference([out[b:b + 1] for b in range(batch)], None, refs, lowps, None)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_inf_in_next_packed_sequence_stays_out(num_splits):
+    """Packed K/V: the last key block of a sequence also loads the first rows of the next one;
+    an inf there (the next sequence's own business) must not reach this sequence's output."""
+    gen = torch.Generator(device="cuda").manual_seed(77 + num_splits)
+    nheads, nheads_kv, d, dtype = 8, 8, 128, torch.bfloat16
+    cu_k = torch.tensor([0, 100, 350], device="cuda", dtype=torch.int32)
+    cu_q = torch.tensor([0, 5, 10], device="cuda", dtype=torch.int32)
+    q = torch.randn(10, nheads, d, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(350, nheads_kv, d, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn_like(k)
+    v[100:110] = float("inf")
+    out = flash_cute.flash_attn_varlen_func(q, k, v, cu_q, 5, cu_seqlens_k=cu_k, max_seqlen_k=250,
+                                            num_splits=num_splits)
+    refs, lowps, _ = reference_per_sequence([q[:5].unsqueeze(0)], [k[:100].unsqueeze(0)], [v[:100].unsqueeze(0)], False)
+    assert_close_to_reference([out[:5].unsqueeze(0)], None, refs, lowps, None)

@@ -83,9 +83,13 @@ def test_constant_lengths_cached_per_stream(streams):
     assert interface._constant_lengths(CPU, 4, 333, stream()) is a
     assert interface._constant_lengths(CPU, 4, 334, stream()) is not a
     streams["stream"] = 11
-    assert interface._constant_lengths(CPU, 4, 333, stream()) is not a
+    b = interface._constant_lengths(CPU, 4, 333, stream())
+    assert b is not a and interface._constant_lengths(CPU, 4, 333, stream()) is b
+    cached = len(interface._LENGTHS)
     streams["capturing"] = True
-    assert interface._constant_lengths(CPU, 4, 333, stream()) is not a
+    captured = interface._constant_lengths(CPU, 4, 333, stream())
+    assert captured is not b and captured.tolist() == [333] * 4, "a capture fills its own tensor"
+    assert len(interface._LENGTHS) == cached, "a capture's tensor was cached"
 
 
 def test_empty_cache_drops_everything(streams):
