@@ -243,7 +243,8 @@ def flash_attn_with_kvcache(
             (num_pages, page_size, nheads_kv, headdim) with page_size a multiple of 16.
         cache_seqlens: valid keys per sequence: an int, a (batch,) int32 tensor, or None for
             the whole cache. Tensor values above the cache's capacity are clamped (checking
-            them would need a host sync); an int is checked.
+            them would need a host sync); an int is checked. Slots past the length may hold
+            anything (e.g. NaN): they never reach the output.
         page_table: (batch, max_pages_per_seq) int32 page indices (any order).
         causal: bottom-right aligned: the last query sees all cache_seqlens keys.
         num_splits: 0 (default) picks the split-KV count with a wave-efficiency heuristic;
