@@ -530,6 +530,26 @@ def poison_past_lengths(k_cache, v_cache, page_table, lengths, capacity):
         v_cache[pages, positions % page_size] = float("nan")
 
 
+def run_nan_past_cache_lengths(page_size, lengths, num_splits, seqlen_q, causal, config, head_dim=128):
+    gen = torch.Generator(device="cuda").manual_seed(
+        hash((page_size, lengths, num_splits, seqlen_q, str(config), head_dim)) % 2**31)
+    batch, capacity, nheads, nheads_kv, dtype = 3, 700, 16, 4, torch.bfloat16
+    q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=dtype, generator=gen)
+    k_cache, v_cache, page_table, _, _ = make_cache(batch, capacity, nheads_kv, head_dim, dtype, page_size, gen)
+    # Lengths that end inside a key block (and one that ends exactly on the capacity).
+    per_seq = [333, 333, 333] if lengths == "int" else [37, 333, 700]
+    ref_k = gather_paged(k_cache, page_table, capacity) if page_size else k_cache.clone()
+    ref_v = gather_paged(v_cache, page_table, capacity) if page_size else v_cache.clone()
+    poison_past_lengths(k_cache, v_cache, page_table, per_seq, capacity)
+    cache_seqlens = 333 if lengths == "int" else torch.tensor(per_seq, device="cuda", dtype=torch.int32)
+    out = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table,
+                                             causal=causal, num_splits=num_splits, config=config)
+    refs, lowps, _ = reference_per_sequence(
+        [q[b:b + 1] for b in range(batch)], [ref_k[b:b + 1, :n] for b, n in enumerate(per_seq)],
+        [ref_v[b:b + 1, :n] for b, n in enumerate(per_seq)], causal)
+    assert_close_to_reference([out[b:b + 1] for b in range(batch)], None, refs, lowps, None)
+
+
 @pytest.mark.parametrize("page_size", [None, 16, 64], ids=lambda p: f"page{p}" if p else "contiguous")
 @pytest.mark.parametrize("lengths", ["int", "tensor"])
 @pytest.mark.parametrize("num_splits", [1, 0], ids=lambda s: f"splits{s}" if s else "splits_auto")
@@ -539,23 +559,17 @@ def test_nan_past_cache_lengths_stays_out(page_size, lengths, num_splits, seqlen
     """Cache slots past cache_seqlens hold NaN: the keys there are masked, and the V rows the
     last key block loads past the end must not reach the output (P = 0 there, but 0 * NaN is
     NaN), with and without intra-warpgroup overlap (their first P V happens in different places)."""
-    gen = torch.Generator(device="cuda").manual_seed(hash((page_size, lengths, num_splits, seqlen_q, overlap)) % 2**31)
-    batch, capacity, nheads, nheads_kv, d, dtype = 3, 700, 16, 4, 128, torch.bfloat16
-    q = torch.randn(batch, seqlen_q, nheads, d, device="cuda", dtype=dtype, generator=gen)
-    k_cache, v_cache, page_table, _, _ = make_cache(batch, capacity, nheads_kv, d, dtype, page_size, gen)
-    # Lengths that end inside a key block (and one that ends exactly on the capacity).
-    per_seq = [333, 333, 333] if lengths == "int" else [37, 333, 700]
-    ref_k = gather_paged(k_cache, page_table, capacity) if page_size else k_cache.clone()
-    ref_v = gather_paged(v_cache, page_table, capacity) if page_size else v_cache.clone()
-    poison_past_lengths(k_cache, v_cache, page_table, per_seq, capacity)
-    cache_seqlens = 333 if lengths == "int" else torch.tensor(per_seq, device="cuda", dtype=torch.int32)
     config = None if overlap else flash_cute.AttentionConfig(64, 128, intra_wg_overlap=False, pingpong=False)
-    out = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table,
-                                             causal=causal, num_splits=num_splits, config=config)
-    refs, lowps, _ = reference_per_sequence(
-        [q[b:b + 1] for b in range(batch)], [ref_k[b:b + 1, :n] for b, n in enumerate(per_seq)],
-        [ref_v[b:b + 1, :n] for b, n in enumerate(per_seq)], causal)
-    assert_close_to_reference([out[b:b + 1] for b in range(batch)], None, refs, lowps, None)
+    run_nan_past_cache_lengths(page_size, lengths, num_splits, seqlen_q, causal, config)
+
+
+@pytest.mark.parametrize("page_size", [None, 64], ids=lambda p: f"page{p}" if p else "contiguous")
+@pytest.mark.parametrize("head_dim", [64, 96, 192, 256])
+def test_nan_past_cache_lengths_other_head_dims(head_dim, page_size):
+    """The same through the table's prefill rows of the other head dims (2 or 3 ping-ponging
+    MMA warpgroups, persistent schedulers, P through smem at hdim 96; 64- and 128-byte
+    swizzled V tiles)."""
+    run_nan_past_cache_lengths(page_size, "tensor", 1, 37, True, None, head_dim=head_dim)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
