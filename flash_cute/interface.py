@@ -244,7 +244,8 @@ def flash_attn_with_kvcache(
         cache_seqlens: valid keys per sequence: an int, a (batch,) int32 tensor, or None for
             the whole cache. Tensor values above the cache's capacity are clamped (checking
             them would need a host sync); an int is checked. Slots past the length may hold
-            anything (e.g. NaN): they never reach the output.
+            anything (e.g. NaN): they never reach the output. Repeated calls replay one launch
+            plan per power of two of an int length (the split count of its first length).
         page_table: (batch, max_pages_per_seq) int32 page indices (any order).
         causal: bottom-right aligned: the last query sees all cache_seqlens keys.
         num_splits: 0 (default) picks the split-KV count with a wave-efficiency heuristic;
@@ -264,10 +265,14 @@ def flash_attn_with_kvcache(
     cache_seqlens and page_table contents.
     """
     try:  # repeated calls with the same metadata skip the checks (see _LaunchPlan); inlined: hot
-        seqlens_meta = (
-            (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.get_device())
-            if isinstance(cache_seqlens, torch.Tensor) else cache_seqlens
-        )
+        if isinstance(cache_seqlens, torch.Tensor):
+            seqlens_meta = (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.get_device())
+        elif type(cache_seqlens) is int:
+            # One plan per power of two of an int length, so a decode loop whose length grows
+            # by one each step replays plans (its split count was chosen for the first length).
+            seqlens_meta = ("int length of bit length", cache_seqlens.bit_length())
+        else:
+            seqlens_meta = cache_seqlens
         key = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
                k_cache.get_device(), v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.get_device(),
                seqlens_meta, None if page_table is None else (page_table.shape, page_table.stride(),
@@ -279,8 +284,10 @@ def flash_attn_with_kvcache(
     except (AttributeError, TypeError):
         key = plan = None
     if plan is not None and plan.usable(q, k_cache, v_cache, out):
-        seqused = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
-        return plan.launch(q, k_cache, v_cache, out, seqused_k=seqused, page_table=page_table)
+        if plan.int_capacity is None:
+            return plan.launch(q, k_cache, v_cache, out, seqused_k=cache_seqlens, page_table=page_table)
+        if 0 <= cache_seqlens <= plan.int_capacity:  # otherwise the checks below raise
+            return plan.launch(q, k_cache, v_cache, out, page_table=page_table, int_length=cache_seqlens)
     checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     paged = page_table is not None
     kv_doc = "(num_pages, page_size, nheads_kv, headdim)" if paged else "(batch, seqlen_cache, nheads_kv, headdim)"
@@ -333,8 +340,8 @@ def flash_attn_with_kvcache(
     if out.numel() > 0:
         plan = _run(problem, q, k_cache, v_cache, out, lse, scale_log2, causal, config, num_splits, pack_gqa,
                     seqused_k=seqused_k, page_table=page_table)
-        if plan is not None:
-            plan.int_length = int_length  # replays take the length tensor of their stream
+        if plan is not None and int_length is not None:
+            plan.int_capacity = capacity  # replays check their length against it
         _remember(_KVCACHE_PLANS, key, plan)
     return (out, lse) if return_lse else out
 
@@ -599,7 +606,7 @@ class _LaunchPlan:
 
     __slots__ = ("forward", "device", "device_index", "dtype", "out_shape", "lse_shape",
                  "scale_log2", "max_ctas", "num_splits", "extents", "num_counters", "out_like_q",
-                 "partials", "int_length")
+                 "partials", "int_capacity")
 
     def __init__(self, forward, device, dtype, out_shape, lse_shape, scale_log2,
                  max_ctas, num_splits, partials, extents, num_counters=0, out_like_q=False):
@@ -611,9 +618,9 @@ class _LaunchPlan:
         self.num_counters = num_counters  # zeroed int32 counters the kernel needs (0: none)
         self.out_like_q = out_like_q  # q contiguous: empty_like(q) is out (and cheaper to call)
         self.partials = partials
-        # flash_attn_with_kvcache with an int cache_seqlens: the length, whose (batch,) tensor
-        # each replay takes from _constant_lengths.
-        self.int_length = None
+        # flash_attn_with_kvcache with an int cache_seqlens: the cache's capacity (replays pass
+        # their length, whose (batch,) tensor comes from _constant_lengths); None otherwise.
+        self.int_capacity = None
 
     def usable(self, q, k, v, out) -> bool:
         qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
@@ -628,19 +635,20 @@ class _LaunchPlan:
         oe = self.extents[3]
         return all(op >= p + e or p >= op + oe for p, e in zip((qp, kp, vp), self.extents))
 
-    def launch(self, q, k, v, out, seqused_k=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None):
+    def launch(self, q, k, v, out, seqused_k=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
+               int_length=None):
         if out is None:
             out = torch.empty_like(q) if self.out_like_q else torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         counters = out_partial = lse_partial = None
-        if self.num_counters or self.partials is not None or self.int_length is not None:
+        if self.num_counters or self.partials is not None or int_length is not None:
             stream = _stream_key(self.device)  # one query for every per-stream buffer
             if self.num_counters:
                 counters = _zeroed_counters(self.device, self.num_counters, stream)
             if self.partials is not None:
                 out_partial, lse_partial = _split_scratch(self.device, self.partials, stream)
-            if self.int_length is not None:
-                seqused_k = _constant_lengths(self.device, q.shape[0], self.int_length, stream)
+            if int_length is not None:
+                seqused_k = _constant_lengths(self.device, q.shape[0], int_length, stream)
         self.forward(q, k, v, out, lse, out_partial, lse_partial, self.scale_log2, cu_seqlens_q, cu_seqlens_k,
                      seqused_k, page_table, counters, self.max_ctas, self.num_splits)
         return out if self.lse_shape is None else (out, lse)

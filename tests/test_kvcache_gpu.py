@@ -160,9 +160,11 @@ def test_int_and_missing_cache_seqlens():
 @pytest.mark.parametrize("num_splits", [1, 0], ids=lambda s: f"splits{s}" if s else "splits_auto")
 def test_int_cache_seqlens_replays_launch_plan(page_size, num_splits, monkeypatch):
     """Repeated calls with an int cache_seqlens replay a launch plan (with a per-stream length
-    tensor, for a contiguous or a paged cache) on new cache tensors of the same layout, also
-    inside a CUDA graph, which fills its own length tensor: the graph replays right after the
-    capture stream's cached one is overwritten, and after empty_cache()."""
+    tensor, for a contiguous or a paged cache) on new cache tensors of the same layout, and so
+    do other lengths of the same bit length (one plan per power of two); lengths out of range
+    in a planned bucket still raise. Also inside a CUDA graph, which fills its own length
+    tensor: the graph replays right after the capture stream's cached one is overwritten, and
+    after empty_cache()."""
     gen = torch.Generator(device="cuda").manual_seed(9)
     batch, capacity = 2, 700
     q = torch.randn(batch, 1, 16, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -184,16 +186,23 @@ def test_int_cache_seqlens_replays_launch_plan(page_size, num_splits, monkeypatc
         refs, lowps, _ = reference_per_sequence([q], [k_pad[:, :n]], [v_pad[:, :n]], False)
         assert_close_to_reference([out], None, refs, lowps, None)
 
-    for n in (333, 333, 700, 333):
+    for n in (333, 333, 700, 333, 400, 511, 256):
         k_cache, v_cache, _, _, _ = make_cache(batch, capacity, 4, 128, torch.bfloat16, page_size, gen)
         out = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=n, page_table=page_table,
                                                  num_splits=num_splits)
         check(out, k_cache, v_cache, n)
         if n == 333:
             cached.append(flash_cute.interface._LENGTHS.get(key))
-    assert len(runs) == 2, f"expected 2 full-path calls (n = 333, 700), got {len(runs)}"
+    assert len(runs) == 2, f"expected 2 full-path calls (n = 333, 700; 256-511 replay 333's plan), got {len(runs)}"
     # The full-path call and both replays share one tensor.
     assert cached[0] is not None and cached[1] is cached[0] and cached[2] is cached[0], "length tensor not reused"
+    full = capacity if page_size is None else page_table.shape[1] * page_size  # 700, or 704 in pages
+    with pytest.raises(ValueError, match="exceeds the cache's capacity"):  # in the bucket of 700's plan
+        flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=full + 1, page_table=page_table,
+                                           num_splits=num_splits)
+    with pytest.raises(ValueError, match="must be >= 0"):  # -333: the bit length of 333's plan
+        flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=-333, page_table=page_table,
+                                           num_splits=num_splits)
     # Captured: the replayed plan's launch and its length tensor in a graph.
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
