@@ -432,19 +432,20 @@ ON_OFF = {"on": True, "off": False}
 
 def sweep_configs(head_dim: int, dtype: str, tile_m, tile_n, stages, pv, overlap, pingpong, rescale, ctas,
                   schedulers=("single_tile",), l2_section_mb=(AttentionConfig.l2_section_mb,),
-                  mbarrier_probe=(False,)):
+                  mbarrier_probe=(False,), exp2_on_fma=(0,)):
     """Every valid AttentionConfig of the product of the knob lists."""
     import itertools
 
     configs = []
-    for tm, tn, st, p, ov, pp, rb, c, sch, l2, probe in itertools.product(
-            tile_m, tile_n, stages, pv, overlap, pingpong, rescale, ctas, schedulers, l2_section_mb, mbarrier_probe):
+    for tm, tn, st, p, ov, pp, rb, c, sch, l2, probe, fma in itertools.product(
+            tile_m, tile_n, stages, pv, overlap, pingpong, rescale, ctas, schedulers, l2_section_mb, mbarrier_probe,
+            exp2_on_fma):
         if pp and tm == 64 or rb and not ov:
             continue
         try:
             cfg = AttentionConfig(tile_m=tm, tile_n=tn, num_stages=st, pv_from_registers=p == "regs",
                                   intra_wg_overlap=ov, pingpong=pp, rescale_o_before_pv=rb, ctas_per_sm=c,
-                                  scheduler=sch, l2_section_mb=l2, mbarrier_probe=probe)
+                                  scheduler=sch, l2_section_mb=l2, mbarrier_probe=probe, exp2_on_fma=fma)
             cfg.validate(head_dim, "bfloat16" if dtype == "bf16" else "float16")
         except ValueError:
             continue
@@ -497,6 +498,7 @@ def config_label(cfg) -> str:
     short = {"single_tile": "", "static_persistent": " static", "dynamic_persistent": " dynamic"}
     label += f" l2:{cfg.l2_section_mb}MB" if cfg.l2_section_mb != AttentionConfig.l2_section_mb else ""
     label += " probe" if cfg.mbarrier_probe else ""
+    label += f" fma-exp2:{cfg.exp2_on_fma}/16" if cfg.exp2_on_fma else ""
     return label + short[cfg.scheduler]
 
 
@@ -729,6 +731,8 @@ def main(argv=None) -> int:
                     help="causal tile order: MB of K/V per section of heads ordered longest first")
     sw.add_argument("--mbarrier-probe", choices=["on", "off"], nargs="+", default=["off"],
                     help="poll K/V barriers once before the blocking wait")
+    sw.add_argument("--exp2-on-fma", type=int, nargs="+", default=[0],
+                    help="of every 16 softmax exponentials, how many a polynomial computes on the FMA pipe")
     sw.add_argument("--compile-workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     sw.add_argument("--reps", type=int, default=20)
     sw.add_argument("--list", action="store_true", help="print the valid configs and exit (no GPU)")
@@ -765,7 +769,7 @@ def main(argv=None) -> int:
             args.hdim, args.dtype, args.tile_m, args.tile_n, args.stages, args.pv,
             [ON_OFF[x] for x in args.overlap], [ON_OFF[x] for x in args.pingpong],
             [ON_OFF[x] for x in args.rescale_before_pv], args.ctas_per_sm,
-            args.scheduler, args.l2_section_mb, [ON_OFF[x] for x in args.mbarrier_probe],
+            args.scheduler, args.l2_section_mb, [ON_OFF[x] for x in args.mbarrier_probe], args.exp2_on_fma,
         )
         print(f"{len(configs)} valid configs for hdim {args.hdim}", flush=True)
         if args.list:

@@ -59,6 +59,14 @@ class AttentionConfig:
         once. The last section may be larger, so that the longest tiles do not finish alone.
     mbarrier_probe: MMA warps poll a K/V stage's barrier once before the blocking wait (the
         pattern of flash-attn-4's kernel) instead of going straight to the suspending wait.
+    exp2_on_fma: of every 16 exponentials in a thread's score row, how many are computed by a
+        polynomial on the FMA pipe instead of the MUFU (0-16; 0: all on the MUFU). Relieves the
+        MUFU where it is as busy as the tensor cores (head dim 64).
+    lazy_rescale: an MMA warp skips the O rescale of a key block when none of its rows' maxima
+        moved (one vote per block instead of head_dim / 2 multiplies per thread).
+    rescale_threshold: a row keeps its running max while a new block's max exceeds it by at
+        most this many log2 units (0-15), so lazy_rescale skips more often; probabilities then
+        reach 2^threshold before normalization (below fp16's max at 15). 0: the max always moves.
     """
 
     tile_m: int
@@ -74,15 +82,20 @@ class AttentionConfig:
     scheduler: str = "single_tile"
     l2_section_mb: int = 8
     mbarrier_probe: bool = False
+    exp2_on_fma: int = 0
+    lazy_rescale: bool = False
+    rescale_threshold: int = 0
 
     def __post_init__(self):
-        for name in ("tile_m", "tile_n", "num_stages", "ctas_per_sm", "l2_section_mb"):
+        for name in ("tile_m", "tile_n", "num_stages", "ctas_per_sm", "l2_section_mb", "exp2_on_fma",
+                     "rescale_threshold"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"AttentionConfig.{name} must be an int, got {value!r}")
         if self.scheduler not in TILE_SCHEDULERS:
             raise ValueError(f"AttentionConfig.scheduler must be one of {TILE_SCHEDULERS}, got {self.scheduler!r}")
-        for name in ("pv_from_registers", "intra_wg_overlap", "pingpong", "rescale_o_before_pv", "mbarrier_probe"):
+        for name in ("pv_from_registers", "intra_wg_overlap", "pingpong", "rescale_o_before_pv", "mbarrier_probe",
+                     "lazy_rescale"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"AttentionConfig.{name} must be a bool, got {value!r}")
@@ -93,6 +106,13 @@ class AttentionConfig:
             )
         if not 1 <= self.l2_section_mb <= 1024:
             raise ValueError(f"AttentionConfig.l2_section_mb must be in [1, 1024], got {self.l2_section_mb}")
+        if not 0 <= self.exp2_on_fma <= 16:
+            raise ValueError(f"AttentionConfig.exp2_on_fma must be in [0, 16] (of every 16 exponentials), got {self.exp2_on_fma}")
+        if not 0 <= self.rescale_threshold <= 15:
+            raise ValueError(
+                f"AttentionConfig.rescale_threshold must be in [0, 15] (log2 units; probabilities reach "
+                f"2^threshold, and fp16's max is below 2^16), got {self.rescale_threshold}"
+            )
         if self.ctas_per_sm not in (1, 2):
             raise ValueError(f"AttentionConfig.ctas_per_sm must be 1 or 2, got {self.ctas_per_sm}")
         split = DEFAULT_REGISTER_SPLIT[self.tile_m // 64]
@@ -245,10 +265,15 @@ _BY_HEAD_DIM = {
     # 192x96, 500). Ping-pong is worth 7% here. One CTA per tile above 8k (H100, 16k: 536-549
     # against 525-533 static persistent); up to 8k SHORT_SEQUENCE_CONFIGS' persistent row.
     # Polling the K/V barriers before the blocking wait: +0.4-2.6% at 1k-16k (H100).
-    (64, False): _row(192, 128, mbarrier_probe=True),
+    # Lazy O rescale (max always moves): +1.3-4.8% at 16k in four H100 runs; letting the max
+    # lag 8 log2 units was level there (it wins on the causal row).
+    (64, False): _row(192, 128, mbarrier_probe=True, lazy_rescale=True),
     # Dynamic persistent beats one CTA per tile at every length from 2k (H100: 423 / 464 / 507 /
     # 535 against 372 / 433 / 490 / 527 at 2k-16k).
-    (64, True): _row(192, 128, scheduler="dynamic_persistent", mbarrier_probe=True),
+    # Lazy O rescale with the row max allowed to lag 8 log2 units: +1-6% at 2k-16k (two H100
+    # runs, bf16 and fp16); on the non-causal row it measured level (-1 to +1%).
+    (64, True): _row(192, 128, scheduler="dynamic_persistent", mbarrier_probe=True, lazy_rescale=True,
+                     rescale_threshold=8),
     # P from registers with 192-row tiles spills at head dim 96, so P goes through smem.
     # Dynamic persistent: +2-5% at 1k-16k (H100: 444 / 529 / 591 / 616 / 628 against 424 / 512 /
     # 576 / 603 / 617 with one CTA per tile, benchmarks/sweeps/scheduler_h100/sched96.json).

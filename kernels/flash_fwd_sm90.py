@@ -22,6 +22,10 @@ Scheduling knobs (static config):
 - scheduler, l2_section_mb: one CTA per tile or persistent CTAs (static or dynamic), and the
   causal tile order's head sections.
 - mbarrier_probe: poll K/V barriers once before the blocking wait.
+- exp2_on_fma: compute that many of every 16 softmax exponentials with a polynomial on the FMA
+  pipe instead of the MUFU.
+- lazy_rescale, rescale_threshold: skip a warp's O rescale when no row max moved; let a row's
+  max lag a new one by up to rescale_threshold (log2 units) so that happens more often.
 
 Problem variants (static; each is a separate compiled kernel):
 - varlen_q: q is packed (total_q, nheads, d) with cu_seqlens_q.
@@ -54,7 +58,7 @@ from .block_range import KeyBlockRange
 from .masking import AttentionMask
 from .named_barriers import NamedBarrier
 from .seqlen_info import SeqlenInfo
-from .softmax import OnlineSoftmax, rescale_rows
+from .softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_any_changed
 from .split_merge import lanes_per_row, merge_row
 from .tile_scheduler import PersistentTileScheduler
 from .tma_loads import TmaBlockLoader, TmaPagedBlockLoader
@@ -188,6 +192,9 @@ class FlashAttentionForwardSm90:
         self.causal_lpt_grid = causal and not varlen_q and not split
         self.l2_section_mb = config.l2_section_mb
         self.mbarrier_probe = config.mbarrier_probe
+        self.exp2_on_fma = config.exp2_on_fma
+        self.lazy_rescale = config.lazy_rescale
+        self.rescale_threshold = config.rescale_threshold
         # Persistent: a grid of at most max_ctas CTAs, each looping over tiles, so one tile's
         # epilogue overlaps the next tile's Q and K/V loads. The host picks the scheduler
         # (ForwardKernelKey.tile_scheduler); split launches keep one CTA per tile.
@@ -772,7 +779,10 @@ class FlashAttentionForwardSm90:
             tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_A(sP))
             smem_copy_P = cute.make_tiled_copy_C(self._stmatrix_atom(), tiled_mma_qk).get_slice(tidx)
             tPsP = smem_copy_P.partition_D(sP)
-        softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(hopper_mma.acc_as_rows_cols(acc_O), mode=[0]))
+        softmax = OnlineSoftmax.create(
+            softmax_scale_log2, cute.size(hopper_mma.acc_as_rows_cols(acc_O), mode=[0]), self.exp2_on_fma,
+            self.rescale_threshold,
+        )
         ctx = MainloopOperands(
             tiled_mma_qk=tiled_mma_qk,
             tiled_mma_pv=tiled_mma_pv,
@@ -831,10 +841,10 @@ class FlashAttentionForwardSm90:
             if const_expr(self.intra_wg_overlap):
                 # The P V of the first key block is still to do.
                 if const_expr(self.rescale_o_before_pv):
-                    rescale_rows(acc_O, ctx.pending_scale)
+                    self._rescale_o(acc_O, ctx.pending_scale)
                 self._wait_full(pipeline_v, kv_state)
                 if const_expr(self.clears_v_tail):
-                    self._clear_v_tail(ctx, kv_state.index, n_block_min, tidx)
+                    self._clear_v_tail(ctx, kv_state.index, n_block_min)
                 self._pv_gemm(ctx, kv_state.index, 0)
                 pipeline_v.consumer_release(kv_state)
                 kv_state.advance()
@@ -884,6 +894,13 @@ class FlashAttentionForwardSm90:
             wait_groups=wait_groups,
         )
 
+    def _rescale_o(self, acc_O, row_scale):
+        """O *= the softmax's row scales (with lazy_rescale, only if some row's max moved)."""
+        if const_expr(self.lazy_rescale):
+            rescale_rows_if_any_changed(acc_O, row_scale)
+        else:
+            rescale_rows(acc_O, row_scale)
+
     def _scores_to_p(self, ctx, acc_S):
         """Round probabilities to the input dtype where the P V GEMM reads them."""
         p_as_a = hopper_mma.acc_as_operand_a(acc_S)
@@ -905,10 +922,10 @@ class FlashAttentionForwardSm90:
         self._schedule_wait(ctx.warpgroup_idx)
         acc_S = self._qk_gemm(ctx, kv_state.index, -1)
         if const_expr(self.rescale_o_before_pv):
-            rescale_rows(ctx.acc_O, ctx.pending_scale)
+            self._rescale_o(ctx.acc_O, ctx.pending_scale)
         self._wait_full(ctx.pipeline_v, v_state)
         if const_expr(self.clears_v_tail):
-            self._clear_v_tail(ctx, v_state.index, n_block + 1, cute.arch.thread_idx()[0])
+            self._clear_v_tail(ctx, v_state.index, n_block + 1)
         self._pv_gemm(ctx, v_state.index, -1)
         self._schedule_signal_next(ctx.warpgroup_idx)
         warpgroup.wait_group(1)
@@ -921,7 +938,7 @@ class FlashAttentionForwardSm90:
         if const_expr(self.rescale_o_before_pv):
             ctx.pending_scale.store(row_scale.load())
         else:
-            rescale_rows(ctx.acc_O, row_scale)
+            self._rescale_o(ctx.acc_O, row_scale)
         return kv_state
 
     def _block_no_overlap(self, ctx, kv_state, n_block, mask_causal: bool, is_first: bool = False):
@@ -936,10 +953,10 @@ class FlashAttentionForwardSm90:
         ctx.mask.apply(acc_S, ctx.thr_mma_qk, ctx.m_block, n_block, mask_seqlen=is_first, mask_causal=mask_causal)
         row_scale = ctx.softmax.step(acc_S, is_first=is_first)
         self._scores_to_p(ctx, acc_S)
-        rescale_rows(ctx.acc_O, row_scale)
+        self._rescale_o(ctx.acc_O, row_scale)
         self._wait_full(ctx.pipeline_v, kv_state)
         if const_expr(is_first and self.clears_v_tail):
-            self._clear_v_tail(ctx, kv_state.index, n_block, cute.arch.thread_idx()[0])
+            self._clear_v_tail(ctx, kv_state.index, n_block)
         self._schedule_wait(ctx.warpgroup_idx)
         self._pv_gemm(ctx, kv_state.index, 0)
         ctx.pipeline_v.consumer_release(kv_state)
@@ -947,7 +964,7 @@ class FlashAttentionForwardSm90:
         return kv_state
 
     @cute.jit
-    def _clear_v_tail(self, ctx, stage, v_block: Int32, tidx: Int32):
+    def _clear_v_tail(self, ctx, stage, v_block: Int32):
         """Before the P V of key block v_block (V in stage `stage`): if that block is the
         tile's last and partial, zero its V rows past the sequence's last key. P is 0 there,
         but the rows hold whatever follows the sequence in memory (a cache's unused slots,
@@ -961,7 +978,7 @@ class FlashAttentionForwardSm90:
             pieces = cute.zipped_divide(ctx.sV[None, None, stage], (1, 8))  # ((1, 8), (rows, d / 8))
             zeros = cute.make_rmem_tensor((1, 8), self.dtype)
             zeros.fill(0.0)
-            wg_thread = tidx % THREADS_PER_WARPGROUP
+            wg_thread = cute.arch.thread_idx()[0] % THREADS_PER_WARPGROUP
             first = cutlass.max(valid, 0) * pieces_per_row
             for j in cutlass.range(first + wg_thread, self.tile_n * pieces_per_row, THREADS_PER_WARPGROUP, unroll=1):
                 row = j // pieces_per_row

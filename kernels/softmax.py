@@ -4,18 +4,83 @@ softmax_scale * log2(e) is folded into one multiply-add per score: p = exp2(s * 
 O is rescaled only by the change of the row max, exp2((m_old - m_new) * c). Each thread keeps
 a partial row sum over its own columns; the quad (4 threads sharing a row) reduces it once,
 in finalize.
+
+Some exponentials may go to the FMA pipe (fma_exp2_per_16): at head dim 64 a key block's 64 x N
+exponentials keep the MUFU (16 per clock per SM) as busy as its two GEMMs keep the tensor
+cores, so moving a few of them to a polynomial on the FMA pipe (128 per clock) relieves the
+MUFU queue at the cost of ~10 issue slots each.
 """
 
 import math
+import struct
 from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .hopper_mma import acc_as_rows_cols
 
 LN2 = math.log(2.0)
+
+
+def _ptx_f32(value: float) -> str:
+    """A PTX fp32 literal (exact bit pattern)."""
+    return "0f%08X" % struct.unpack("<I", struct.pack("<f", value))[0]
+
+
+# 2^f ~ 1 + f (c1 + f (c2 + f (c3 + f c4))) on [-0.5, 0.5]: relative error 2.9e-6 in fp32
+# (minimax with the constant fixed at 1, so integers x give exactly 2^x), below the rounding
+# of P to fp16 (2.4e-4) or bf16 (2e-3).
+_EXP2_POLY = (0.6931241750717163, 0.24024099111557007, 0.05590637028217316, 0.009582818485796452)
+# x + 1.5 * 2^23 rounds x to an integer held in the low mantissa bits; shifted left by 23
+# they add that integer to a float's exponent (the 1.5 * 2^23 part shifts out).
+_ROUNDING_MAGIC = 12582912.0
+_EXP2_ON_FMA_PTX = f"""{{
+.reg .f32 x, t, r, f, p;
+.reg .b32 ti, pi;
+max.f32 x, $1, {_ptx_f32(-127.0)};
+add.rn.f32 t, x, {_ptx_f32(_ROUNDING_MAGIC)};
+sub.rn.f32 r, t, {_ptx_f32(_ROUNDING_MAGIC)};
+sub.rn.f32 f, x, r;
+fma.rn.f32 p, f, {_ptx_f32(_EXP2_POLY[3])}, {_ptx_f32(_EXP2_POLY[2])};
+fma.rn.f32 p, p, f, {_ptx_f32(_EXP2_POLY[1])};
+fma.rn.f32 p, p, f, {_ptx_f32(_EXP2_POLY[0])};
+fma.rn.f32 p, p, f, {_ptx_f32(1.0)};
+mov.b32 ti, t;
+mov.b32 pi, p;
+shl.b32 ti, ti, 23;
+add.s32 pi, pi, ti;
+mov.b32 $0, pi;
+}}"""
+
+
+@dsl_user_op
+def exp2_on_fma(x: Float32, *, loc=None, ip=None) -> Float32:
+    """2^x for x <= ~8 without the MUFU: FADD/FFMA/integer ops only.
+
+    x is clamped to -127 first: -127 gives exactly 0 (the integer -127 cancels the exponent
+    of the polynomial's exact 1.0), anything in (-127, -126) a value below 2^-126, so masked
+    scores (-inf) give 0 as ex2.approx.ftz does and a fully masked row keeps a zero sum."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(x).ir_value(loc=loc, ip=ip)],
+            _EXP2_ON_FMA_PTX,
+            "=f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def fma_exp2_columns(ncols: int, per_16: int) -> frozenset:
+    """Which of a thread's ncols row columns use exp2_on_fma: per_16 of every 16, spread
+    evenly (Bresenham), so the polynomial work interleaves with the MUFU's."""
+    return frozenset(c for c in range(ncols) if ((c % 16) + 1) * per_16 // 16 > (c % 16) * per_16 // 16)
 
 
 @cute.jit
@@ -61,12 +126,17 @@ class OnlineSoftmax:
     num_rows: cutlass.Constexpr[int]
     row_max: cute.Tensor
     row_sum: cute.Tensor
+    fma_exp2_per_16: cutlass.Constexpr[int] = 0  # of every 16 columns, how many use exp2_on_fma
+    # A row keeps its max while a new one exceeds it by at most this (log2 units; 0: any
+    # growth moves it), so P reaches 2^threshold and O is rescaled less often.
+    rescale_threshold: cutlass.Constexpr[int] = 0
 
     @staticmethod
-    def create(scale_log2: Float32, num_rows: int) -> "OnlineSoftmax":
+    def create(scale_log2: Float32, num_rows: int, fma_exp2_per_16: int = 0,
+               rescale_threshold: int = 0) -> "OnlineSoftmax":
         return OnlineSoftmax(
             scale_log2, num_rows, cute.make_rmem_tensor(num_rows, Float32),
-            cute.make_rmem_tensor(num_rows, Float32),
+            cute.make_rmem_tensor(num_rows, Float32), fma_exp2_per_16, rescale_threshold,
         )
 
     @cute.jit
@@ -83,12 +153,22 @@ class OnlineSoftmax:
                 row_max = cute.arch.fmax(row_max, self.row_max[r])
             row_max = _quad_allreduce_max(row_max)
             row_max_prev = self.row_max[r]
+            if const_expr(self.rescale_threshold > 0 and not is_first):
+                # The bound depends on the old max only, so it is ready before the new max is
+                # reduced: one compare and select after it. An old max of -inf (no keys so far)
+                # gives a bound of -inf, which any new max but -inf passes.
+                if row_max <= row_max_prev + self.rescale_threshold / self.scale_log2:
+                    row_max = row_max_prev
             self.row_max[r] = row_max
             # A row masked out so far has max -inf: use 0 so exp2 gives 0, not NaN.
             row_max_safe = Float32(0.0) if row_max == -Float32.inf else row_max
             max_scaled = row_max_safe * self.scale_log2
+            on_fma = fma_exp2_columns(ncols, self.fma_exp2_per_16)
             for c in cutlass.range_constexpr(ncols):
-                row[c] = cute.math.exp2(row[c] * self.scale_log2 - max_scaled, fastmath=True)
+                if const_expr(c in on_fma):
+                    row[c] = exp2_on_fma(row[c] * self.scale_log2 - max_scaled)
+                else:
+                    row[c] = cute.math.exp2(row[c] * self.scale_log2 - max_scaled, fastmath=True)
             row_sum = _row_sum(row, ncols)
             if const_expr(is_first):
                 row_scale[r] = Float32(1.0)
@@ -125,3 +205,14 @@ def rescale_rows(acc_O: cute.Tensor, row_scale: cute.Tensor):
     for r in cutlass.range_constexpr(cute.size(out, mode=[0])):
         for c in cutlass.range_constexpr(cute.size(out, mode=[1])):
             out[r, c] = out[r, c] * row_scale[r]
+
+
+@cute.jit
+def rescale_rows_if_any_changed(acc_O: cute.Tensor, row_scale: cute.Tensor):
+    """rescale_rows, skipped when no row of the warp has a scale other than 1 (no row max
+    moved): once the maxima settle, most key blocks leave every row's max where it was."""
+    changed = row_scale[0] != Float32(1.0)
+    for r in cutlass.range_constexpr(1, cute.size(row_scale)):
+        changed = changed | (row_scale[r] != Float32(1.0))
+    if cute.arch.vote_any_sync(changed):
+        rescale_rows(acc_O, row_scale)

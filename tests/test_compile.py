@@ -37,6 +37,10 @@ KNOB_KEYS = [
     ForwardKernelKey("bfloat16", 128, False, AttentionConfig(64, 64, num_stages=3, pingpong=False, ctas_per_sm=2,
                                                              scheduler="dynamic_persistent", mbarrier_probe=True),
                      True),
+    # Exponentials on the FMA pipe: a few (hdim 64 row) and all of them.
+    ForwardKernelKey("bfloat16", 64, False, AttentionConfig(192, 128, mbarrier_probe=True, exp2_on_fma=2), False),
+    ForwardKernelKey("float16", 128, True, AttentionConfig(128, 128, scheduler="dynamic_persistent", exp2_on_fma=16),
+                     True),
     # Persistent varlen: packed, paged (GQA packed) and padded K/V; O from registers.
     ForwardKernelKey("bfloat16", 128, True, AttentionConfig(128, 128, scheduler="dynamic_persistent"), True,
                      varlen_q=True, kv_layout="packed"),
@@ -80,7 +84,8 @@ def _id(key):
             f"-pp{int(c.pingpong)}-lse{int(key.writes_lse)}" + ("" if c.scheduler == "single_tile" else f"-{c.scheduler}")
             + ("-varlen" if key.varlen_q else "") + (f"-{key.kv_layout}{key.page_box_rows or ''}")
             + ("-seqused" if key.seqused_k else "") + ("-split" if key.split else "")
-            + (f"-pack{key.pack_gqa_ratio}" if key.pack_gqa_ratio > 1 else ""))
+            + (f"-pack{key.pack_gqa_ratio}" if key.pack_gqa_ratio > 1 else "")
+            + (f"-fmaexp{c.exp2_on_fma}" if c.exp2_on_fma else ""))
 
 
 @pytest.mark.parametrize("key", TABLE_KEYS + KNOB_KEYS + SPLITKV_KEYS, ids=_id)

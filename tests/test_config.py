@@ -69,6 +69,10 @@ def test_bad_tile_m_and_types():
         AttentionConfig(128, 128, scheduler="persistent")
     with pytest.raises(TypeError, match="pingpong must be a bool"):
         AttentionConfig(128, 128, pingpong=1)
+    with pytest.raises(ValueError, match=r"exp2_on_fma must be in \[0, 16\]"):
+        AttentionConfig(128, 128, exp2_on_fma=17)
+    with pytest.raises(TypeError, match="exp2_on_fma must be an int"):
+        AttentionConfig(128, 128, exp2_on_fma=0.5)
 
 
 def test_scheduler_applies_to_unsplit_kernels():

@@ -147,6 +147,44 @@ def test_explicit_configs(config, causal):
     check_against_reference(q, k, v, out, lse, causal)
 
 
+# Softmax knobs off the table's defaults: exponentials on the FMA pipe (a few, and all, so every
+# column of the polynomial path runs), the lazy O rescale and a stale row max. Causal 1000 x 17
+# has query rows that see no keys (out 0, lse -inf: the polynomial must give exact zeros);
+# scaled-up scores push exponents below -127; a ramp makes each key block's max (the last
+# block goes first) a few log2 units above the previous one, so rows both keep and move
+# their max under a threshold.
+SOFTMAX_KNOBS = [dict(exp2_on_fma=2), dict(exp2_on_fma=16), dict(lazy_rescale=True),
+                 dict(lazy_rescale=True, rescale_threshold=8), dict(lazy_rescale=True, rescale_threshold=15, exp2_on_fma=4)]
+
+
+def _knob_id(knobs):
+    return "-".join(f"{k}{int(v)}" for k, v in knobs.items())
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(700, 555), (1000, 17), (17, 1000), (300, 2000)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("knobs", SOFTMAX_KNOBS, ids=_knob_id)
+@pytest.mark.parametrize("scores", ["randn", "x8", "ramp"])
+def test_softmax_knobs(head_dim, dtype, causal, seqlens, knobs, scores):
+    torch.manual_seed(hash((head_dim, causal, seqlens, _knob_id(knobs), scores)) % 2**31)
+    q, k, v = make_qkv(2, *seqlens, 4, 2, head_dim, dtype)
+    if scores == "x8":
+        q = (q * 8).to(dtype)
+    elif scores == "ramp":  # +2.5 log2 units of score per 128 keys, growing toward key 0
+        q[..., 0] = 4.0
+        ramp = torch.arange(seqlens[1], 0, -1, device="cuda", dtype=torch.float32)
+        k[..., 0] = (ramp * (2.5 / 128 / 4 * math.sqrt(head_dim) / math.log2(math.e)))[None, :, None].to(dtype)
+    config = flash_cute.default_config(head_dim, "bfloat16" if dtype == torch.bfloat16 else "float16", causal)
+    config = config.replace(**knobs)
+    out = torch.full_like(q, float("nan"))
+    _, lse = flash_cute.flash_attn_func(q, k, v, causal=causal, return_lse=True, out=out, config=config)
+    check_against_reference(q, k, v, out, lse, causal)
+    if causal and seqlens[0] > seqlens[1]:  # rows with no keys: exactly 0
+        assert (out[:, : seqlens[0] - seqlens[1]] == 0).all()
+
+
 # Persistent scheduler: O in its own smem (hdim 64, 128 RS) or over Q's tile (96, 192, 256,
 # 128 SS); grids with fewer tiles than SMs and with several tiles per CTA; causal problems with
 # seqlen_q > seqlen_k, whose top tiles see no keys (Q is still loaded and released per tile).
