@@ -281,11 +281,15 @@ _BY_HEAD_DIM = {
     (96, True): _row(192, 128, pv_from_registers=False, scheduler="dynamic_persistent"),
     # 3 warpgroups with P through smem win from 4k (655 vs 628 TFLOP/s at 4k, 673 vs 660 at 8k);
     # dynamic persistent adds 1-2% (H100: 653 / 673 / 682 against 641 / 666 / 675 at 4k-16k).
-    (128, False): _row(192, 128, pv_from_registers=False, scheduler="dynamic_persistent"),
+    # Lazy O rescale, max lagging up to 8 log2 units: +0.9-1.1% at 4k-16k (H100, bf16 and fp16).
+    (128, False): _row(192, 128, pv_from_registers=False, scheduler="dynamic_persistent", lazy_rescale=True,
+                       rescale_threshold=8),
     # 128x128 RS leads at every length (600 at 8k); ping-pong on or off within 1%. Dynamic
     # persistent: +24% / +19% / +10% at 512 / 1k / 2k, +1-4% from 4k (H100, 331 / 473 / 591 /
     # 644 / 662 against 267 / 396 / 535 / 619 / 641).
-    (128, True): _row(128, 128, scheduler="dynamic_persistent"),
+    # Lazy O rescale, max lagging up to 8 log2 units: +0.3-5.5% at 2k-16k (two H100 runs, bf16
+    # and fp16; +3-5.5% at 4k and 16k).
+    (128, True): _row(128, 128, scheduler="dynamic_persistent", lazy_rescale=True, rescale_threshold=8),
     # Large O accumulators: no ping-pong; rescale O under the Q K^T instead.
     # Dynamic persistent: +1-7% at 1k-16k (H100: 621 / 723 / 705 / 729 / 767 against 578 / 695 /
     # 686 / 717 / 761; static persistent 562-633, sched192.json).
@@ -313,13 +317,18 @@ _SHORT_BY_HEAD_DIM = {
     # 482 / 504 at 512-4k against 304 / 374 / 457 / 493 with one CTA per tile (H100). Static
     # persistent: level with dynamic to 4k and +1.5-2.6% over one CTA per tile at 8k (four
     # runs, bf16 and fp16), 1.5-3% behind it at 16k (benchmarks/sweeps/scheduler_h100/sched64_*).
-    (64, False): (8192, _row(192, 128, scheduler="static_persistent", mbarrier_probe=True)),
+    # At 8k the long row (one CTA per tile, lazy O rescale) now leads: +0.9 / +5.2% over this
+    # row (sixth session, H100). The lazy rescale on this row: -2 to +2% at 2k-4k, not used.
+    (64, False): (4096, _row(192, 128, scheduler="static_persistent", mbarrier_probe=True)),
     # 128x128 dynamic: 242 / 327 at 512 / 1k against 214 / 292 for 192x128 dynamic and 172 /
     # 263 for 128x128 with one CTA per tile (H100).
-    (64, True): (1024, _row(128, 128, scheduler="dynamic_persistent", mbarrier_probe=True)),
+    # Lazy O rescale (max lagging up to 8 log2 units): +0.6-0.9% at 512 / 1k.
+    (64, True): (1024, _row(128, 128, scheduler="dynamic_persistent", mbarrier_probe=True, lazy_rescale=True,
+                            rescale_threshold=8)),
     # 128x128 RS dynamic: 523 / 587 / 631 at 512 / 1k / 2k against 456 / 526 / 598 for 192x128
     # SS dynamic and 439 / 531 / 590 for 128x128 RS with one CTA per tile (H100).
-    (128, False): (2048, _row(128, 128, scheduler="dynamic_persistent")),
+    # Lazy O rescale (max lagging up to 8 log2 units): +2-6% at 512-2k (H100, bf16 and fp16).
+    (128, False): (2048, _row(128, 128, scheduler="dynamic_persistent", lazy_rescale=True, rescale_threshold=8)),
     # Dynamic persistent: 513 / 662 at 512 / 1k against 500 / 651 (H100); up to 4k in two
     # fifth-session sweeps, 729 / 714 and 702 / 694 at 2k / 4k against 716 / 704 and 696 / 686
     # with one CTA per tile, which is level at 8k and ahead at 16k (benchmarks/sweeps/hdim256_h100).
