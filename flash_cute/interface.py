@@ -330,16 +330,11 @@ def flash_attn_with_kvcache(
              ("cache_seqlens", seqused_k)]
     checks.check_cuda([(n, t) for n, t in named if t is not None])
     checks.check_hopper(q.device)
-    if int_length is not None:
-        # A (batch,) length tensor, also for a contiguous cache (rather than a slice of it): a
-        # replay then reuses its stream's cached tensor, where slicing costs two views per call.
-        with _on_device(q.device):
-            seqused_k = _constant_lengths(q.device, batch, int_length, _stream_key(q.device))
     out = _prepare_out(out, q, k_cache, v_cache)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     if out.numel() > 0:
         plan = _run(problem, q, k_cache, v_cache, out, lse, scale_log2, causal, config, num_splits, pack_gqa,
-                    seqused_k=seqused_k, page_table=page_table)
+                    seqused_k=seqused_k, page_table=page_table, int_length=int_length)
         if plan is not None and int_length is not None:
             plan.int_capacity = capacity  # replays check their length against it
         _remember(_KVCACHE_PLANS, key, plan)
@@ -473,7 +468,10 @@ def _choose(problem: _Problem, causal: bool, config, num_splits: int, pack_gqa, 
 
 
 def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_splits, pack_gqa,
-         cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None):
+         cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None, int_length=None):
+    """Launch one forward call. int_length: an int cache_seqlens, given to the kernel as a
+    (batch,) length tensor (also for a contiguous cache, rather than a slice of it: a replay
+    then reuses its stream's cached tensor, where slicing costs two views per call)."""
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     config, pack_ratio, num_splits = _choose(problem, causal, config, num_splits, pack_gqa, device_index)
     if problem.kv_capacity == 0:  # no keys: nothing for a kernel (or TMA) to read
@@ -485,7 +483,7 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
     key = ForwardKernelKey(
         dtype=checks.dtype_name(problem.dtype), head_dim=problem.head_dim, causal=causal,
         config=config, writes_lse=lse is not None, varlen_q=problem.varlen_q,
-        kv_layout=problem.kv_layout, seqused_k=seqused_k is not None,
+        kv_layout=problem.kv_layout, seqused_k=seqused_k is not None or int_length is not None,
         page_box_rows=math.gcd(problem.page_size, config.tile_n) if problem.page_size else None,
         split=split, pack_gqa_ratio=pack_ratio,
     )
@@ -500,6 +498,8 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
         stream = _stream_key(q.device)
         counters = _zeroed_counters(q.device, num_counters, stream) if num_counters else None
         out_partial, lse_partial = _split_scratch(q.device, partials, stream) if split else (None, None)
+        if int_length is not None:
+            seqused_k = _constant_lengths(q.device, problem.batch, int_length, stream)
         kernel(q_k, k_k, v_k, out_kernel, lse, out_partial, lse_partial, scale_log2, cu_seqlens_q, cu_seqlens_k,
                seqused_k, page_table, counters, max_ctas, num_splits)
         if out_kernel.data_ptr() != out.data_ptr():
