@@ -432,20 +432,21 @@ ON_OFF = {"on": True, "off": False}
 
 def sweep_configs(head_dim: int, dtype: str, tile_m, tile_n, stages, pv, overlap, pingpong, rescale, ctas,
                   schedulers=("single_tile",), l2_section_mb=(AttentionConfig.l2_section_mb,),
-                  mbarrier_probe=(False,), exp2_on_fma=(0,)):
+                  mbarrier_probe=(False,), exp2_on_fma=(0,), lazy_rescale=(False,), rescale_threshold=(0,)):
     """Every valid AttentionConfig of the product of the knob lists."""
     import itertools
 
     configs = []
-    for tm, tn, st, p, ov, pp, rb, c, sch, l2, probe, fma in itertools.product(
+    for tm, tn, st, p, ov, pp, rb, c, sch, l2, probe, fma, lazy, thr in itertools.product(
             tile_m, tile_n, stages, pv, overlap, pingpong, rescale, ctas, schedulers, l2_section_mb, mbarrier_probe,
-            exp2_on_fma):
+            exp2_on_fma, lazy_rescale, rescale_threshold):
         if pp and tm == 64 or rb and not ov:
             continue
         try:
             cfg = AttentionConfig(tile_m=tm, tile_n=tn, num_stages=st, pv_from_registers=p == "regs",
                                   intra_wg_overlap=ov, pingpong=pp, rescale_o_before_pv=rb, ctas_per_sm=c,
-                                  scheduler=sch, l2_section_mb=l2, mbarrier_probe=probe, exp2_on_fma=fma)
+                                  scheduler=sch, l2_section_mb=l2, mbarrier_probe=probe, exp2_on_fma=fma,
+                                  lazy_rescale=lazy, rescale_threshold=thr)
             cfg.validate(head_dim, "bfloat16" if dtype == "bf16" else "float16")
         except ValueError:
             continue
@@ -499,6 +500,8 @@ def config_label(cfg) -> str:
     label += f" l2:{cfg.l2_section_mb}MB" if cfg.l2_section_mb != AttentionConfig.l2_section_mb else ""
     label += " probe" if cfg.mbarrier_probe else ""
     label += f" fma-exp2:{cfg.exp2_on_fma}/16" if cfg.exp2_on_fma else ""
+    label += " lazy" if cfg.lazy_rescale else ""
+    label += f" lag{cfg.rescale_threshold}" if cfg.rescale_threshold else ""
     return label + short[cfg.scheduler]
 
 
@@ -733,6 +736,10 @@ def main(argv=None) -> int:
                     help="poll K/V barriers once before the blocking wait")
     sw.add_argument("--exp2-on-fma", type=int, nargs="+", default=[0],
                     help="of every 16 softmax exponentials, how many a polynomial computes on the FMA pipe")
+    sw.add_argument("--lazy-rescale", choices=["on", "off"], nargs="+", default=["off"],
+                    help="skip a warp's O rescale when no row max moved")
+    sw.add_argument("--rescale-threshold", type=int, nargs="+", default=[0],
+                    help="log2 units a row's max may lag a new block's before it moves")
     sw.add_argument("--compile-workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     sw.add_argument("--reps", type=int, default=20)
     sw.add_argument("--list", action="store_true", help="print the valid configs and exit (no GPU)")
@@ -770,6 +777,7 @@ def main(argv=None) -> int:
             [ON_OFF[x] for x in args.overlap], [ON_OFF[x] for x in args.pingpong],
             [ON_OFF[x] for x in args.rescale_before_pv], args.ctas_per_sm,
             args.scheduler, args.l2_section_mb, [ON_OFF[x] for x in args.mbarrier_probe], args.exp2_on_fma,
+            [ON_OFF[x] for x in args.lazy_rescale], args.rescale_threshold,
         )
         print(f"{len(configs)} valid configs for hdim {args.hdim}", flush=True)
         if args.list:

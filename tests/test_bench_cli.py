@@ -22,6 +22,22 @@ def test_sweep_list_covers_scheduler_knobs(capsys):
     assert sum("probe" in label for label in labels) == 4
 
 
+def test_sweep_list_covers_softmax_knobs(capsys):
+    argv = ["sweep", "--hdim", "64", "--tile-m", "192", "--tile-n", "128", "--pv", "regs", "--pingpong", "on",
+            "--rescale-before-pv", "off", "--scheduler", "single_tile", "--exp2-on-fma", "0", "2",
+            "--lazy-rescale", "off", "on", "--rescale-threshold", "0", "8", "--list"]
+    assert bench.main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "8 valid configs for hdim 64"
+    labels = lines[1:]
+    assert len(set(labels)) == 8, "config labels must tell configs apart"
+    assert sum("fma-exp2:2/16" in label for label in labels) == 4
+    assert sum(" lazy" in label for label in labels) == 4
+    assert sum("lag8" in label for label in labels) == 4
+    with pytest.raises(SystemExit):
+        bench.main(["sweep", "--lazy-rescale", "maybe", "--list"])
+
+
 def test_sweep_rejects_unknown_scheduler():
     with pytest.raises(SystemExit):
         bench.main(["sweep", "--scheduler", "persistent", "--list"])
