@@ -265,9 +265,13 @@ _BY_HEAD_DIM = {
     # 192x96, 500). Ping-pong is worth 7% here. One CTA per tile above 8k (H100, 16k: 536-549
     # against 525-533 static persistent); up to 8k SHORT_SEQUENCE_CONFIGS' persistent row.
     # Polling the K/V barriers before the blocking wait: +0.4-2.6% at 1k-16k (H100).
-    # Lazy O rescale (max always moves): +1.3-4.8% at 16k in four H100 runs; letting the max
-    # lag 8 log2 units was level there (it wins on the causal row).
-    (64, False): _row(192, 128, mbarrier_probe=True, lazy_rescale=True),
+    # Static persistent CTAs hide each tile's prologue and epilogue under the next tile's loads:
+    # +10-20% at 512-1k (H100, benchmarks/sweeps/scheduler_h100/sched64_*). Sixth session (H100):
+    # with the lazy O rescale (max lagging 8 log2 units) done under the Q K^T, +1.4-6.6% at
+    # 8k-16k, +0.6-2.3% at 4k and +2% at 1k-2k over the earlier rows (two runs, bf16 and fp16;
+    # the lazy rescale alone with one CTA per tile: +0-5%), so one row serves every length.
+    (64, False): _row(192, 128, scheduler="static_persistent", mbarrier_probe=True, rescale_o_before_pv=True,
+                      lazy_rescale=True, rescale_threshold=8),
     # Dynamic persistent beats one CTA per tile at every length from 2k (H100: 423 / 464 / 507 /
     # 535 against 372 / 433 / 490 / 527 at 2k-16k).
     # Lazy O rescale with the row max allowed to lag 8 log2 units: +1-6% at 2k-16k (two H100
@@ -313,13 +317,6 @@ FORWARD_CONFIGS = {
 # (head_dim, causal) -> (longest seqlen_q it serves, config): fewer, shorter tiles win while
 # there are few query rows per (batch, head).
 _SHORT_BY_HEAD_DIM = {
-    # Persistent CTAs hide each short tile's prologue and epilogue: 192x128 dynamic 367 / 417 /
-    # 482 / 504 at 512-4k against 304 / 374 / 457 / 493 with one CTA per tile (H100). Static
-    # persistent: level with dynamic to 4k and +1.5-2.6% over one CTA per tile at 8k (four
-    # runs, bf16 and fp16), 1.5-3% behind it at 16k (benchmarks/sweeps/scheduler_h100/sched64_*).
-    # At 8k the long row (one CTA per tile, lazy O rescale) now leads: +0.9 / +5.2% over this
-    # row (sixth session, H100). The lazy rescale on this row: -2 to +2% at 2k-4k, not used.
-    (64, False): (4096, _row(192, 128, scheduler="static_persistent", mbarrier_probe=True)),
     # 128x128 dynamic: 242 / 327 at 512 / 1k against 214 / 292 for 192x128 dynamic and 172 /
     # 263 for 128x128 with one CTA per tile (H100).
     # Lazy O rescale (max lagging up to 8 log2 units): +0.6-0.9% at 512 / 1k.
