@@ -262,9 +262,9 @@ def _row(tile_m, tile_n, **knobs) -> AttentionConfig:
 
 _BY_HEAD_DIM = {
     # 3 warpgroups, P in registers: best of 36 configs at 512-8k (511 TFLOP/s at 8k; the next,
-    # 192x96, 500). Ping-pong is worth 7% here. One CTA per tile above 8k (H100, 16k: 536-549
-    # against 525-533 static persistent); up to 8k SHORT_SEQUENCE_CONFIGS' persistent row.
-    # Polling the K/V barriers before the blocking wait: +0.4-2.6% at 1k-16k (H100).
+    # 192x96, 500). Ping-pong is worth 7% here. Without the lazy rescale, one CTA per tile led
+    # at 16k (H100: 536-549 against 525-533 static persistent) and a static persistent short
+    # row served up to 8k. Polling the K/V barriers before the blocking wait: +0.4-2.6% at 1k-16k (H100).
     # Static persistent CTAs hide each tile's prologue and epilogue under the next tile's loads:
     # +10-20% at 512-1k (H100, benchmarks/sweeps/scheduler_h100/sched64_*). Sixth session (H100):
     # with the lazy O rescale (max lagging 8 log2 units) done under the Q K^T, +1.4-6.6% at

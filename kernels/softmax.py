@@ -59,7 +59,8 @@ mov.b32 $0, pi;
 
 @dsl_user_op
 def exp2_on_fma(x: Float32, *, loc=None, ip=None) -> Float32:
-    """2^x for x <= ~8 without the MUFU: FADD/FFMA/integer ops only.
+    """2^x for x <= 15 (a row max lagging by rescale_threshold) without the MUFU:
+    FADD/FFMA/integer ops only.
 
     x is clamped to -127 first: -127 gives exactly 0 (the integer -127 cancels the exponent
     of the polynomial's exact 1.0), anything in (-127, -126) a value below 2^-126, so masked
