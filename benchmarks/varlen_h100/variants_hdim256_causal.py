@@ -1,7 +1,7 @@
 """Varlen hdim 256 causal batch (bench varlen case 5): the table row against variants, interleaved
 (sixth session; output in PERF_NOTES). Needs flash-attn-4 for the peer."""
 import torch, flash_cute
-from flash_cute.bench import VARLEN_PREFILL_CASES, varlen_case_lengths, time_interleaved, DTYPES
+from flash_cute.bench import VARLEN_PREFILL_CASES, varlen_case_lengths, time_interleaved
 from flash_cute.config import default_config
 from flash_attn.cute import flash_attn_varlen_func as fa4
 for case in VARLEN_PREFILL_CASES[4:]:
