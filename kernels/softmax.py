@@ -7,8 +7,9 @@ in finalize.
 
 Some exponentials may go to the FMA pipe (fma_exp2_per_16): at head dim 64 a key block's 64 x N
 exponentials keep the MUFU (16 per clock per SM) as busy as its two GEMMs keep the tensor
-cores, so moving a few of them to a polynomial on the FMA pipe (128 per clock) relieves the
-MUFU queue at the cost of ~10 issue slots each.
+cores, so moving a few of them to a polynomial on the FMA pipe (128 per clock) was meant to
+relieve the MUFU queue at the cost of ~9 issue slots each. Measured on H100 it is slower at
+every head dim (PERF_NOTES.md); the table leaves it off, the knob stays for study.
 """
 
 import math
