@@ -134,6 +134,19 @@ def test_explicit_configs(page_size, num_splits):
                      config=prefill_cfg)
 
 
+@pytest.mark.parametrize("page_size", [None, 64])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_softmax_knobs_split_and_paged(page_size, num_splits, dtype):
+    """The lazy rescale, a lagging max and FMA-pipe exponentials through split-KV partials (merged
+    by their LSE) and paged caches, in the decode and the prefill shapes."""
+    knobs = dict(lazy_rescale=True, rescale_threshold=8, exp2_on_fma=4)
+    decode_cfg = flash_cute.decode_config(128, "bfloat16").replace(**knobs)
+    run_kvcache_case(4, 1, 32, 8, 128, dtype, page_size, 900, num_splits, True, seed=31, config=decode_cfg)
+    prefill_cfg = flash_cute.AttentionConfig(128, 128, scheduler="dynamic_persistent", **knobs)
+    run_kvcache_case(3, 300, 8, 2, 128, dtype, page_size, 1500, num_splits, True, seed=32, config=prefill_cfg)
+
+
 def test_pack_gqa_off_and_forced():
     for pack in (False, True):
         run_kvcache_case(4, 1, 32, 4, 128, torch.bfloat16, 32, 600, 0, True, seed=3, pack_gqa=pack)
