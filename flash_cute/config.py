@@ -60,8 +60,8 @@ class AttentionConfig:
     mbarrier_probe: MMA warps poll a K/V stage's barrier once before the blocking wait (the
         pattern of flash-attn-4's kernel) instead of going straight to the suspending wait.
     exp2_on_fma: of every 16 exponentials in a thread's score row, how many are computed by a
-        polynomial on the FMA pipe instead of the MUFU (0-16; 0: all on the MUFU). Relieves the
-        MUFU where it is as busy as the tensor cores (head dim 64).
+        polynomial on the FMA pipe instead of the MUFU (0-16; 0: all on the MUFU). Meant to relieve
+        the MUFU where it is as busy as the tensor cores (head dim 64); slower on H100 (PERF_NOTES).
     lazy_rescale: an MMA warp skips the O rescale of a key block when none of its rows' maxima
         moved (one vote per block instead of head_dim / 2 multiplies per thread).
     rescale_threshold: a row keeps its running max while a new block's max exceeds it by at

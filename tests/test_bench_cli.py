@@ -8,15 +8,21 @@ import pytest
 from flash_cute import bench
 
 
+def _listed_labels(capsys, argv, count, head_dim):
+    """Run `sweep ... --list`; check the count line and that labels tell configs apart."""
+    assert bench.main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == f"{count} valid configs for hdim {head_dim}"
+    labels = lines[1:]
+    assert len(set(labels)) == count, "config labels must tell configs apart"
+    return labels
+
+
 def test_sweep_list_covers_scheduler_knobs(capsys):
     argv = ["sweep", "--hdim", "128", "--causal", "--tile-m", "128", "--tile-n", "128", "--pv", "regs",
             "--pingpong", "on", "--rescale-before-pv", "off", "--scheduler", "single_tile", "dynamic_persistent",
             "--l2-section-mb", "8", "24", "--mbarrier-probe", "off", "on", "--list"]
-    assert bench.main(argv) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0] == "8 valid configs for hdim 128"
-    labels = lines[1:]
-    assert len(set(labels)) == 8, "config labels must tell configs apart"
+    labels = _listed_labels(capsys, argv, 8, 128)
     assert sum("dynamic" in label for label in labels) == 4
     assert sum("l2:24MB" in label for label in labels) == 4  # 8 MB is the default
     assert sum("probe" in label for label in labels) == 4
@@ -26,11 +32,7 @@ def test_sweep_list_covers_softmax_knobs(capsys):
     argv = ["sweep", "--hdim", "64", "--tile-m", "192", "--tile-n", "128", "--pv", "regs", "--pingpong", "on",
             "--rescale-before-pv", "off", "--scheduler", "single_tile", "--exp2-on-fma", "0", "2",
             "--lazy-rescale", "off", "on", "--rescale-threshold", "0", "8", "--list"]
-    assert bench.main(argv) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0] == "8 valid configs for hdim 64"
-    labels = lines[1:]
-    assert len(set(labels)) == 8, "config labels must tell configs apart"
+    labels = _listed_labels(capsys, argv, 8, 64)
     assert sum("fma-exp2:2/16" in label for label in labels) == 4
     assert sum(" lazy" in label for label in labels) == 4
     assert sum("lag8" in label for label in labels) == 4
