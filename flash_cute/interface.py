@@ -495,10 +495,11 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
     # Zeroed counters: the dynamic scheduler's tile counter, or a split launch's per-tile arrivals.
     num_counters = 2 if key.uses_tile_counter else _split_tiles(problem, q, config, pack_ratio) if split else 0
     with _on_device(q.device):  # (counters and scratch depend on q's device's current stream)
-        counters, out_partial, lse_partial, lengths = _stream_buffers(
-            q.device, num_counters, partials, problem.batch, int_length)
-        if lengths is not None:
-            seqused_k = lengths
+        stream = _stream_key(q.device)
+        counters = _zeroed_counters(q.device, num_counters, stream) if num_counters else None
+        out_partial, lse_partial = _split_scratch(q.device, partials, stream) if split else (None, None)
+        if int_length is not None:
+            seqused_k = _constant_lengths(q.device, problem.batch, int_length, stream)
         kernel(q_k, k_k, v_k, out_kernel, lse, out_partial, lse_partial, scale_log2, cu_seqlens_q, cu_seqlens_k,
                seqused_k, page_table, counters, max_ctas, num_splits)
         if out_kernel.data_ptr() != out.data_ptr():
@@ -557,18 +558,6 @@ def _grown_size(current: Optional[torch.Tensor], needed: int, cap: Optional[int]
         return needed
     doubled = 2 * current.numel()
     return max(needed, doubled if cap is None else min(doubled, cap))
-
-
-def _stream_buffers(device: torch.device, num_counters: int, partials: Optional["_SplitPartials"], batch: int,
-                    int_length: Optional[int]):
-    """A launch's per-stream buffers, with one stream query for all of them: (zeroed counters
-    or None, split out/lse partials or None, None, (batch,) lengths of an int cache_seqlens or
-    None)."""
-    stream = _stream_key(device)
-    counters = _zeroed_counters(device, num_counters, stream) if num_counters else None
-    out_partial, lse_partial = (None, None) if partials is None else _split_scratch(device, partials, stream)
-    lengths = None if int_length is None else _constant_lengths(device, batch, int_length, stream)
-    return counters, out_partial, lse_partial, lengths
 
 
 _COUNTERS: dict = {}
@@ -653,10 +642,13 @@ class _LaunchPlan:
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         counters = out_partial = lse_partial = None
         if self.num_counters or self.partials is not None or int_length is not None:
-            counters, out_partial, lse_partial, lengths = _stream_buffers(
-                self.device, self.num_counters, self.partials, q.shape[0], int_length)
-            if lengths is not None:
-                seqused_k = lengths
+            stream = _stream_key(self.device)  # one query for every per-stream buffer
+            if self.num_counters:
+                counters = _zeroed_counters(self.device, self.num_counters, stream)
+            if self.partials is not None:
+                out_partial, lse_partial = _split_scratch(self.device, self.partials, stream)
+            if int_length is not None:
+                seqused_k = _constant_lengths(self.device, q.shape[0], int_length, stream)
         self.forward(q, k, v, out, lse, out_partial, lse_partial, self.scale_log2, cu_seqlens_q, cu_seqlens_k,
                      seqused_k, page_table, counters, self.max_ctas, self.num_splits)
         return out if self.lse_shape is None else (out, lse)
