@@ -46,7 +46,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -117,21 +117,26 @@ def time_interleaved(fns: Dict[str, Callable[[], object]], warmup: int = 5, reps
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
-def host_us_per_call(fn: Callable[[], object], calls: int = 200, rounds: int = 7) -> float:
-    """Host microseconds per call of fn() issued back to back (tiny problems: the GPU keeps
-    up): the median over `rounds` rounds of `calls` calls, since a shared host CPU moves
-    single rounds by tens of percent."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    per_round = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
+def host_us_per_call(fns: Dict[str, Callable[[], object]], calls: int = 500, rounds: int = 15
+                     ) -> Dict[str, Tuple[float, float]]:
+    """Host microseconds per call of each fn() issued back to back (tiny problems: the GPU keeps
+    up), as (median, best) over `rounds` rounds of `calls` calls. The callables take turns
+    round by round, so that load from other processes on a shared host CPU (which moves single
+    rounds by tens of percent) falls on all of them alike; the best round is the cost with the
+    least such load."""
+    for fn in fns.values():
+        for _ in range(20):
             fn()
-        per_round.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(per_round)
+    torch.cuda.synchronize()
+    per_round: Dict[str, List[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per_round[name].append((time.perf_counter() - start) / calls * 1e6)
+            torch.cuda.synchronize()
+    return {name: (statistics.median(t), min(t)) for name, t in per_round.items()}
 
 
 def prefill_peers(q, k, v, causal: bool) -> Dict[str, Callable[[], object]]:
@@ -606,6 +611,8 @@ def run_host() -> List[str]:
 
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     calls["torch sdpa"] = lambda: sdpa(qt, kt, vt)
+    scratch = torch.zeros(8, device=dev)
+    calls["torch x.add_(0) (one tiny kernel launch: the CPU's speed)"] = lambda: scratch.add_(0)
     try:
         from flash_attn.cute import flash_attn_func as fa4_func
 
@@ -613,7 +620,8 @@ def run_host() -> List[str]:
         calls["fa4 flash_attn_func"] = lambda: fa4_func(q, k, v)
     except Exception as exc:
         print(f"# fa4 unavailable: {type(exc).__name__}", file=sys.stderr)
-    lines = [f"{name}: {host_us_per_call(fn):.1f} us/call" for name, fn in calls.items()]
+    lines = [f"{name}: {median:.1f} us/call (median of rounds; best round {best:.1f})"
+             for name, (median, best) in host_us_per_call(calls).items()]
     code = ("import time, torch, flash_cute; q = torch.randn(1, 77, 4, 96, device='cuda', dtype=torch.float16); "
             "t = time.time(); flash_cute.flash_attn_func(q, q, q, causal=True); torch.cuda.synchronize(); "
             "print(f'{time.time() - t:.3f}')")

@@ -55,16 +55,20 @@ def flash_attn_func(
     captured in a CUDA graph after one warm-up call (which compiles the kernel).
     """
     try:  # repeated calls with the same metadata skip the checks (see _LaunchPlan); inlined: hot
-        key = (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype, k.get_device(),
-               v.shape, v.stride(), v.dtype, v.get_device(),
-               None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()),
+        # The compiled function checks the rest of k, v and out (_LaunchPlan.launch); with out,
+        # the strides give the byte extents of the overlap check (_LaunchPlan.usable).
+        key = (q.shape, q.stride(), q.dtype, q.get_device(), k.shape,
+               None if out is None else (k.stride(), v.stride(), out.stride()),
                softmax_scale, causal, return_lse, config,
                type(softmax_scale), type(causal), type(return_lse))  # True == 1 == 1.0 as keys
         plan = _FUNC_PLANS.get(key)
     except (AttributeError, TypeError):
         key = plan = None
-    if plan is not None and plan.usable(q, k, v, out):
-        return plan.launch(q, k, v, out)
+    if plan is not None and (plan.device_index == _current_device() if out is None else plan.usable(q, k, v, out)):
+        try:
+            return plan.launch(q, k, v, out)
+        except Exception:  # an argument the compiled function refused: the checks below name it
+            pass
     checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     checks.check_tensor("k", k, 4, "(batch, seqlen_k, nheads_kv, headdim)")
     checks.check_tensor("v", v, 4, "(batch, seqlen_k, nheads_kv, headdim)")
@@ -265,29 +269,32 @@ def flash_attn_with_kvcache(
     cache_seqlens and page_table contents.
     """
     try:  # repeated calls with the same metadata skip the checks (see _LaunchPlan); inlined: hot
-        if isinstance(cache_seqlens, torch.Tensor):
-            seqlens_meta = (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.get_device())
+        if isinstance(cache_seqlens, torch.Tensor):  # the compiled function checks its dtype, device, stride
+            seqlens_meta = cache_seqlens.shape
         elif type(cache_seqlens) is int:
             # One plan per power of two of an int length, so a decode loop whose length grows
             # by one each step replays plans (its split count was chosen for the first length).
             seqlens_meta = ("int length of bit length", cache_seqlens.bit_length())
         else:
             seqlens_meta = cache_seqlens
-        key = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
-               k_cache.get_device(), v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.get_device(),
-               seqlens_meta, None if page_table is None else (page_table.shape, page_table.stride(),
-                                                              page_table.dtype, page_table.get_device()),
-               None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()),
+        # As in flash_attn_func: the compiled function checks the rest of the arguments.
+        key = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, seqlens_meta,
+               None if page_table is None else page_table.shape,
+               None if out is None else (k_cache.stride(), v_cache.stride(), out.stride()),
                softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, config, type(cache_seqlens),
                type(softmax_scale), type(causal), type(num_splits), type(pack_gqa), type(return_softmax_lse))
         plan = _KVCACHE_PLANS.get(key)
     except (AttributeError, TypeError):
         key = plan = None
-    if plan is not None and plan.usable(q, k_cache, v_cache, out):
-        if plan.int_capacity is None:
-            return plan.launch(q, k_cache, v_cache, out, seqused_k=cache_seqlens, page_table=page_table)
-        if 0 <= cache_seqlens <= plan.int_capacity:  # otherwise the checks below raise
-            return plan.launch(q, k_cache, v_cache, out, page_table=page_table, int_length=cache_seqlens)
+    if plan is not None and (plan.device_index == _current_device() if out is None
+                             else plan.usable(q, k_cache, v_cache, out)):
+        try:
+            if plan.int_capacity is None:
+                return plan.launch(q, k_cache, v_cache, out, seqused_k=cache_seqlens, page_table=page_table)
+            if 0 <= cache_seqlens <= plan.int_capacity:  # otherwise the checks below raise
+                return plan.launch(q, k_cache, v_cache, out, page_table=page_table, int_length=cache_seqlens)
+        except Exception:  # an argument the compiled function refused: the checks below name it
+            pass
     checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     paged = page_table is not None
     kv_doc = "(num_pages, page_size, nheads_kv, headdim)" if paged else "(batch, seqlen_cache, nheads_kv, headdim)"
@@ -480,6 +487,7 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
             lse.fill_(float("-inf"))
         return
     split = num_splits > 1
+    config = single_wave_config(config, problem, pack_ratio, split, device_index)
     key = ForwardKernelKey(
         dtype=checks.dtype_name(problem.dtype), head_dim=problem.head_dim, causal=causal,
         config=config, writes_lse=lse is not None, varlen_q=problem.varlen_q,
@@ -495,11 +503,10 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
     # Zeroed counters: the dynamic scheduler's tile counter, or a split launch's per-tile arrivals.
     num_counters = 2 if key.uses_tile_counter else _split_tiles(problem, q, config, pack_ratio) if split else 0
     with _on_device(q.device):  # (counters and scratch depend on q's device's current stream)
-        stream = _stream_key(q.device)
-        counters = _zeroed_counters(q.device, num_counters, stream) if num_counters else None
-        out_partial, lse_partial = _split_scratch(q.device, partials, stream) if split else (None, None)
+        counters, out_partial, lse_partial, lengths = _stream_buffers(
+            q.device, _stream_key(q.device), num_counters, partials, problem.batch, int_length)
         if int_length is not None:
-            seqused_k = _constant_lengths(q.device, problem.batch, int_length, stream)
+            seqused_k = lengths
         kernel(q_k, k_k, v_k, out_kernel, lse, out_partial, lse_partial, scale_log2, cu_seqlens_q, cu_seqlens_k,
                seqused_k, page_table, counters, max_ctas, num_splits)
         if out_kernel.data_ptr() != out.data_ptr():
@@ -515,6 +522,20 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
         partials=partials,
         extents=tuple(checks.byte_extent(t) for t in (q, k, v, out)),
     )
+
+
+def single_wave_config(config: AttentionConfig, problem: _Problem, pack_ratio: int, split: bool,
+                       device_index: int) -> AttentionConfig:
+    """The dynamic persistent scheduler's static twin when the tiles fit in one wave of CTAs:
+    then CTA i takes tile i and none takes a second under either scheduler, and the static one
+    needs no tile counter (one per-stream buffer fewer to look up per call: small problems are
+    where host time matters). Varlen and split launches keep theirs."""
+    if config.scheduler != "dynamic_persistent" or split or problem.varlen_q:
+        return config
+    tiles = math.ceil(problem.max_seqlen_q * pack_ratio / config.tile_m) * (problem.nheads // pack_ratio) * problem.batch
+    if tiles > num_sms(device_index) * config.ctas_per_sm:
+        return config
+    return config.replace(scheduler="static_persistent")
 
 
 def _split_tiles(problem: _Problem, q, config, pack_ratio: int) -> int:
@@ -560,7 +581,21 @@ def _grown_size(current: Optional[torch.Tensor], needed: int, cap: Optional[int]
     return max(needed, doubled if cap is None else min(doubled, cap))
 
 
+def _stream_buffers(device: torch.device, stream: Optional[tuple], num_counters: int, partials, batch: int,
+                    int_length: Optional[int]):
+    """(counters, out_partial, lse_partial, lengths) of a launch on `stream` (_stream_key(device)):
+    zeroed tile counters when num_counters, split scratch for `partials` (a _SplitPartials or
+    None), the (batch,) length tensor of an int length; None for what the launch does not use."""
+    counters = _zeroed_counters(device, num_counters, stream) if num_counters else None
+    out_partial, lse_partial = _split_scratch(device, partials, stream) if partials is not None else (None, None)
+    lengths = _constant_lengths(device, batch, int_length, stream) if int_length is not None else None
+    return counters, out_partial, lse_partial, lengths
+
+
 _COUNTERS: dict = {}
+# Bumped whenever a per-stream buffer is allocated or dropped, so that launch plans' memos of
+# them (_LaunchPlan.buffers) never hand out a buffer the caches no longer hold.
+_BUFFERS_VERSION = [0]
 
 
 def _zeroed_counters(device: torch.device, count: int, stream: Optional[tuple]) -> torch.Tensor:
@@ -575,6 +610,7 @@ def _zeroed_counters(device: torch.device, count: int, stream: Optional[tuple]) 
     counters = _COUNTERS.get(stream)
     if counters is None or counters.numel() < count:
         counters = _COUNTERS[stream] = torch.zeros(_grown_size(counters, count), dtype=torch.int32, device=device)
+        _BUFFERS_VERSION[0] += 1
     return counters
 
 
@@ -599,14 +635,18 @@ def _remember(plans: dict, key, plan) -> None:
 
 class _LaunchPlan:
     """Everything a call derived from its arguments' metadata: the raw kernel functions, split
-    count, buffer shapes. A later call with identical metadata (shapes, strides, dtypes,
-    devices, flags) passed the same checks and makes the same choices, so it only re-checks
-    what metadata does not capture (16-byte pointer alignment, out not overlapping inputs, the
-    current device) and launches."""
+    count, buffer shapes. A later call whose key matches makes the same choices, and launches
+    without the checks: the key holds the metadata those choices depend on (q's shape, strides,
+    dtype and device, k's shape, flags, and with out the strides that size the overlap check);
+    the compiled function itself checks the rest (dtypes, devices, ranks, static dims, stride
+    divisibility, 16-byte alignment, v's shape against k's, out's against q's) and raises
+    before launching, and the call then takes the full checks (which name the argument, or
+    copy what TMA cannot read). What neither covers is checked here: the current device, and
+    out not overlapping the inputs."""
 
     __slots__ = ("forward", "device", "device_index", "dtype", "out_shape", "lse_shape",
                  "scale_log2", "max_ctas", "num_splits", "extents", "num_counters", "out_like_q",
-                 "partials", "int_capacity")
+                 "partials", "int_capacity", "plain", "buffers")
 
     def __init__(self, forward, device, dtype, out_shape, lse_shape, scale_log2,
                  max_ctas, num_splits, partials, extents, num_counters=0, out_like_q=False):
@@ -621,6 +661,11 @@ class _LaunchPlan:
         # flash_attn_with_kvcache with an int cache_seqlens: the cache's capacity (replays pass
         # their length, whose (batch,) tensor comes from _constant_lengths); None otherwise.
         self.int_capacity = None
+        self.plain = lse_shape is None and not num_counters and partials is None
+        # The per-stream buffers of the last launch: (stream key, _BUFFERS_VERSION, int length,
+        # (counters, out_partial, lse_partial, lengths)), reused while the stream and version
+        # match (three cache lookups fewer per split call); None before the first launch.
+        self.buffers = None
 
     def usable(self, q, k, v, out) -> bool:
         qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
@@ -637,18 +682,31 @@ class _LaunchPlan:
 
     def launch(self, q, k, v, out, seqused_k=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
                int_length=None):
+        """Launch for a call whose key matched this plan. With out=None the key may leave out the
+        metadata the compiled function checks itself (strides, dtypes and devices of the tensors
+        after q, 16-byte alignment): it raises before launching if they do not fit."""
         if out is None:
             out = torch.empty_like(q) if self.out_like_q else torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        if self.plain and int_length is None:  # no LSE, counters or split scratch: the common call
+            self.forward(q, k, v, out, None, None, None, self.scale_log2, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                         page_table, None, self.max_ctas, self.num_splits)
+            return out
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         counters = out_partial = lse_partial = None
         if self.num_counters or self.partials is not None or int_length is not None:
             stream = _stream_key(self.device)  # one query for every per-stream buffer
-            if self.num_counters:
-                counters = _zeroed_counters(self.device, self.num_counters, stream)
-            if self.partials is not None:
-                out_partial, lse_partial = _split_scratch(self.device, self.partials, stream)
+            memo = self.buffers
+            if stream is not None and memo is not None and memo[0] == stream and memo[1] == _BUFFERS_VERSION[0] \
+                    and memo[2] == int_length:
+                counters, out_partial, lse_partial, lengths = memo[3]
+            else:
+                buffers = _stream_buffers(self.device, stream, self.num_counters, self.partials, q.shape[0], int_length)
+                counters, out_partial, lse_partial, lengths = buffers
+                # (A capture's buffers are its own; large split scratch is allocated per call.)
+                if stream is not None and (self.partials is None or self.partials.numel <= _SCRATCH_MAX_FLOATS):
+                    self.buffers = (stream, _BUFFERS_VERSION[0], int_length, buffers)
             if int_length is not None:
-                seqused_k = _constant_lengths(self.device, q.shape[0], int_length, stream)
+                seqused_k = lengths
         self.forward(q, k, v, out, lse, out_partial, lse_partial, self.scale_log2, cu_seqlens_q, cu_seqlens_k,
                      seqused_k, page_table, counters, self.max_ctas, self.num_splits)
         return out if self.lse_shape is None else (out, lse)
@@ -711,7 +769,9 @@ def _constant_lengths(device: torch.device, batch: int, length: int, stream: Opt
     if lengths is None:
         if len(_LENGTHS) >= 256:
             _LENGTHS.clear()
+            _BUFFERS_VERSION[0] += 1
         lengths = _LENGTHS[key] = torch.full((batch,), length, dtype=torch.int32, device=device)
+        _BUFFERS_VERSION[0] += 1
     return lengths
 
 
@@ -725,6 +785,10 @@ def empty_cache() -> None:
     _SCRATCH.clear()
     _COUNTERS.clear()
     _LENGTHS.clear()
+    _BUFFERS_VERSION[0] += 1
+    for plans in (_FUNC_PLANS, _KVCACHE_PLANS, _VARLEN_PLANS):
+        for plan in plans.values():
+            plan.buffers = None
 
 
 def _split_scratch(device: torch.device, partials: _SplitPartials, stream: Optional[tuple]):
@@ -740,6 +804,7 @@ def _split_scratch(device: torch.device, partials: _SplitPartials, stream: Optio
     if scratch is None or scratch[0].numel() < partials.numel:
         size = _grown_size(None if scratch is None else scratch[0], partials.numel, _SCRATCH_MAX_FLOATS)
         scratch = _SCRATCH[key] = (torch.empty(size, dtype=torch.float32, device=device), {})
+        _BUFFERS_VERSION[0] += 1
     views = scratch[1].get(partials)
     if views is None:
         if len(scratch[1]) >= 64:

@@ -48,15 +48,21 @@ class PtxReport:
 
 
 def table_keys(head_dims: Optional[Iterable[int]] = None, writes_lse=(True, False)) -> List[ForwardKernelKey]:
-    """Prefill kernels of the config table, long and short-sequence rows."""
+    """Prefill kernels of the config table, long and short-sequence rows; a dynamic persistent
+    row also with its static twin, which problems of one wave of tiles launch
+    (interface.single_wave_config)."""
     rows = list(FORWARD_CONFIGS.items()) + [(k, entry[1]) for k, entry in SHORT_SEQUENCE_CONFIGS.items()]
     keys = []
     for (head_dim, dtype, causal), config in sorted(rows, key=str):
         if head_dims is not None and head_dim not in head_dims:
             continue
-        for lse in writes_lse:
-            keys.append(ForwardKernelKey(dtype, head_dim, causal, config, lse))
-    return keys
+        configs = [config]
+        if config.scheduler == "dynamic_persistent":
+            configs.append(config.replace(scheduler="static_persistent"))
+        for cfg in configs:
+            for lse in writes_lse:
+                keys.append(ForwardKernelKey(dtype, head_dim, causal, cfg, lse))
+    return list(dict.fromkeys(keys))
 
 
 def decode_keys(head_dims: Optional[Iterable[int]] = None, gqa_ratios=(4, 8)) -> List[ForwardKernelKey]:

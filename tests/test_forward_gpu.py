@@ -289,6 +289,48 @@ def test_launch_plan_keys_carry_flag_types():
             flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, bad, num_splits=1)
 
 
+def test_launch_plan_replay_leaves_checks_to_compiled_function():
+    """Without out, a plan's key holds q's metadata and k's shape only: the compiled function
+    checks k's and v's strides, dtypes, devices and alignment (and v's shape) and raises before
+    launching, and the call then goes through the full checks: clear errors for bad inputs, a
+    copy for strides TMA cannot read, and the plan still replays afterwards."""
+    torch.manual_seed(13)
+    q, k, v = make_qkv(2, 300, 300, 4, 2, 64, torch.bfloat16)
+    for causal in (False, True):
+        ref = flash_cute.flash_attn_func(q, k, v, causal=causal)
+        check_against_reference(q, k, v, ref, None, causal)
+        assert torch.equal(flash_cute.flash_attn_func(q, k, v, causal=causal), ref)  # replayed
+    with pytest.raises(TypeError, match="k must have the same dtype as q"):
+        flash_cute.flash_attn_func(q, k.half(), v)
+    with pytest.raises(TypeError, match="v must have the same dtype as q"):
+        flash_cute.flash_attn_func(q, k, v.half())
+    with pytest.raises(ValueError, match="v must have the shape of k"):
+        flash_cute.flash_attn_func(q, k, v[:, :299])
+    with pytest.raises(ValueError, match="k must be on q's device"):
+        flash_cute.flash_attn_func(q, k.cpu(), v)
+    # Same shape, head stride 68 elements (136 bytes): TMA cannot read it, so it is copied.
+    odd_k = torch.randn(2, 300, 2, 68, device="cuda", dtype=torch.bfloat16)[..., :64]
+    odd_k.copy_(k)
+    # Same shape and strides, base 8 bytes off 16-byte alignment: copied too.
+    shifted_v = torch.randn(v.numel() + 4, device="cuda", dtype=torch.bfloat16)[4:].view(v.shape)
+    shifted_v.copy_(v)
+    for causal in (False, True):
+        for kk, vv in ((odd_k, v), (k, shifted_v), (k, v)):
+            out = flash_cute.flash_attn_func(q, kk, vv, causal=causal)
+            check_against_reference(q, k, v, out, None, causal)
+    seqlens = torch.full((2,), 250, dtype=torch.int32, device="cuda")
+    k_cache, v_cache = k.clone(), v.clone()
+    ref = flash_cute.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, seqlens, num_splits=1)
+    assert torch.equal(flash_cute.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, seqlens, num_splits=1), ref)
+    with pytest.raises(TypeError, match="cache_seqlens must be"):
+        flash_cute.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, seqlens.long(), num_splits=1)
+    with pytest.raises(ValueError, match="cache_seqlens must be on q's device"):
+        flash_cute.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, seqlens.cpu(), num_splits=1)
+    with pytest.raises(TypeError, match="k_cache must have the same dtype as q"):
+        flash_cute.flash_attn_with_kvcache(q[:, :1], k_cache.half(), v_cache, seqlens, num_splits=1)
+    assert torch.equal(flash_cute.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, seqlens, num_splits=1), ref)
+
+
 def test_cuda_graph_replay():
     torch.manual_seed(6)
     q, k, v = make_qkv(2, 513, 513, 8, 8, 128, torch.bfloat16)

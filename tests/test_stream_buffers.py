@@ -99,3 +99,89 @@ def test_empty_cache_drops_everything(streams):
     assert interface._SCRATCH and interface._COUNTERS and interface._LENGTHS
     flash_cute.empty_cache()
     assert not interface._SCRATCH and not interface._COUNTERS and not interface._LENGTHS
+
+
+def _split_plan(num_counters=8, layout=None, calls=None):
+    """A split launch plan on the CPU whose kernel records the buffers it was given."""
+    layout = layout or partials(2, out_shape=(1, 1, 4, 64), lse_shape=(1, 4, 1))
+
+    def forward(q, k, v, out, lse, out_partial, lse_partial, scale, cu_q, cu_k, seqused_k, table, counters,
+                max_ctas, num_splits):
+        calls.append((counters, out_partial, lse_partial, seqused_k))
+
+    return interface._LaunchPlan(forward=forward, device=CPU, dtype=torch.float32, out_shape=(1, 1, 4, 64),
+                                 lse_shape=None, scale_log2=1.0, max_ctas=132, num_splits=2, partials=layout,
+                                 extents=(0, 0, 0, 0), num_counters=num_counters)
+
+
+def test_launch_plans_memo_their_stream_buffers(streams):
+    """A plan reuses its last launch's per-stream buffers while the stream and the caches'
+    version match: the same buffers the caches would hand out, without looking them up;
+    another stream, a capture, a grown buffer or empty_cache() make it look again."""
+    calls = []
+    plan = _split_plan(calls=calls)
+    q = torch.zeros(1, 1, 4, 64)
+
+    def launch(int_length=None):
+        plan.launch(q, q, q, None, int_length=int_length)
+        return calls[-1]
+
+    first = launch()
+    assert first[0] is interface._zeroed_counters(CPU, 8, stream())
+    assert first[1] is interface._split_scratch(CPU, plan.partials, stream())[0]
+    lookups = []
+    real = interface._zeroed_counters
+    interface._zeroed_counters = lambda *a: lookups.append(a) or real(*a)
+    try:
+        assert launch()[:3] == first[:3] and not lookups, "the same stream looked its buffers up again"
+        streams["stream"] = 9
+        other = launch()
+        assert other[0] is not first[0] and len(lookups) == 1
+        streams["capturing"] = True
+        captured = launch()
+        assert captured[0] is not other[0] and captured[1].data_ptr() != other[1].data_ptr()
+        streams["capturing"] = False
+        assert launch()[0] is other[0], "a capture replaced the memo"
+        grown = real(CPU, 100, stream())  # another plan needs more counters on this stream
+        assert launch()[0] is grown, "the memo outlived the buffer it names"
+        lengths = launch(int_length=7)[3]
+        assert lengths.tolist() == [7] and launch(int_length=7)[3] is lengths
+        assert launch(int_length=8)[3].tolist() == [8]
+        interface._FUNC_PLANS[("test",)] = plan
+        flash_cute.empty_cache()
+        assert plan.buffers is None
+        assert launch()[0] is interface._COUNTERS[stream()]
+    finally:
+        interface._zeroed_counters = real
+        interface._FUNC_PLANS.pop(("test",), None)
+    huge = partials(2, out_shape=(1, 1 << 12, 8, 128), lse_shape=(1, 8, 1 << 12))
+    big_plan = _split_plan(layout=huge, calls=calls)
+    big_plan.launch(q, q, q, None)
+    assert big_plan.buffers is None, "a per-call scratch allocation was kept"
+
+
+def test_single_wave_problems_use_the_static_twin(monkeypatch):
+    """A dynamic persistent config runs static persistent CTAs when every tile fits in one
+    wave (CTA i takes tile i under both, and the static one needs no tile counter); more
+    tiles, split launches and varlen keep the dynamic scheduler; other schedulers are kept."""
+    monkeypatch.setattr(interface, "num_sms", lambda index: 132)
+    dynamic = flash_cute.AttentionConfig(128, 128, scheduler="dynamic_persistent")
+
+    def problem(batch, seqlen_q, nheads, varlen_q=False):
+        return interface._Problem(batch=batch, nheads=nheads, nheads_kv=nheads, head_dim=128, dtype=torch.bfloat16,
+                                  max_seqlen_q=seqlen_q, max_seqlen_k=4096, varlen_q=varlen_q)
+
+    one_wave = problem(2, 1000, 8)  # 8 query tiles x 8 heads x 2 = 128 tiles
+    twin = interface.single_wave_config(dynamic, one_wave, 1, False, 0)
+    assert twin == dynamic.replace(scheduler="static_persistent")
+    assert interface.single_wave_config(dynamic, problem(2, 1100, 8), 1, False, 0) is dynamic  # 144 tiles
+    assert interface.single_wave_config(dynamic, problem(1, 1000, 16), 8, False, 0) == twin  # packed: 63 x 2
+    assert interface.single_wave_config(dynamic, problem(1, 1100, 16), 8, False, 0) is dynamic  # 69 x 2
+    assert interface.single_wave_config(dynamic, one_wave, 1, True, 0) is dynamic  # split
+    assert interface.single_wave_config(dynamic, problem(2, 1000, 8, varlen_q=True), 1, False, 0) is dynamic
+    two_ctas = dynamic.replace(tile_m=64, ctas_per_sm=2, pingpong=False)
+    # 16 query tiles of 64 rows x 8 heads x 2 = 256 tiles: one wave of 2 x 132 CTAs
+    assert interface.single_wave_config(two_ctas, problem(2, 1000, 8), 1, False, 0).scheduler == "static_persistent"
+    for scheduler in ("single_tile", "static_persistent"):
+        config = dynamic.replace(scheduler=scheduler)
+        assert interface.single_wave_config(config, one_wave, 1, False, 0) is config
