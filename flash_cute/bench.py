@@ -181,6 +181,11 @@ class PrefillRow:
     nheads: int
     tflops: Dict[str, float] = field(default_factory=dict)
     ms: Dict[str, float] = field(default_factory=dict)
+    pass_ratios: List[float] = field(default_factory=list)  # flash_cute / best peer in each pass
+
+    @property
+    def flops(self) -> float:
+        return 4 * self.batch * self.nheads * self.seqlen * self.seqlen * self.hdim / (2 if self.causal else 1)
 
     @property
     def ratio_to_best_peer(self) -> Optional[float]:
@@ -191,25 +196,41 @@ class PrefillRow:
 
 
 def run_prefill(dtype: str, hdims: List[int], causals: List[bool], seqlens: List[int],
-                total_tokens: int = 16384, hidden: int = 2048, warmup: int = 5, reps: int = 30) -> List[PrefillRow]:
-    rows = []
-    for hdim in hdims:
-        nheads = hidden // hdim
-        for causal in causals:
-            for seqlen in seqlens:
-                batch = max(1, total_tokens // seqlen)
-                gen = torch.Generator(device="cuda").manual_seed(seqlen + hdim)
-                q, k, v = (torch.randn(batch, seqlen, nheads, hdim, device="cuda", dtype=DTYPES[dtype], generator=gen)
-                           for _ in range(3))
-                flops = 4 * batch * nheads * seqlen * seqlen * hdim / (2 if causal else 1)
-                row = PrefillRow(dtype, hdim, causal, seqlen, batch, nheads)
-                for name, ms in time_interleaved(prefill_peers(q, k, v, causal), warmup, reps).items():
-                    row.ms[name] = ms
-                    row.tflops[name] = flops / ms / 1e9
-                rows.append(row)
-                print(format_prefill_row(row), flush=True)
-                del q, k, v
-    return rows
+                total_tokens: int = 16384, hidden: int = 2048, warmup: int = 5, reps: int = 30,
+                passes: int = 1) -> List[PrefillRow]:
+    """The grid, each point timed with its peers interleaved. With passes > 1 the whole grid runs
+    that many times and each peer's time at a point is its median over the passes: a point's
+    passes lie minutes apart, so a stretch of lower clocks (power or temperature) falls on one
+    pass of it rather than deciding it."""
+    points = [(hdim, causal, seqlen) for hdim in hdims for causal in causals for seqlen in seqlens]
+    runs: Dict[tuple, List[PrefillRow]] = {point: [] for point in points}
+    for p in range(passes):
+        for hdim, causal, seqlen in points:
+            nheads = hidden // hdim
+            batch = max(1, total_tokens // seqlen)
+            gen = torch.Generator(device="cuda").manual_seed(seqlen + hdim)
+            q, k, v = (torch.randn(batch, seqlen, nheads, hdim, device="cuda", dtype=DTYPES[dtype], generator=gen)
+                       for _ in range(3))
+            row = PrefillRow(dtype, hdim, causal, seqlen, batch, nheads)
+            for name, ms in time_interleaved(prefill_peers(q, k, v, causal), warmup, reps).items():
+                row.ms[name] = ms
+                row.tflops[name] = row.flops / ms / 1e9
+            runs[(hdim, causal, seqlen)].append(row)
+            print(format_prefill_row(row) + (f"  (pass {p + 1}/{passes})" if passes > 1 else ""), flush=True)
+            del q, k, v
+    return [merge_passes(rows) for rows in runs.values()]
+
+
+def merge_passes(rows: List[PrefillRow]) -> PrefillRow:
+    """One point's passes as one row: each peer's median time, and each pass's ratio."""
+    first = rows[0]
+    merged = PrefillRow(first.dtype, first.hdim, first.causal, first.seqlen, first.batch, first.nheads)
+    for name in first.ms:
+        times = [r.ms[name] for r in rows if name in r.ms]
+        merged.ms[name] = statistics.median(times)
+        merged.tflops[name] = merged.flops / merged.ms[name] / 1e9
+    merged.pass_ratios = [r.ratio_to_best_peer for r in rows if r.ratio_to_best_peer is not None]
+    return merged
 
 
 def format_prefill_row(row: PrefillRow) -> str:
@@ -231,7 +252,8 @@ def prefill_table(rows: List[PrefillRow]) -> str:
     groups = sorted({(r.dtype, r.hdim, r.causal) for r in rows})
     for dtype, hdim, causal in groups:
         group = {r.seqlen: r for r in rows if (r.dtype, r.hdim, r.causal) == (dtype, hdim, causal)}
-        for peer in peers + ["ratio"]:
+        several = any(len(r.pass_ratios) > 1 for r in group.values())
+        for peer in peers + ["ratio"] + (["pass ratios"] if several else []):
             cells = []
             for s in seqlens:
                 r = group.get(s)
@@ -240,9 +262,11 @@ def prefill_table(rows: List[PrefillRow]) -> str:
                 elif peer == "ratio":
                     ratio = r.ratio_to_best_peer
                     cells.append(f"{ratio:.2f}" if ratio is not None else "")
+                elif peer == "pass ratios":
+                    cells.append(f"{min(r.pass_ratios):.2f}-{max(r.pass_ratios):.2f}" if r.pass_ratios else "")
                 else:
                     cells.append(f"{r.tflops[peer]:.0f}" if peer in r.tflops else "")
-            name = "flash_cute / best peer" if peer == "ratio" else peer
+            name = {"ratio": "flash_cute / best peer", "pass ratios": "range over passes"}.get(peer, peer)
             lines.append(f"| {dtype} | {hdim} | {'yes' if causal else 'no'} | {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -722,6 +746,8 @@ def main(argv=None) -> int:
     pre.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     pre.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     pre.add_argument("--reps", type=int, default=30)
+    pre.add_argument("--passes", type=int, default=1,
+                     help="run the grid this many times; each peer's time is its median over the passes")
     pre.add_argument("--json", default=None, help="write the rows here")
     sw = sub.add_parser("sweep", help="rank a grid of configs on one problem")
     sw.add_argument("--hdim", type=int, default=128)
@@ -834,7 +860,7 @@ def main(argv=None) -> int:
         rows = run_varlen_prefill(args.dtype, args.seed, args.reps)
         return _report(varlen_prefill_table(rows), rows, args.json)
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
-    rows = run_prefill(args.dtype, args.hdim, causals, args.seqlens, reps=args.reps)
+    rows = run_prefill(args.dtype, args.hdim, causals, args.seqlens, reps=args.reps, passes=args.passes)
     return _report(prefill_table(rows), rows, args.json)
 
 
