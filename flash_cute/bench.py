@@ -188,6 +188,14 @@ class PrefillRow:
         return 4 * self.batch * self.nheads * self.seqlen * self.seqlen * self.hdim / (2 if self.causal else 1)
 
     @property
+    def paired_ratio(self) -> Optional[float]:
+        """flash_cute / best peer: with several passes the median of the passes' ratios (each
+        pass times the peers side by side, so its ratio shares one state of the GPU's clocks)."""
+        if len(self.pass_ratios) > 1:
+            return statistics.median(self.pass_ratios)
+        return self.ratio_to_best_peer
+
+    @property
     def ratio_to_best_peer(self) -> Optional[float]:
         others = [t for name, t in self.tflops.items() if name != "flash_cute"]
         if "flash_cute" not in self.tflops or not others:
@@ -199,9 +207,10 @@ def run_prefill(dtype: str, hdims: List[int], causals: List[bool], seqlens: List
                 total_tokens: int = 16384, hidden: int = 2048, warmup: int = 5, reps: int = 30,
                 passes: int = 1) -> List[PrefillRow]:
     """The grid, each point timed with its peers interleaved. With passes > 1 the whole grid runs
-    that many times and each peer's time at a point is its median over the passes: a point's
-    passes lie minutes apart, so a stretch of lower clocks (power or temperature) falls on one
-    pass of it rather than deciding it."""
+    that many times; each peer's time at a point is its median over the passes, and the ratio
+    to the best peer the median of the passes' ratios: a point's passes lie a minute or more
+    apart, so a stretch of lower clocks (power or temperature) falls on one pass of it rather
+    than deciding it."""
     points = [(hdim, causal, seqlen) for hdim in hdims for causal in causals for seqlen in seqlens]
     runs: Dict[tuple, List[PrefillRow]] = {point: [] for point in points}
     for p in range(passes):
@@ -222,7 +231,8 @@ def run_prefill(dtype: str, hdims: List[int], causals: List[bool], seqlens: List
 
 
 def merge_passes(rows: List[PrefillRow]) -> PrefillRow:
-    """One point's passes as one row: each peer's median time, and each pass's ratio."""
+    """One point's passes as one row: each peer's median time, and each pass's ratio (their
+    median is the row's paired_ratio)."""
     first = rows[0]
     merged = PrefillRow(first.dtype, first.hdim, first.causal, first.seqlen, first.batch, first.nheads)
     for name in first.ms:
@@ -260,7 +270,7 @@ def prefill_table(rows: List[PrefillRow]) -> str:
                 if r is None:
                     cells.append("")
                 elif peer == "ratio":
-                    ratio = r.ratio_to_best_peer
+                    ratio = r.paired_ratio
                     cells.append(f"{ratio:.2f}" if ratio is not None else "")
                 elif peer == "pass ratios":
                     cells.append(f"{min(r.pass_ratios):.2f}-{max(r.pass_ratios):.2f}" if r.pass_ratios else "")

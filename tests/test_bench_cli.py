@@ -89,20 +89,21 @@ def test_varlen_table_formats_ratios():
 
 def test_prefill_passes_merge_to_median_times():
     """Repeated grid passes: each peer's time is its median over the passes; the table gives
-    the ratio of those medians and the range of the passes' own ratios."""
+    the median and the range of the passes' own ratios."""
     def row(ms_fc, ms_fa4):
         r = bench.PrefillRow("bf16", 64, False, 1024, 16, 32)
         r.ms = {"flash_cute": ms_fc, "fa4": ms_fa4}
         r.tflops = {name: r.flops / ms / 1e9 for name, ms in r.ms.items()}
         return r
 
-    merged = bench.merge_passes([row(1.0, 1.1), row(1.3, 1.0), row(1.05, 1.05)])
-    assert merged.ms == {"flash_cute": 1.05, "fa4": 1.05}
+    merged = bench.merge_passes([row(1.0, 1.1), row(1.3, 1.0), row(1.05, 1.15)])
+    assert merged.ms == {"flash_cute": 1.05, "fa4": 1.1}
     assert merged.flops == 4 * 16 * 32 * 1024 * 1024 * 64
-    assert merged.ratio_to_best_peer == pytest.approx(1.0)
-    assert merged.pass_ratios == pytest.approx([1.1, 1.0 / 1.3, 1.0])
+    assert merged.ratio_to_best_peer == pytest.approx(1.1 / 1.05)
+    assert merged.pass_ratios == pytest.approx([1.1, 1.0 / 1.3, 1.15 / 1.05])
+    assert merged.paired_ratio == pytest.approx(1.15 / 1.05)  # the median pass, not 1.1 / 1.05
     lines = bench.prefill_table([merged]).splitlines()
-    assert lines[-2] == "| bf16 | 64 | no | flash_cute / best peer | 1.00 |"
+    assert lines[-2] == "| bf16 | 64 | no | flash_cute / best peer | 1.10 |"
     assert lines[-1] == "| bf16 | 64 | no | range over passes | 0.77-1.10 |"
     single = bench.merge_passes([row(1.0, 1.1)])
     assert "range over passes" not in bench.prefill_table([single])
