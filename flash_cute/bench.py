@@ -129,8 +129,10 @@ def host_us_per_call(fns: Dict[str, Callable[[], object]], calls: int = 500, rou
             fn()
     torch.cuda.synchronize()
     per_round: Dict[str, List[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # each round starts elsewhere
+            fn = fns[name]
             start = time.perf_counter()
             for _ in range(calls):
                 fn()
@@ -235,7 +237,7 @@ def merge_passes(rows: List[PrefillRow]) -> PrefillRow:
     median is the row's paired_ratio)."""
     first = rows[0]
     merged = PrefillRow(first.dtype, first.hdim, first.causal, first.seqlen, first.batch, first.nheads)
-    for name in first.ms:
+    for name in dict.fromkeys(name for r in rows for name in r.ms):  # peers of any pass
         times = [r.ms[name] for r in rows if name in r.ms]
         merged.ms[name] = statistics.median(times)
         merged.tflops[name] = merged.flops / merged.ms[name] / 1e9
@@ -832,6 +834,8 @@ def main(argv=None) -> int:
         for case in VARLEN_PREFILL_CASES:
             print(f"{case[0]}: {varlen_case_lengths(case, args.seed)}")
         return 0
+    if args.command == "prefill" and args.passes < 1:
+        parser.error(f"--passes must be at least 1, got {args.passes}")
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA GPU", file=sys.stderr)
         return 2

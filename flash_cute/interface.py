@@ -269,8 +269,8 @@ def flash_attn_with_kvcache(
     cache_seqlens and page_table contents.
     """
     try:  # repeated calls with the same metadata skip the checks (see _LaunchPlan); inlined: hot
-        if isinstance(cache_seqlens, torch.Tensor):  # the compiled function checks its dtype, device, stride
-            seqlens_meta = cache_seqlens.shape
+        if isinstance(cache_seqlens, torch.Tensor):  # dtype too: the compiled function takes uint32 as int32
+            seqlens_meta = (cache_seqlens.shape, cache_seqlens.dtype)
         elif type(cache_seqlens) is int:
             # One plan per power of two of an int length, so a decode loop whose length grows
             # by one each step replays plans (its split count was chosen for the first length).
@@ -279,7 +279,7 @@ def flash_attn_with_kvcache(
             seqlens_meta = cache_seqlens
         # As in flash_attn_func: the compiled function checks the rest of the arguments.
         key = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, seqlens_meta,
-               None if page_table is None else page_table.shape,
+               None if page_table is None else (page_table.shape, page_table.dtype),
                None if out is None else (k_cache.stride(), v_cache.stride(), out.stride()),
                softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, config, type(cache_seqlens),
                type(softmax_scale), type(causal), type(num_splits), type(pack_gqa), type(return_softmax_lse))
@@ -574,7 +574,7 @@ def _grown_size(current: Optional[torch.Tensor], needed: int, cap: Optional[int]
     """Size of a per-stream buffer replacing `current` (None: none yet) that is too small for
     `needed` elements: doubled, so a run of growing calls reallocates a few times only (at most
     `cap`, unless `needed` is larger). The replaced buffer is freed in stream order, after the
-    launches that used it."""
+    launches that used it (and after the next launch of any plan whose memo holds it)."""
     if current is None:
         return needed
     doubled = 2 * current.numel()
@@ -593,8 +593,10 @@ def _stream_buffers(device: torch.device, stream: Optional[tuple], num_counters:
 
 
 _COUNTERS: dict = {}
-# Bumped whenever a per-stream buffer is allocated or dropped, so that launch plans' memos of
-# them (_LaunchPlan.buffers) never hand out a buffer the caches no longer hold.
+# Bumped whenever a per-stream buffer is replaced or dropped, so that launch plans' memos of
+# them (_LaunchPlan.buffers) move to the caches' current buffers at their next launch. (A
+# memo'd buffer stays valid for its stream: counters are left zero and lengths are never
+# written; the bump keeps plans from pinning replaced memory for long.)
 _BUFFERS_VERSION = [0]
 
 
@@ -637,12 +639,13 @@ class _LaunchPlan:
     """Everything a call derived from its arguments' metadata: the raw kernel functions, split
     count, buffer shapes. A later call whose key matches makes the same choices, and launches
     without the checks: the key holds the metadata those choices depend on (q's shape, strides,
-    dtype and device, k's shape, flags, and with out the strides that size the overlap check);
-    the compiled function itself checks the rest (dtypes, devices, ranks, static dims, stride
-    divisibility, 16-byte alignment, v's shape against k's, out's against q's) and raises
+    dtype and device, k's shape, flags, the int32 tensors' shapes and dtypes, and with out the
+    strides that size the overlap check); the compiled function itself checks the rest of the
+    16-bit tensors (dtypes, one device, ranks, head_dim, strides divisible by 8 elements on
+    dims longer than 1, 16-byte alignment, v's shape against k's, out's against q's) and raises
     before launching, and the call then takes the full checks (which name the argument, or
-    copy what TMA cannot read). What neither covers is checked here: the current device, and
-    out not overlapping the inputs."""
+    copy what TMA cannot read: such a call pays that exception each time). What neither covers
+    is checked here: the current device, and out not overlapping the inputs."""
 
     __slots__ = ("forward", "device", "device_index", "dtype", "out_shape", "lse_shape",
                  "scale_log2", "max_ctas", "num_splits", "extents", "num_counters", "out_like_q",
@@ -682,9 +685,9 @@ class _LaunchPlan:
 
     def launch(self, q, k, v, out, seqused_k=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
                int_length=None):
-        """Launch for a call whose key matched this plan. With out=None the key may leave out the
-        metadata the compiled function checks itself (strides, dtypes and devices of the tensors
-        after q, 16-byte alignment): it raises before launching if they do not fit."""
+        """Launch for a call whose key matched this plan. The key leaves out metadata the compiled
+        function checks itself (see the class docstring): it raises before launching if they do
+        not fit."""
         if out is None:
             out = torch.empty_like(q) if self.out_like_q else torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         if self.plain and int_length is None:  # no LSE, counters or split scratch: the common call
@@ -771,7 +774,6 @@ def _constant_lengths(device: torch.device, batch: int, length: int, stream: Opt
             _LENGTHS.clear()
             _BUFFERS_VERSION[0] += 1
         lengths = _LENGTHS[key] = torch.full((batch,), length, dtype=torch.int32, device=device)
-        _BUFFERS_VERSION[0] += 1
     return lengths
 
 

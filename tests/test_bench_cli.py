@@ -107,3 +107,11 @@ def test_prefill_passes_merge_to_median_times():
     assert lines[-1] == "| bf16 | 64 | no | range over passes | 0.77-1.10 |"
     single = bench.merge_passes([row(1.0, 1.1)])
     assert "range over passes" not in bench.prefill_table([single])
+    late = row(1.0, 1.2)
+    late.ms["cudnn"], late.tflops["cudnn"] = 0.5, late.flops / 0.5 / 1e9
+    assert set(bench.merge_passes([row(1.0, 1.1), late]).ms) == {"flash_cute", "fa4", "cudnn"}
+
+
+def test_prefill_passes_must_be_positive():
+    with pytest.raises(SystemExit):
+        bench.main(["prefill", "--passes", "0"])

@@ -328,7 +328,19 @@ def test_launch_plan_replay_leaves_checks_to_compiled_function():
         flash_cute.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, seqlens.cpu(), num_splits=1)
     with pytest.raises(TypeError, match="k_cache must have the same dtype as q"):
         flash_cute.flash_attn_with_kvcache(q[:, :1], k_cache.half(), v_cache, seqlens, num_splits=1)
+    # uint32 passes the compiled function's int32 check, so the key holds the int32 tensors' dtypes.
+    with pytest.raises(TypeError, match="cache_seqlens must be int32"):
+        flash_cute.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, seqlens.to(torch.uint32), num_splits=1)
     assert torch.equal(flash_cute.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, seqlens, num_splits=1), ref)
+    k_pages, v_pages = (t.reshape(2 * 300 // 20, 20, 2, 64)[:, :16] for t in (k_cache, v_cache))  # 30 pages of 16
+    k_pages, v_pages = k_pages.contiguous(), v_pages.contiguous()
+    table = torch.randperm(30, device="cuda", dtype=torch.int32).view(2, 15)
+    paged = flash_cute.flash_attn_with_kvcache(q[:, :1], k_pages, v_pages, seqlens, page_table=table, num_splits=1)
+    assert torch.equal(flash_cute.flash_attn_with_kvcache(q[:, :1], k_pages, v_pages, seqlens, page_table=table,
+                                                          num_splits=1), paged)
+    with pytest.raises(TypeError, match="page_table must be int32"):
+        flash_cute.flash_attn_with_kvcache(q[:, :1], k_pages, v_pages, seqlens, page_table=table.to(torch.uint32),
+                                           num_splits=1)
 
 
 def test_cuda_graph_replay():
