@@ -635,6 +635,10 @@ def run_host() -> List[str]:
         "flash_cute.flash_attn_with_kvcache (int cache_seqlens, auto split)": lambda: flash_cute.flash_attn_with_kvcache(
             qd, kc, vc, cache_seqlens=1000),
     }
+    # A decode loop's int length grows by one per step (512-1023: one launch plan).
+    growing = iter(range(1 << 40))
+    calls["flash_cute.flash_attn_with_kvcache (int cache_seqlens + 1 per call, auto split)"] = (
+        lambda: flash_cute.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=512 + next(growing) % 512))
     # A vLLM-style paged decode step through the varlen entry point: 4 sequences, 4 splits.
     qv = torch.randn(4, 16, 128, device=dev, dtype=bf16)
     kp, vp = (torch.randn(64, 16, 2, 128, device=dev, dtype=bf16) for _ in range(2))

@@ -50,7 +50,8 @@ class ForwardKernelKey:
     writes_lse: bool  # the final LSE (split kernels write their partial LSEs regardless)
     varlen_q: bool = False  # q packed as (total_q, nheads, d) with cu_seqlens_q
     kv_layout: str = "padded"  # "padded" | "packed" (cu_seqlens_k) | "paged"
-    seqused_k: bool = False
+    seqused_k: bool = False  # valid keys per sequence from a (batch,) tensor
+    scalar_kv_length: bool = False  # valid keys of every sequence from an int argument
     page_box_rows: Optional[int] = None  # TMA box rows for paged K/V: gcd(page_size, tile_n)
     split: bool = False
     pack_gqa_ratio: int = 1  # q heads per kv head folded into the tile rows (1: no packing)
@@ -112,8 +113,8 @@ def compile_forward(key: ForwardKernelKey, options: str = "") -> Callable:
     from flash_cute.kernels import FlashAttentionForwardSm90
 
     dtype = _cutlass_dtype(key.dtype)
-    variant = {f: getattr(key, f) for f in ("varlen_q", "kv_layout", "seqused_k", "page_box_rows", "split",
-                                             "pack_gqa_ratio")}
+    variant = {f: getattr(key, f) for f in ("varlen_q", "kv_layout", "seqused_k", "scalar_kv_length",
+                                             "page_box_rows", "split", "pack_gqa_ratio")}
     kernel = FlashAttentionForwardSm90(dtype, key.head_dim, key.causal, key.config, **variant)
     sym = cute.sym_int
     batch, seqlen_q, nheads, seqlen_k, nheads_kv, splits = (sym() for _ in range(6))
@@ -150,7 +151,7 @@ def compile_forward(key: ForwardKernelKey, options: str = "") -> Callable:
     opts = ("--enable-tvm-ffi " + options).strip()
     return cute.compile(
         kernel, q, k, v, out, lse, out_partial, lse_partial, cutlass.Float32(1.0), cu_seqlens_q, cu_seqlens_k, seqused_k,
-        page_table, tile_counter, int32(1), int32(1), stream, options=opts,
+        page_table, tile_counter, int32(1), int32(1), int32(0), stream, options=opts,
     )
 
 

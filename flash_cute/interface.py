@@ -477,8 +477,8 @@ def _choose(problem: _Problem, causal: bool, config, num_splits: int, pack_gqa, 
 def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_splits, pack_gqa,
          cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None, int_length=None):
     """Launch one forward call. int_length: an int cache_seqlens, given to the kernel as a
-    (batch,) length tensor (also for a contiguous cache, rather than a slice of it: a replay
-    then reuses its stream's cached tensor, where slicing costs two views per call)."""
+    scalar argument (also for a contiguous cache, rather than a slice of it, which costs two
+    views per call)."""
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     config, pack_ratio, num_splits = _choose(problem, causal, config, num_splits, pack_gqa, device_index)
     if problem.kv_capacity == 0:  # no keys: nothing for a kernel (or TMA) to read
@@ -491,7 +491,7 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
     key = ForwardKernelKey(
         dtype=checks.dtype_name(problem.dtype), head_dim=problem.head_dim, causal=causal,
         config=config, writes_lse=lse is not None, varlen_q=problem.varlen_q,
-        kv_layout=problem.kv_layout, seqused_k=seqused_k is not None or int_length is not None,
+        kv_layout=problem.kv_layout, seqused_k=seqused_k is not None, scalar_kv_length=int_length is not None,
         page_box_rows=math.gcd(problem.page_size, config.tile_n) if problem.page_size else None,
         split=split, pack_gqa_ratio=pack_ratio,
     )
@@ -503,12 +503,9 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
     # Zeroed counters: the dynamic scheduler's tile counter, or a split launch's per-tile arrivals.
     num_counters = 2 if key.uses_tile_counter else _split_tiles(problem, q, config, pack_ratio) if split else 0
     with _on_device(q.device):  # (counters and scratch depend on q's device's current stream)
-        counters, out_partial, lse_partial, lengths = _stream_buffers(
-            q.device, _stream_key(q.device), num_counters, partials, problem.batch, int_length)
-        if int_length is not None:
-            seqused_k = lengths
+        counters, out_partial, lse_partial = _stream_buffers(q.device, _stream_key(q.device), num_counters, partials)
         kernel(q_k, k_k, v_k, out_kernel, lse, out_partial, lse_partial, scale_log2, cu_seqlens_q, cu_seqlens_k,
-               seqused_k, page_table, counters, max_ctas, num_splits)
+               seqused_k, page_table, counters, max_ctas, num_splits, 0 if int_length is None else int_length)
         if out_kernel.data_ptr() != out.data_ptr():
             out.copy_(out_kernel)
     # A call that needed no layout fix-ups can be replayed from its metadata alone.
@@ -581,22 +578,20 @@ def _grown_size(current: Optional[torch.Tensor], needed: int, cap: Optional[int]
     return max(needed, doubled if cap is None else min(doubled, cap))
 
 
-def _stream_buffers(device: torch.device, stream: Optional[tuple], num_counters: int, partials, batch: int,
-                    int_length: Optional[int]):
-    """(counters, out_partial, lse_partial, lengths) of a launch on `stream` (_stream_key(device)):
-    zeroed tile counters when num_counters, split scratch for `partials` (a _SplitPartials or
-    None), the (batch,) length tensor of an int length; None for what the launch does not use."""
+def _stream_buffers(device: torch.device, stream: Optional[tuple], num_counters: int, partials):
+    """(counters, out_partial, lse_partial) of a launch on `stream` (_stream_key(device)): zeroed
+    tile counters when num_counters, split scratch for `partials` (a _SplitPartials or None);
+    None for what the launch does not use."""
     counters = _zeroed_counters(device, num_counters, stream) if num_counters else None
     out_partial, lse_partial = _split_scratch(device, partials, stream) if partials is not None else (None, None)
-    lengths = _constant_lengths(device, batch, int_length, stream) if int_length is not None else None
-    return counters, out_partial, lse_partial, lengths
+    return counters, out_partial, lse_partial
 
 
 _COUNTERS: dict = {}
 # Bumped whenever a per-stream buffer is replaced or dropped, so that launch plans' memos of
 # them (_LaunchPlan.buffers) move to the caches' current buffers at their next launch. (A
-# memo'd buffer stays valid for its stream: counters are left zero and lengths are never
-# written; the bump keeps plans from pinning replaced memory for long.)
+# memo'd buffer stays valid for its stream: counters are left zero and the scratch is consumed
+# within each launch; the bump keeps plans from pinning replaced memory for long.)
 _BUFFERS_VERSION = [0]
 
 
@@ -662,12 +657,12 @@ class _LaunchPlan:
         self.out_like_q = out_like_q  # q contiguous: empty_like(q) is out (and cheaper to call)
         self.partials = partials
         # flash_attn_with_kvcache with an int cache_seqlens: the cache's capacity (replays pass
-        # their length, whose (batch,) tensor comes from _constant_lengths); None otherwise.
+        # their length to the kernel as a scalar); None otherwise.
         self.int_capacity = None
         self.plain = lse_shape is None and not num_counters and partials is None
-        # The per-stream buffers of the last launch: (stream key, _BUFFERS_VERSION, int length,
-        # (counters, out_partial, lse_partial, lengths)), reused while the stream and version
-        # match (three cache lookups fewer per split call); None before the first launch.
+        # The per-stream buffers of the last launch: (stream key, _BUFFERS_VERSION, (counters,
+        # out_partial, lse_partial)), reused while the stream and version match (two cache
+        # lookups fewer per split call); None before the first launch.
         self.buffers = None
 
     def usable(self, q, k, v, out) -> bool:
@@ -690,28 +685,26 @@ class _LaunchPlan:
         not fit."""
         if out is None:
             out = torch.empty_like(q) if self.out_like_q else torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-        if self.plain and int_length is None:  # no LSE, counters or split scratch: the common call
+        kv_length = 0 if int_length is None else int_length
+        if self.plain:  # no LSE, counters or split scratch: the common call
             self.forward(q, k, v, out, None, None, None, self.scale_log2, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                         page_table, None, self.max_ctas, self.num_splits)
+                         page_table, None, self.max_ctas, self.num_splits, kv_length)
             return out
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         counters = out_partial = lse_partial = None
-        if self.num_counters or self.partials is not None or int_length is not None:
+        if self.num_counters or self.partials is not None:
             stream = _stream_key(self.device)  # one query for every per-stream buffer
             memo = self.buffers
-            if stream is not None and memo is not None and memo[0] == stream and memo[1] == _BUFFERS_VERSION[0] \
-                    and memo[2] == int_length:
-                counters, out_partial, lse_partial, lengths = memo[3]
+            if stream is not None and memo is not None and memo[0] == stream and memo[1] == _BUFFERS_VERSION[0]:
+                counters, out_partial, lse_partial = memo[2]
             else:
-                buffers = _stream_buffers(self.device, stream, self.num_counters, self.partials, q.shape[0], int_length)
-                counters, out_partial, lse_partial, lengths = buffers
+                buffers = _stream_buffers(self.device, stream, self.num_counters, self.partials)
+                counters, out_partial, lse_partial = buffers
                 # (A capture's buffers are its own; large split scratch is allocated per call.)
                 if stream is not None and (self.partials is None or self.partials.numel <= _SCRATCH_MAX_FLOATS):
-                    self.buffers = (stream, _BUFFERS_VERSION[0], int_length, buffers)
-            if int_length is not None:
-                seqused_k = lengths
+                    self.buffers = (stream, _BUFFERS_VERSION[0], buffers)
         self.forward(q, k, v, out, lse, out_partial, lse_partial, self.scale_log2, cu_seqlens_q, cu_seqlens_k,
-                     seqused_k, page_table, counters, self.max_ctas, self.num_splits)
+                     seqused_k, page_table, counters, self.max_ctas, self.num_splits, kv_length)
         return out if self.lse_shape is None else (out, lse)
 
 
@@ -757,36 +750,14 @@ _SCRATCH_MAX_FLOATS = 4 << 20
 _SCRATCH: dict = {}
 
 
-_LENGTHS: dict = {}
-
-
-def _constant_lengths(device: torch.device, batch: int, length: int, stream: Optional[tuple]) -> torch.Tensor:
-    """(batch,) int32 all `length`: the seqused_k of a kvcache call with an int cache_seqlens.
-    Never written after its fill, so launches on the stream that filled it can share it:
-    cached per (device, stream, batch, length), `stream` being _stream_key(device). A CUDA-graph
-    capture fills its own (so no graph holds a cached one, and dropping them is always safe)."""
-    if stream is None:
-        return torch.full((batch,), length, dtype=torch.int32, device=device)
-    key = (*stream, batch, length)
-    lengths = _LENGTHS.get(key)
-    if lengths is None:
-        if len(_LENGTHS) >= 256:
-            _LENGTHS.clear()
-            _BUFFERS_VERSION[0] += 1
-        lengths = _LENGTHS[key] = torch.full((batch,), length, dtype=torch.int32, device=device)
-    return lengths
-
-
 def empty_cache() -> None:
     """Drop the buffers flash_cute keeps between calls on each (device, stream): split-KV
-    partials scratch (up to 16 MB each), the zeroed tile counters, and the (batch,) length
-    tensors of calls with an int cache_seqlens. Their memory goes back to
+    partials scratch (up to 16 MB each) and the zeroed tile counters. Their memory goes back to
     torch's caching allocator (torch.cuda.empty_cache() then returns it to the driver); launches
     already queued are unaffected, since the allocator reuses a block only in stream order.
     CUDA graphs keep the buffers they captured."""
     _SCRATCH.clear()
     _COUNTERS.clear()
-    _LENGTHS.clear()
     _BUFFERS_VERSION[0] += 1
     for plans in (_FUNC_PLANS, _KVCACHE_PLANS, _VARLEN_PLANS):
         for plan in plans.values():

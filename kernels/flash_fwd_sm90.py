@@ -31,7 +31,8 @@ Problem variants (static; each is a separate compiled kernel):
 - varlen_q: q is packed (total_q, nheads, d) with cu_seqlens_q.
 - kv_layout "padded" (batch, seqlen_k, nheads_kv, d), "packed" (total_k, ...) with
   cu_seqlens_k, or "paged" (num_pages, page_size, nheads_kv, d) with a page table; with
-  seqused_k the valid key count per batch comes from a tensor.
+  seqused_k the valid key count per batch comes from a tensor, with scalar_kv_length from the
+  kv_length argument (one count for every batch: an int cache_seqlens).
 - split: grid.y covers nheads x num_splits; split s takes the s-th share of the key blocks and
   writes its partial O (fp32, normalized over its own keys) and LSE (-inf for an empty split).
   The last of a tile's splits to finish (a per-tile arrival counter) merges the tile's
@@ -136,6 +137,7 @@ class FlashAttentionForwardSm90:
             run at the same time need different counters.
       max_ctas: the persistent grid's size cap (SMs x CTAs per SM); unused by other variants
       num_splits: splits of the key range (split kernels)
+      kv_length: the keys of every sequence (scalar_kv_length kernels); unused by others
     Batch, sequence lengths, head counts, page size and num_splits are run-time values.
     """
 
@@ -148,6 +150,7 @@ class FlashAttentionForwardSm90:
         varlen_q: bool = False,
         kv_layout: str = "padded",
         seqused_k: bool = False,
+        scalar_kv_length: bool = False,
         page_box_rows: Optional[int] = None,
         split: bool = False,
         pack_gqa_ratio: int = 1,
@@ -177,8 +180,11 @@ class FlashAttentionForwardSm90:
         self.varlen_q = varlen_q
         self.kv_layout = kv_layout
         self.seqused_k = seqused_k
+        # Every sequence has kv_length keys (clamped to the capacity): an int cache_seqlens.
+        self.scalar_kv_length = scalar_kv_length
+        assert not (seqused_k and scalar_kv_length)
         # Whether K/V rows past a sequence's end can be loaded (see _clear_v_tail).
-        self.clears_v_tail = kv_layout != "padded" or seqused_k
+        self.clears_v_tail = kv_layout != "padded" or seqused_k or scalar_kv_length
         self.page_box_rows = page_box_rows
         self.split = split
         self.pack_gqa_ratio = pack_gqa_ratio
@@ -255,6 +261,7 @@ class FlashAttentionForwardSm90:
         mTileCounter: Optional[cute.Tensor],
         max_ctas: Int32,
         num_splits: Int32,
+        kv_length: Int32,
         stream: cuda.CUstream,
     ):
         # Rows first, then head_dim, then heads, then batch (and split): a TMA box is
@@ -347,7 +354,7 @@ class FlashAttentionForwardSm90:
             grid = (num_m, grid_heads, mQ.shape[3])
         self.kernel(
             tma_Q, tma_K, tma_V, mO_kernel, mLSE, mOPartial, mLSEPartial, mQ, mK,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mTileCounter, num_splits, max_ctas,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mTileCounter, num_splits, max_ctas, kv_length,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             softmax_scale_log2,
             sQ_layout, sKV_layout, sP_layout,
@@ -386,6 +393,7 @@ class FlashAttentionForwardSm90:
         mTileCounter: Optional[cute.Tensor],
         num_splits: Int32,
         max_ctas: Int32,
+        kv_length: Int32,
         tma_atom_Q: cute.CopyAtom,
         tma_atom_K: cute.CopyAtom,
         tma_atom_V: cute.CopyAtom,
@@ -448,6 +456,7 @@ class FlashAttentionForwardSm90:
         shapes = SimpleNamespace(
             mQ=mQ_shape, mK=mK_shape, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK,
             mSeqUsedK=mSeqUsedK, mPageTable=mPageTable, num_splits=num_splits, max_ctas=max_ctas,
+            kv_length=kv_length if const_expr(self.scalar_kv_length) else None,
         )
         bidx, bidy, bidz = cute.arch.block_idx()
 
@@ -527,7 +536,7 @@ class FlashAttentionForwardSm90:
         """(seqlen info, key block range, n_block_min, n_block_max) of a tile."""
         seqlen = SeqlenInfo.create(
             tile.batch_idx, shapes.mQ.shape[0], self._kv_capacity(shapes), shapes.mCuSeqlensQ,
-            shapes.mCuSeqlensK, shapes.mSeqUsedK,
+            shapes.mCuSeqlensK, shapes.mSeqUsedK, shapes.kv_length,
         )
         block_range = KeyBlockRange(
             self.tile_m, self.tile_n, self.causal, self.pack_gqa_ratio, seqlen.seqlen_q, seqlen.seqlen_k

@@ -2,8 +2,9 @@
 
 Queries are either padded (batch, seqlen_q, ...) or packed (total_q, ...) with cu_seqlens_q.
 Keys are padded (batch, seqlen_k, ...), packed (total_k, ...) with cu_seqlens_k, or paged;
-with seqused_k the number of valid keys of each batch comes from that tensor instead (clamped
-to the cache's capacity, so a bad value cannot read past the cache).
+with seqused_k the number of valid keys of each batch comes from that tensor instead, or with
+kv_length from one scalar for all of them (either clamped to the cache's capacity, so a bad
+value cannot read past the cache).
 """
 
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ class SeqlenInfo:
         mCuSeqlensQ: Optional[cute.Tensor] = None,
         mCuSeqlensK: Optional[cute.Tensor] = None,
         mSeqUsedK: Optional[cute.Tensor] = None,
+        kv_length: Optional[Int32] = None,
     ) -> "SeqlenInfo":
         offset_q = Int32(0)
         seqlen_q = seqlen_q_padded
@@ -42,4 +44,6 @@ class SeqlenInfo:
             seqlen_k = mCuSeqlensK[batch_idx + 1] - offset_k
         if const_expr(mSeqUsedK is not None):
             seqlen_k = cutlass.max(cutlass.min(mSeqUsedK[batch_idx], seqlen_k_capacity), 0)
+        if const_expr(kv_length is not None):  # the same count for every batch
+            seqlen_k = cutlass.max(cutlass.min(kv_length, seqlen_k_capacity), 0)
         return SeqlenInfo(offset_q, seqlen_q, offset_k, seqlen_k)

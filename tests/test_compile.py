@@ -43,6 +43,12 @@ KNOB_KEYS = [
     ForwardKernelKey("bfloat16", 128, False, AttentionConfig(64, 64, num_stages=3, pingpong=False, ctas_per_sm=2,
                                                              scheduler="dynamic_persistent", mbarrier_probe=True),
                      True),
+    # An int cache_seqlens (the kernel's kv_length scalar): the decode row split on a paged cache,
+    # and a padded prefill-like call on persistent CTAs.
+    ForwardKernelKey("bfloat16", 128, True, decode_config(128, "bfloat16"), False, kv_layout="paged",
+                     scalar_kv_length=True, page_box_rows=64, split=True, pack_gqa_ratio=4),
+    ForwardKernelKey("float16", 64, True, AttentionConfig(192, 128, scheduler="static_persistent"), True,
+                     scalar_kv_length=True),
     # Exponentials on the FMA pipe: a few (hdim 64 row) and all of them.
     ForwardKernelKey("bfloat16", 64, False, AttentionConfig(192, 128, mbarrier_probe=True, exp2_on_fma=2), False),
     ForwardKernelKey("float16", 128, True, AttentionConfig(128, 128, scheduler="dynamic_persistent", exp2_on_fma=16),
@@ -89,7 +95,8 @@ def _id(key):
             f"-st{c.num_stages}-rs{int(c.pv_from_registers)}-ov{int(c.intra_wg_overlap)}"
             f"-pp{int(c.pingpong)}-lse{int(key.writes_lse)}" + ("" if c.scheduler == "single_tile" else f"-{c.scheduler}")
             + ("-varlen" if key.varlen_q else "") + (f"-{key.kv_layout}{key.page_box_rows or ''}")
-            + ("-seqused" if key.seqused_k else "") + ("-split" if key.split else "")
+            + ("-seqused" if key.seqused_k else "") + ("-kvlength" if key.scalar_kv_length else "")
+            + ("-split" if key.split else "")
             + (f"-pack{key.pack_gqa_ratio}" if key.pack_gqa_ratio > 1 else "")
             + (f"-fmaexp{c.exp2_on_fma}" if c.exp2_on_fma else ""))
 

@@ -77,28 +77,12 @@ def test_zeroed_counters_grow_and_stay_zeroed(streams):
     assert interface._zeroed_counters(CPU, 2, stream()) is not c40, "a capture gets its own counters"
 
 
-def test_constant_lengths_cached_per_stream(streams):
-    a = interface._constant_lengths(CPU, 4, 333, stream())
-    assert a.tolist() == [333] * 4 and a.dtype == torch.int32
-    assert interface._constant_lengths(CPU, 4, 333, stream()) is a
-    assert interface._constant_lengths(CPU, 4, 334, stream()) is not a
-    streams["stream"] = 11
-    b = interface._constant_lengths(CPU, 4, 333, stream())
-    assert b is not a and interface._constant_lengths(CPU, 4, 333, stream()) is b
-    cached = len(interface._LENGTHS)
-    streams["capturing"] = True
-    captured = interface._constant_lengths(CPU, 4, 333, stream())
-    assert captured is not b and captured.tolist() == [333] * 4, "a capture fills its own tensor"
-    assert len(interface._LENGTHS) == cached, "a capture's tensor was cached"
-
-
 def test_empty_cache_drops_everything(streams):
     interface._split_scratch(CPU, partials(2), stream())
     interface._zeroed_counters(CPU, 2, stream())
-    interface._constant_lengths(CPU, 2, 5, stream())
-    assert interface._SCRATCH and interface._COUNTERS and interface._LENGTHS
+    assert interface._SCRATCH and interface._COUNTERS
     flash_cute.empty_cache()
-    assert not interface._SCRATCH and not interface._COUNTERS and not interface._LENGTHS
+    assert not interface._SCRATCH and not interface._COUNTERS
 
 
 def _split_plan(num_counters=8, layout=None, calls=None):
@@ -106,8 +90,8 @@ def _split_plan(num_counters=8, layout=None, calls=None):
     layout = layout or partials(2, out_shape=(1, 1, 4, 64), lse_shape=(1, 4, 1))
 
     def forward(q, k, v, out, lse, out_partial, lse_partial, scale, cu_q, cu_k, seqused_k, table, counters,
-                max_ctas, num_splits):
-        calls.append((counters, out_partial, lse_partial, seqused_k))
+                max_ctas, num_splits, kv_length):
+        calls.append((counters, out_partial, lse_partial, kv_length))
 
     return interface._LaunchPlan(forward=forward, device=CPU, dtype=torch.float32, out_shape=(1, 1, 4, 64),
                                  lse_shape=None, scale_log2=1.0, max_ctas=132, num_splits=2, partials=layout,
@@ -144,9 +128,7 @@ def test_launch_plans_memo_their_stream_buffers(streams):
         assert launch()[0] is other[0], "a capture replaced the memo"
         grown = real(CPU, 100, stream())  # another plan needs more counters on this stream
         assert launch()[0] is grown, "the memo outlived the buffer it names"
-        lengths = launch(int_length=7)[3]
-        assert lengths.tolist() == [7] and launch(int_length=7)[3] is lengths
-        assert launch(int_length=8)[3].tolist() == [8]
+        assert launch(int_length=7)[3] == 7 and launch()[3] == 0, "an int length goes to the kernel as is"
         interface._FUNC_PLANS[("test",)] = plan
         flash_cute.empty_cache()
         assert plan.buffers is None

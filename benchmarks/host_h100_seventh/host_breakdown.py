@@ -39,7 +39,7 @@ for rnd in range(3):
     r["  dict get"] = per_call_us(lambda: I._FUNC_PLANS.get((q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype, k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(), None, None, False, False, None, type(None), bool, bool)))
     r["  usable"] = per_call_us(lambda: plan.usable(q, k, v, None))
     r["  empty_like(q)"] = per_call_us(lambda: torch.empty_like(q))
-    r["  raw forward (out given)"] = per_call_us(lambda: plan.forward(q, k, v, out, None, None, None, plan.scale_log2, None, None, None, None, ctr, plan.max_ctas, 1))
+    r["  raw forward (out given)"] = per_call_us(lambda: plan.forward(q, k, v, out, None, None, None, plan.scale_log2, None, None, None, None, ctr, plan.max_ctas, 1, 0))
     r["  _current_device"] = per_call_us(lambda: I._current_device())
     r["kvcache splits=1"] = per_call_us(lambda: flash_cute.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=sl, num_splits=1))
     r["kvcache splits=auto"] = per_call_us(lambda: flash_cute.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=sl))
@@ -49,7 +49,7 @@ for rnd in range(3):
     if kp:
         r["  _split_scratch"] = per_call_us(lambda: I._split_scratch(q.device, kp.partials, I._stream_key(q.device)))
         sk = I._stream_key(q.device); c8 = I._zeroed_counters(q.device, kp.num_counters, sk); op, lp = I._split_scratch(q.device, kp.partials, sk)
-        r["  raw split forward"] = per_call_us(lambda: kp.forward(qd, kc, vc, od, None, op, lp, kp.scale_log2, None, None, sl, None, c8, kp.max_ctas, kp.num_splits))
+        r["  raw split forward"] = per_call_us(lambda: kp.forward(qd, kc, vc, od, None, op, lp, kp.scale_log2, None, None, sl, None, c8, kp.max_ctas, kp.num_splits, 0))
     r["sdpa tiny (1,8,1|256,128)"] = per_call_us(lambda: sdpa(qt, kt, kt))
     r["noop torch op (q.add_(0))"] = per_call_us(lambda: q.add_(0))
     r["torch.cuda.current_stream()"] = per_call_us(lambda: torch.cuda.current_stream())
