@@ -4,8 +4,8 @@
                                     [--check-ptx]
 
 Covers the prefill table (and its short-sequence rows), with and without the LSE, and the decode
-configs as flash_attn_with_kvcache uses them (cache_seqlens, split and not, GQA packed at each
---gqa-ratios). With --arch sm_90a it runs on a machine with no GPU. --check-ptx keeps each
+configs as flash_attn_with_kvcache uses them (cache_seqlens a tensor or an int, split and not,
+GQA packed at each --gqa-ratios). With --arch sm_90a it runs on a machine with no GPU. --check-ptx keeps each
 kernel's PTX and ptxas report and fails unless the PTX has WGMMA, TMA loads and setmaxnreg and
 ptxas reports zero spill bytes.
 """
@@ -65,9 +65,11 @@ def table_keys(head_dims: Optional[Iterable[int]] = None, writes_lse=(True, Fals
     return list(dict.fromkeys(keys))
 
 
-def decode_keys(head_dims: Optional[Iterable[int]] = None, gqa_ratios=(4, 8)) -> List[ForwardKernelKey]:
-    """Decode kernels as flash_attn_with_kvcache launches them for a padded cache with
-    cache_seqlens and no LSE returned: causal or not, split or not, GQA packed at each ratio."""
+def decode_keys(head_dims: Optional[Iterable[int]] = None, gqa_ratios=(4, 8),
+                int_lengths=(False, True)) -> List[ForwardKernelKey]:
+    """Decode kernels as flash_attn_with_kvcache launches them for a padded cache and no LSE
+    returned: cache_seqlens a tensor and (int_lengths) an int, causal or not, split or not, GQA
+    packed at each ratio."""
     keys = []
     for (head_dim, dtype), config in sorted(DECODE_CONFIGS.items(), key=str):
         if head_dims is not None and head_dim not in head_dims:
@@ -75,8 +77,9 @@ def decode_keys(head_dims: Optional[Iterable[int]] = None, gqa_ratios=(4, 8)) ->
         for causal in (False, True):
             for split in (False, True):
                 for ratio in gqa_ratios:
-                    keys.append(ForwardKernelKey(dtype, head_dim, causal, config, False, seqused_k=True,
-                                                 split=split, pack_gqa_ratio=ratio))
+                    for scalar in int_lengths:
+                        keys.append(ForwardKernelKey(dtype, head_dim, causal, config, False, seqused_k=not scalar,
+                                                     scalar_kv_length=scalar, split=split, pack_gqa_ratio=ratio))
     return keys
 
 
