@@ -173,6 +173,11 @@ def prefill_peers(q, k, v, causal: bool) -> Dict[str, Callable[[], object]]:
     return peers
 
 
+def prefill_flops(batch: int, nheads: int, seqlen: int, head_dim: int, causal: bool) -> float:
+    """FLOPs of one attention forward over a padded batch: 4 b h s^2 d, halved when causal."""
+    return 4 * batch * nheads * seqlen * seqlen * head_dim / (2 if causal else 1)
+
+
 @dataclass
 class PrefillRow:
     dtype: str
@@ -187,7 +192,7 @@ class PrefillRow:
 
     @property
     def flops(self) -> float:
-        return 4 * self.batch * self.nheads * self.seqlen * self.seqlen * self.hdim / (2 if self.causal else 1)
+        return prefill_flops(self.batch, self.nheads, self.seqlen, self.hdim, self.causal)
 
     @property
     def paired_ratio(self) -> Optional[float]:
@@ -564,7 +569,7 @@ def run_sweep(head_dim: int, causal: bool, dtype: str, seqlens: List[int], confi
         gen = torch.Generator(device="cuda").manual_seed(seqlen)
         q, k, v = (torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=DTYPES[dtype], generator=gen)
                    for _ in range(3))
-        flops = 4 * batch * nheads * seqlen * seqlen * head_dim / (2 if causal else 1)
+        flops = prefill_flops(batch, nheads, seqlen, head_dim, causal)
         # Configs take turns in rounds, so drift hits them alike (up to 4 rounds: with many
         # configs, the orders are not balanced the way the prefill peers' are).
         fns = {row.label: (lambda cfg=cfg: flash_cute.flash_attn_func(q, k, v, causal=causal, config=cfg))

@@ -467,10 +467,9 @@ def _choose(problem: _Problem, causal: bool, config, num_splits: int, pack_gqa, 
         )
     pack_ratio = ratio if pack_gqa else 1
     if num_splits == 0:
-        m_blocks = math.ceil(problem.max_seqlen_q * pack_ratio / config.tile_m)
-        tiles = problem.batch * (problem.nheads // pack_ratio) * m_blocks
         n_blocks = math.ceil(problem.max_seqlen_k / config.tile_n)
-        num_splits = num_splits_heuristic(tiles, n_blocks, num_sms(device_index) * config.ctas_per_sm)
+        num_splits = num_splits_heuristic(_padded_tiles(problem, config.tile_m, pack_ratio), n_blocks,
+                                          num_sms(device_index) * config.ctas_per_sm)
     return config, pack_ratio, num_splits
 
 
@@ -529,8 +528,7 @@ def single_wave_config(config: AttentionConfig, problem: _Problem, pack_ratio: i
     where host time matters). Varlen and split launches keep theirs."""
     if config.scheduler != "dynamic_persistent" or split or problem.varlen_q:
         return config
-    tiles = math.ceil(problem.max_seqlen_q * pack_ratio / config.tile_m) * (problem.nheads // pack_ratio) * problem.batch
-    if tiles > num_sms(device_index) * config.ctas_per_sm:
+    if _padded_tiles(problem, config.tile_m, pack_ratio) > num_sms(device_index) * config.ctas_per_sm:
         return config
     return config.replace(scheduler="static_persistent")
 
@@ -538,10 +536,15 @@ def single_wave_config(config: AttentionConfig, problem: _Problem, pack_ratio: i
 def _split_tiles(problem: _Problem, q, config, pack_ratio: int) -> int:
     """Tiles of a split launch (its grid without the split factor: grid.x * heads * grid.z in
     FlashAttentionForwardSm90.__call__), one arrival counter each."""
-    heads = problem.nheads // pack_ratio
     if problem.varlen_q:  # every sequence's query tiles, flattened, plus one spare per sequence
-        return (math.ceil(q.shape[0] * pack_ratio / config.tile_m) + problem.batch) * heads
-    return math.ceil(q.shape[1] * pack_ratio / config.tile_m) * heads * problem.batch
+        return (math.ceil(q.shape[0] * pack_ratio / config.tile_m) + problem.batch) * (problem.nheads // pack_ratio)
+    return _padded_tiles(problem, config.tile_m, pack_ratio)
+
+
+def _padded_tiles(problem: _Problem, tile_m: int, pack_ratio: int) -> int:
+    """Query tiles of every (batch, kv-or-q head) with max_seqlen_q rows each: a fixed-length
+    problem's grid (the host's estimate for a varlen one)."""
+    return math.ceil(problem.max_seqlen_q * pack_ratio / tile_m) * (problem.nheads // pack_ratio) * problem.batch
 
 
 try:
