@@ -128,6 +128,8 @@ class OnlineSoftmax:
     num_rows: cutlass.Constexpr[int]
     row_max: cute.Tensor
     row_sum: cute.Tensor
+    # rescale_threshold in units of raw scores (divided by scale_log2 once, in create).
+    max_lag: Float32
     fma_exp2_per_16: cutlass.Constexpr[int] = 0  # of every 16 columns, how many use exp2_on_fma
     # A row keeps its max while a new one exceeds it by at most this (log2 units; 0: any
     # growth moves it), so P reaches 2^threshold and O is rescaled less often.
@@ -136,9 +138,10 @@ class OnlineSoftmax:
     @staticmethod
     def create(scale_log2: Float32, num_rows: int, fma_exp2_per_16: int = 0,
                rescale_threshold: int = 0) -> "OnlineSoftmax":
+        max_lag = Float32(rescale_threshold) / scale_log2 if const_expr(rescale_threshold > 0) else Float32(0.0)
         return OnlineSoftmax(
             scale_log2, num_rows, cute.make_rmem_tensor(num_rows, Float32),
-            cute.make_rmem_tensor(num_rows, Float32), fma_exp2_per_16, rescale_threshold,
+            cute.make_rmem_tensor(num_rows, Float32), max_lag, fma_exp2_per_16, rescale_threshold,
         )
 
     @cute.jit
@@ -159,7 +162,7 @@ class OnlineSoftmax:
                 # The bound depends on the old max only, so it is ready before the new max is
                 # reduced: one compare and select after it. An old max of -inf (no keys so far)
                 # gives a bound of -inf, which any new max but -inf passes.
-                if row_max <= row_max_prev + self.rescale_threshold / self.scale_log2:
+                if row_max <= row_max_prev + self.max_lag:
                     row_max = row_max_prev
             self.row_max[r] = row_max
             # A row masked out so far has max -inf: use 0 so exp2 gives 0, not NaN.
