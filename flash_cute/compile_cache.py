@@ -71,6 +71,16 @@ class ForwardKernelKey:
     def uses_tile_counter(self) -> bool:
         return self.tile_scheduler == "dynamic_persistent"
 
+    @property
+    def takes_optionals(self) -> bool:
+        """Whether the compiled function takes __call__'s whole signature (q, k, v, out, lse,
+        out_partial, lse_partial, scale_log2, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
+        tile_counter, max_ctas, num_splits, kv_length). A variant using none of the optional
+        tensors takes (q, k, v, out, scale_log2, max_ctas, kv_length) instead
+        (FlashAttentionForwardSm90.call_without_optionals): a cheaper call."""
+        return (self.writes_lse or self.varlen_q or self.kv_layout != "padded" or self.seqused_k or self.split
+                or self.uses_tile_counter)
+
 
 _cache: Dict[object, Callable] = {}
 _lock = threading.Lock()
@@ -149,6 +159,9 @@ def compile_forward(key: ForwardKernelKey, options: str = "") -> Callable:
     tile_counter = tensor(int32, (sym(),), align=4) if key.uses_tile_counter or key.split else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     opts = ("--enable-tvm-ffi " + options).strip()
+    if not key.takes_optionals:
+        return cute.compile(kernel.call_without_optionals, q, k, v, out, cutlass.Float32(1.0), int32(1), int32(0), stream,
+                            options=opts)
     return cute.compile(
         kernel, q, k, v, out, lse, out_partial, lse_partial, cutlass.Float32(1.0), cu_seqlens_q, cu_seqlens_k, seqused_k,
         page_table, tile_counter, int32(1), int32(1), int32(0), stream, options=opts,

@@ -55,10 +55,11 @@ def flash_attn_func(
     captured in a CUDA graph after one warm-up call (which compiles the kernel).
     """
     try:  # repeated calls with the same metadata skip the checks (see _LaunchPlan); inlined: hot
-        # The compiled function checks the rest of k, v and out (_LaunchPlan.launch); with out,
-        # the strides give the byte extents of the overlap check (_LaunchPlan.usable).
-        key = (q.shape, q.stride(), q.dtype, q.get_device(), k.shape,
-               None if out is None else (k.stride(), v.stride(), out.stride()),
+        # The compiled function checks the rest of q, k, v and out (_LaunchPlan.launch); without
+        # out, whether q is contiguous picks how out is allocated; with out, the strides give the
+        # byte extents of the overlap check (_LaunchPlan.usable).
+        key = (q.shape, q.dtype, q.get_device(), k.shape,
+               q.is_contiguous() if out is None else (q.stride(), k.stride(), v.stride(), out.stride()),
                softmax_scale, causal, return_lse, config,
                type(softmax_scale), type(causal), type(return_lse))  # True == 1 == 1.0 as keys
         plan = _FUNC_PLANS.get(key)
@@ -278,9 +279,9 @@ def flash_attn_with_kvcache(
         else:
             seqlens_meta = cache_seqlens
         # As in flash_attn_func: the compiled function checks the rest of the arguments.
-        key = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, seqlens_meta,
+        key = (q.shape, q.dtype, q.get_device(), k_cache.shape, seqlens_meta,
                None if page_table is None else (page_table.shape, page_table.dtype),
-               None if out is None else (k_cache.stride(), v_cache.stride(), out.stride()),
+               q.is_contiguous() if out is None else (q.stride(), k_cache.stride(), v_cache.stride(), out.stride()),
                softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, config, type(cache_seqlens),
                type(softmax_scale), type(causal), type(num_splits), type(pack_gqa), type(return_softmax_lse))
         plan = _KVCACHE_PLANS.get(key)
@@ -503,8 +504,12 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
     num_counters = 2 if key.uses_tile_counter else _split_tiles(problem, q, config, pack_ratio) if split else 0
     with _on_device(q.device):  # (counters and scratch depend on q's device's current stream)
         counters, out_partial, lse_partial = _stream_buffers(q.device, _stream_key(q.device), num_counters, partials)
-        kernel(q_k, k_k, v_k, out_kernel, lse, out_partial, lse_partial, scale_log2, cu_seqlens_q, cu_seqlens_k,
-               seqused_k, page_table, counters, max_ctas, num_splits, 0 if int_length is None else int_length)
+        kv_length = 0 if int_length is None else int_length
+        if key.takes_optionals:
+            kernel(q_k, k_k, v_k, out_kernel, lse, out_partial, lse_partial, scale_log2, cu_seqlens_q, cu_seqlens_k,
+                   seqused_k, page_table, counters, max_ctas, num_splits, kv_length)
+        else:  # the shorter signature of a variant without optional tensors
+            kernel(q_k, k_k, v_k, out_kernel, scale_log2, max_ctas, kv_length)
         if out_kernel.data_ptr() != out.data_ptr():
             out.copy_(out_kernel)
     # A call that needed no layout fix-ups can be replayed from its metadata alone.
@@ -515,7 +520,7 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
         out_shape=tuple(out.shape), lse_shape=tuple(lse.shape) if lse is not None else None,
         scale_log2=scale_log2, max_ctas=max_ctas, num_splits=num_splits, num_counters=num_counters,
         out_like_q=q.is_contiguous() and tuple(out.shape) == tuple(q.shape) and out.dtype == q.dtype,
-        partials=partials,
+        partials=partials, short_signature=not key.takes_optionals,
         extents=tuple(checks.byte_extent(t) for t in (q, k, v, out)),
     )
 
@@ -565,9 +570,11 @@ def _stream_key(device: torch.device):
     """(device index, current raw stream): the key of the buffers kept per stream between
     calls; None while a CUDA graph is being captured (a capture makes its own buffers, so no
     graph holds a cached one)."""
-    if _stream_capturing():
+    raw = _current_raw_stream(device.index)
+    # The legacy default stream (0) cannot be captured: no capture query for eager calls on it.
+    if raw and _stream_capturing():
         return None
-    return device.index, _current_raw_stream(device.index)
+    return device.index, raw
 
 
 def _grown_size(current: Optional[torch.Tensor], needed: int, cap: Optional[int] = None) -> int:
@@ -636,10 +643,10 @@ def _remember(plans: dict, key, plan) -> None:
 class _LaunchPlan:
     """Everything a call derived from its arguments' metadata: the raw kernel functions, split
     count, buffer shapes. A later call whose key matches makes the same choices, and launches
-    without the checks: the key holds the metadata those choices depend on (q's shape, strides,
-    dtype and device, k's shape, flags, the int32 tensors' shapes and dtypes, and with out the
-    strides that size the overlap check); the compiled function itself checks the rest of the
-    16-bit tensors (dtypes, one device, ranks, head_dim, strides divisible by 8 elements on
+    without the checks: the key holds the metadata those choices depend on (q's shape, dtype,
+    device and contiguity, k's shape, flags, the int32 tensors' shapes and dtypes, and with out
+    the strides that size the overlap check); the compiled function itself checks the rest of
+    the 16-bit tensors (dtypes, one device, ranks, head_dim, strides divisible by 8 elements on
     dims longer than 1, 16-byte alignment, v's shape against k's, out's against q's) and raises
     before launching, and the call then takes the full checks (which name the argument, or
     copy what TMA cannot read: such a call pays that exception each time). What neither covers
@@ -647,10 +654,10 @@ class _LaunchPlan:
 
     __slots__ = ("forward", "device", "device_index", "dtype", "out_shape", "lse_shape",
                  "scale_log2", "max_ctas", "num_splits", "extents", "num_counters", "out_like_q",
-                 "partials", "int_capacity", "plain", "buffers")
+                 "partials", "int_capacity", "short_signature", "plain", "buffers")
 
     def __init__(self, forward, device, dtype, out_shape, lse_shape, scale_log2,
-                 max_ctas, num_splits, partials, extents, num_counters=0, out_like_q=False):
+                 max_ctas, num_splits, partials, extents, num_counters=0, out_like_q=False, short_signature=False):
         self.forward = forward
         self.extents = extents  # bytes spanned by q, k, v, out
         self.device, self.device_index, self.dtype = device, device.index, dtype
@@ -662,6 +669,10 @@ class _LaunchPlan:
         # flash_attn_with_kvcache with an int cache_seqlens: the cache's capacity (replays pass
         # their length to the kernel as a scalar); None otherwise.
         self.int_capacity = None
+        # The kernel takes (q, k, v, out, scale_log2, max_ctas, kv_length) only
+        # (ForwardKernelKey.takes_optionals); otherwise its whole signature, in which a plain
+        # launch has no LSE, counters or split scratch.
+        self.short_signature = short_signature
         self.plain = lse_shape is None and not num_counters and partials is None
         # The per-stream buffers of the last launch: (stream key, _BUFFERS_VERSION, (counters,
         # out_partial, lse_partial)), reused while the stream and version match (two cache
@@ -689,7 +700,10 @@ class _LaunchPlan:
         if out is None:
             out = torch.empty_like(q) if self.out_like_q else torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         kv_length = 0 if int_length is None else int_length
-        if self.plain:  # no LSE, counters or split scratch: the common call
+        if self.short_signature:  # the common call
+            self.forward(q, k, v, out, self.scale_log2, self.max_ctas, kv_length)
+            return out
+        if self.plain:
             self.forward(q, k, v, out, None, None, None, self.scale_log2, cu_seqlens_q, cu_seqlens_k, seqused_k,
                          page_table, None, self.max_ctas, self.num_splits, kv_length)
             return out

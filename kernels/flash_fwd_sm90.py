@@ -370,6 +370,26 @@ class FlashAttentionForwardSm90:
             preferred_smem_carveout=100 if const_expr(self.ctas_per_sm > 1) else None,
         )
 
+    @cute.jit
+    def call_without_optionals(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        softmax_scale_log2: Float32,
+        max_ctas: Int32,
+        kv_length: Int32,
+        stream: cuda.CUstream,
+    ):
+        """__call__ for a variant that takes none of the optional tensors (LSE, split scratch,
+        varlen offsets, seqused_k, page table, tile counter): compiled with this signature, a
+        call passes nine arguments fewer through TVM-FFI, which converts each on the host."""
+        self.__call__(
+            mQ, mK, mV, mO, None, None, None, softmax_scale_log2, None, None, None, None, None,
+            max_ctas, Int32(1), kv_length, stream,
+        )
+
     # ------------------------------------------------------------------------------------
     # Device side
     # ------------------------------------------------------------------------------------

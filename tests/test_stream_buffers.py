@@ -167,3 +167,45 @@ def test_single_wave_problems_use_the_static_twin(monkeypatch):
     for scheduler in ("single_tile", "static_persistent"):
         config = dynamic.replace(scheduler=scheduler)
         assert interface.single_wave_config(config, one_wave, 1, False, 0) is config
+
+
+def test_only_variants_without_optional_tensors_take_the_short_signature():
+    """ForwardKernelKey.takes_optionals: a variant that uses any optional tensor (LSE, varlen
+    offsets, packed or paged K/V, seqused_k, split scratch, tile counter) is compiled with
+    __call__'s whole signature; the others take (q, k, v, out, scale_log2, max_ctas, kv_length)."""
+    from dataclasses import replace
+
+    from flash_cute.compile_cache import ForwardKernelKey
+
+    base = ForwardKernelKey("bfloat16", 128, False, flash_cute.AttentionConfig(128, 128), False)
+    static = base.config.replace(scheduler="static_persistent")
+    assert not base.takes_optionals
+    assert not replace(base, config=static, scalar_kv_length=True, pack_gqa_ratio=4, causal=True).takes_optionals
+    for changed in ({"writes_lse": True}, {"varlen_q": True}, {"kv_layout": "packed"},
+                    {"kv_layout": "paged", "page_box_rows": 64}, {"seqused_k": True}, {"split": True},
+                    {"config": base.config.replace(scheduler="dynamic_persistent")}):
+        assert replace(base, **changed).takes_optionals, changed
+
+
+def test_short_signature_plans_pass_only_what_the_kernel_takes():
+    calls = []
+    plan = interface._LaunchPlan(forward=lambda *args: calls.append(args), device=CPU, dtype=torch.float32,
+                                 out_shape=(1, 1, 4, 64), lse_shape=None, scale_log2=0.5, max_ctas=132, num_splits=1,
+                                 partials=None, extents=(0, 0, 0, 0), out_like_q=True, short_signature=True)
+    q = torch.zeros(1, 1, 4, 64)
+    out = plan.launch(q, q, q, None, int_length=9)
+    assert out.shape == q.shape and out is not q
+    assert len(calls) == 1 and calls[0][:3] == (q, q, q) and calls[0][3] is out and calls[0][4:] == (0.5, 132, 9)
+    given = torch.empty_like(q)
+    assert plan.launch(q, q, q, given) is given and calls[1][3] is given and calls[1][6] == 0
+
+
+def test_default_stream_skips_the_capture_query(streams, monkeypatch):
+    """The legacy default stream (raw handle 0) cannot be captured, so calls on it do not ask
+    whether a capture is under way; any other stream does."""
+    asked = []
+    monkeypatch.setattr(interface, "_stream_capturing", lambda: asked.append(1) or streams["capturing"])
+    streams["stream"] = 0
+    assert stream() == (None, 0) and not asked
+    streams["stream"], streams["capturing"] = 5, True
+    assert stream() is None and asked
