@@ -478,21 +478,22 @@ ON_OFF = {"on": True, "off": False}
 
 def sweep_configs(head_dim: int, dtype: str, tile_m, tile_n, stages, pv, overlap, pingpong, rescale, ctas,
                   schedulers=("single_tile",), l2_section_mb=(AttentionConfig.l2_section_mb,),
-                  mbarrier_probe=(False,), exp2_on_fma=(0,), lazy_rescale=(False,), rescale_threshold=(0,)):
+                  mbarrier_probe=(False,), exp2_on_fma=(0,), lazy_rescale=(False,), rescale_threshold=(0,),
+                  store_o_from_registers=(False,)):
     """Every valid AttentionConfig of the product of the knob lists."""
     import itertools
 
     configs = []
-    for tm, tn, st, p, ov, pp, rb, c, sch, l2, probe, fma, lazy, thr in itertools.product(
+    for tm, tn, st, p, ov, pp, rb, c, sch, l2, probe, fma, lazy, thr, reg_o in itertools.product(
             tile_m, tile_n, stages, pv, overlap, pingpong, rescale, ctas, schedulers, l2_section_mb, mbarrier_probe,
-            exp2_on_fma, lazy_rescale, rescale_threshold):
+            exp2_on_fma, lazy_rescale, rescale_threshold, store_o_from_registers):
         if pp and tm == 64 or rb and not ov:
             continue
         try:
             cfg = AttentionConfig(tile_m=tm, tile_n=tn, num_stages=st, pv_from_registers=p == "regs",
                                   intra_wg_overlap=ov, pingpong=pp, rescale_o_before_pv=rb, ctas_per_sm=c,
                                   scheduler=sch, l2_section_mb=l2, mbarrier_probe=probe, exp2_on_fma=fma,
-                                  lazy_rescale=lazy, rescale_threshold=thr)
+                                  lazy_rescale=lazy, rescale_threshold=thr, store_o_from_registers=reg_o)
             cfg.validate(head_dim, "bfloat16" if dtype == "bf16" else "float16")
         except ValueError:
             continue
@@ -548,6 +549,7 @@ def config_label(cfg) -> str:
     label += f" fma-exp2:{cfg.exp2_on_fma}/16" if cfg.exp2_on_fma else ""
     label += " lazy" if cfg.lazy_rescale else ""
     label += f" lag{cfg.rescale_threshold}" if cfg.rescale_threshold else ""
+    label += " O-regs" if cfg.store_o_from_registers else ""
     return label + short[cfg.scheduler]
 
 
@@ -795,6 +797,8 @@ def main(argv=None) -> int:
                     help="skip a warp's O rescale when no row max moved")
     sw.add_argument("--rescale-threshold", type=int, nargs="+", default=[0],
                     help="log2 units a row's max may lag a new block's before it moves")
+    sw.add_argument("--store-o-from-registers", choices=["on", "off"], nargs="+", default=["off"],
+                    help="padded problems store O from registers instead of through smem and TMA")
     sw.add_argument("--compile-workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     sw.add_argument("--reps", type=int, default=20)
     sw.add_argument("--list", action="store_true", help="print the valid configs and exit (no GPU)")
@@ -833,6 +837,7 @@ def main(argv=None) -> int:
             [ON_OFF[x] for x in args.rescale_before_pv], args.ctas_per_sm,
             args.scheduler, args.l2_section_mb, [ON_OFF[x] for x in args.mbarrier_probe], args.exp2_on_fma,
             [ON_OFF[x] for x in args.lazy_rescale], args.rescale_threshold,
+            [ON_OFF[x] for x in args.store_o_from_registers],
         )
         print(f"{len(configs)} valid configs for hdim {args.hdim}", flush=True)
         if args.list:

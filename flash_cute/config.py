@@ -67,6 +67,10 @@ class AttentionConfig:
     rescale_threshold: a row keeps its running max while a new block's max exceeds it by at
         most this many log2 units (0-15), so lazy_rescale skips more often; probabilities then
         reach 2^threshold before normalization (below fp16's max at 15). 0: the max always moves.
+    store_o_from_registers: padded unsplit problems store O straight from registers (as varlen
+        and split launches always do) instead of through smem and one TMA store; then O needs no
+        smem, and a persistent CTA frees Q's tile after the mainloop, so the next tile's Q loads
+        under this tile's epilogue even where O has no smem tile of its own.
     """
 
     tile_m: int
@@ -85,6 +89,7 @@ class AttentionConfig:
     exp2_on_fma: int = 0
     lazy_rescale: bool = False
     rescale_threshold: int = 0
+    store_o_from_registers: bool = False
 
     def __post_init__(self):
         for name in ("tile_m", "tile_n", "num_stages", "ctas_per_sm", "l2_section_mb", "exp2_on_fma",
@@ -95,7 +100,7 @@ class AttentionConfig:
         if self.scheduler not in TILE_SCHEDULERS:
             raise ValueError(f"AttentionConfig.scheduler must be one of {TILE_SCHEDULERS}, got {self.scheduler!r}")
         for name in ("pv_from_registers", "intra_wg_overlap", "pingpong", "rescale_o_before_pv", "mbarrier_probe",
-                     "lazy_rescale"):
+                     "lazy_rescale", "store_o_from_registers"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"AttentionConfig.{name} must be a bool, got {value!r}")
@@ -183,7 +188,8 @@ class AttentionConfig:
         tile's Q can load during this tile's epilogue), and only when it fits; otherwise O
         reuses Q's tile."""
         o = _aligned_1k(self.tile_m * head_dim * element_bytes)
-        return self.persistent and self._smem_bytes_without_o(head_dim, element_bytes) + o <= self.smem_limit()
+        return (self.persistent and not self.store_o_from_registers
+                and self._smem_bytes_without_o(head_dim, element_bytes) + o <= self.smem_limit())
 
     def smem_bytes(self, head_dim: int, element_bytes: int = 2) -> int:
         """Dynamic shared memory of the kernel: Q (reused for O unless separate_o_smem), the K
@@ -270,8 +276,12 @@ _BY_HEAD_DIM = {
     # with the lazy O rescale (max lagging 8 log2 units) done under the Q K^T, +1.4-6.6% at
     # 8k-16k, +0.6-2.3% at 4k and +2% at 1k-2k over the earlier rows (two runs, bf16 and fp16;
     # the lazy rescale alone with one CTA per tile: +0-5%), so one row serves every length.
+    # Eighth session (H100): O stored from registers (no smem round trip, no epilogue barriers
+    # with the storing warp): +0.4 / +1 / +1.8 / +2-4 / 0-4 / +3-9% at 512 / 1k / 2k / 4k / 8k /
+    # 16k in bf16 (four runs from 8k), +0.5-2.6% in fp16; level or slower at hdim 64 causal, 96,
+    # 128, 192 and 256 (benchmarks/sweeps/o_from_registers_h100.log).
     (64, False): _row(192, 128, scheduler="static_persistent", mbarrier_probe=True, rescale_o_before_pv=True,
-                      lazy_rescale=True, rescale_threshold=8),
+                      lazy_rescale=True, rescale_threshold=8, store_o_from_registers=True),
     # Dynamic persistent beats one CTA per tile at every length from 2k (H100: 423 / 464 / 507 /
     # 535 against 372 / 433 / 490 / 527 at 2k-16k).
     # Lazy O rescale with the row max allowed to lag 8 log2 units: +1-6% at 2k-16k (two H100

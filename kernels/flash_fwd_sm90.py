@@ -26,6 +26,7 @@ Scheduling knobs (static config):
   pipe instead of the MUFU.
 - lazy_rescale, rescale_threshold: skip a warp's O rescale when no row max moved; let a row's
   max lag a new one by up to rescale_threshold (log2 units) so that happens more often.
+- store_o_from_registers: padded, unsplit problems store O from registers too (see below).
 
 Problem variants (static; each is a separate compiled kernel):
 - varlen_q: q is packed (total_q, nheads, d) with cu_seqlens_q.
@@ -39,8 +40,8 @@ Problem variants (static; each is a separate compiled kernel):
   partials into O and the LSE, so a split launch needs no separate combine kernel.
 - pack_gqa: the qhead_per_kvhead query heads sharing a kv head are folded into the tile's rows
   (row = token * ratio + head), so each K/V tile is read once for all of them.
-O goes through smem and one TMA store for padded, unsplit problems, and straight from
-registers (row-predicated) otherwise.
+O goes through smem and one TMA store for padded, unsplit problems (unless the config says
+store_o_from_registers), and straight from registers (row-predicated) otherwise.
 """
 
 from dataclasses import dataclass
@@ -192,7 +193,7 @@ class FlashAttentionForwardSm90:
         self.num_mma_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
         self.num_threads = THREADS_PER_WARPGROUP * (1 + self.num_mma_warpgroups)
         # O through smem and one TMA store needs tiles that end at the tensor's row bound.
-        self.tma_store_o = not varlen_q and not split
+        self.tma_store_o = not varlen_q and not split and not config.store_o_from_registers
         # Causal tiles have unequal work: order them longest first across heads (in sections of
         # heads whose K/V fit in L2) so the last wave holds the shortest ones.
         self.causal_lpt_grid = causal and not varlen_q and not split

@@ -53,6 +53,9 @@ KNOB_KEYS = [
     ForwardKernelKey("bfloat16", 64, False, AttentionConfig(192, 128, mbarrier_probe=True, exp2_on_fma=2), False),
     ForwardKernelKey("float16", 128, True, AttentionConfig(128, 128, scheduler="dynamic_persistent", exp2_on_fma=16),
                      True),
+    # O stored from registers on a padded problem, one CTA per tile (the table's hdim-64 row is
+    # static persistent).
+    ForwardKernelKey("float16", 128, True, AttentionConfig(128, 128, store_o_from_registers=True), False),
     # Persistent varlen: packed, paged (GQA packed) and padded K/V; O from registers.
     ForwardKernelKey("bfloat16", 128, True, AttentionConfig(128, 128, scheduler="dynamic_persistent"), True,
                      varlen_q=True, kv_layout="packed"),

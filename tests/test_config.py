@@ -36,6 +36,11 @@ def test_smem_estimate_matches_layout():
     assert AttentionConfig(128, 128).smem_bytes(128) == (32 + 64 + 64 + 1) * 1024
     # P through smem adds tile_m x tile_n x 2 bytes.
     assert AttentionConfig(128, 128, pv_from_registers=False).smem_bytes(128) == (32 + 64 + 64 + 32 + 1) * 1024
+    # Persistent CTAs give O its own tile when it fits, unless O is stored from registers.
+    persistent = AttentionConfig(128, 128, scheduler="static_persistent")
+    assert persistent.separate_o_smem(128) and persistent.smem_bytes(128) == (32 + 32 + 64 + 64 + 1) * 1024
+    from_registers = persistent.replace(store_o_from_registers=True)
+    assert not from_registers.separate_o_smem(128) and from_registers.smem_bytes(128) == (32 + 64 + 64 + 1) * 1024
 
 
 @pytest.mark.parametrize(
@@ -69,6 +74,8 @@ def test_bad_tile_m_and_types():
         AttentionConfig(128, 128, scheduler="persistent")
     with pytest.raises(TypeError, match="pingpong must be a bool"):
         AttentionConfig(128, 128, pingpong=1)
+    with pytest.raises(TypeError, match="store_o_from_registers must be a bool"):
+        AttentionConfig(128, 128, store_o_from_registers="yes")
     with pytest.raises(ValueError, match=r"exp2_on_fma must be in \[0, 16\]"):
         AttentionConfig(128, 128, exp2_on_fma=17)
     with pytest.raises(TypeError, match="exp2_on_fma must be an int"):

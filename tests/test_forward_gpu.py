@@ -216,6 +216,29 @@ def test_persistent_scheduler(head_dim, causal, shape, short_row, scheduler):
         assert torch.equal(again, out), "persistent kernel is not deterministic"
 
 
+# O stored straight from registers on padded problems (store_o_from_registers): every scheduler,
+# so persistent CTAs free Q's tile after the mainloop; rows past seqlen_q must stay unwritten.
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", PERSISTENT_SHAPES, ids=lambda s: "b{}_{}x{}_h{}kv{}".format(*s))
+@pytest.mark.parametrize("scheduler", ["single_tile", "static_persistent", "dynamic_persistent"])
+def test_o_stored_from_registers(head_dim, causal, shape, scheduler):
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv = shape
+    dtype = torch.float16 if (head_dim + seqlen_q) % 2 else torch.bfloat16
+    dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    config = flash_cute.default_config(head_dim, dtype_name, causal).replace(
+        scheduler=scheduler, store_o_from_registers=True)
+    torch.manual_seed(hash((head_dim, causal, shape, scheduler)) % 2**31)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype)
+    padded = torch.full((batch, seqlen_q + 64, nheads, head_dim), float("nan"), device="cuda", dtype=dtype)
+    out = padded[:, :seqlen_q]
+    _, lse = flash_cute.flash_attn_func(q, k, v, causal=causal, return_lse=True, out=out, config=config)
+    check_against_reference(q, k, v, out, lse, causal)
+    assert padded[:, seqlen_q:].isnan().all(), "rows past seqlen_q were written"
+    again = flash_cute.flash_attn_func(q, k, v, causal=causal, config=config)
+    assert torch.equal(again, out), "not deterministic"
+
+
 # Causal tile order with head sections of unequal sizes: 62 (batch, head) pairs of 8 query
 # tiles, 132 SMs, so the last section takes 33 pairs (49 with 24 MB sections). l2_section_mb 1:
 # sections of 2 pairs, the 29 before the last in 14 sections of 2 and one of 1; 3: sections
