@@ -86,8 +86,10 @@ def softmax_scale_log2(softmax_scale, head_dim: int) -> float:
         softmax_scale = 1.0 / math.sqrt(head_dim)
     elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-    elif not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    elif not math.isfinite(softmax_scale) or softmax_scale < 0:
+        # The kernel's running row max is taken over unscaled scores, which is the max of the
+        # scaled ones only for a scale >= 0.
+        raise ValueError(f"softmax_scale must be finite and >= 0, got {softmax_scale}")
     return float(softmax_scale) * math.log2(math.e)
 
 

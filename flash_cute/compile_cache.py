@@ -61,6 +61,9 @@ class ForwardKernelKey:
         # only in scheduler select the same split kernel, so they make one key.
         if self.split and self.config.scheduler != "single_tile":
             object.__setattr__(self, "config", self.config.replace(scheduler="single_tile"))
+        # Varlen and split kernels store O from registers whatever the config says.
+        if (self.split or self.varlen_q) and self.config.store_o_from_registers:
+            object.__setattr__(self, "config", self.config.replace(store_o_from_registers=False))
 
     @property
     def tile_scheduler(self) -> str:

@@ -48,8 +48,8 @@ class AttentionConfig:
         shared memory each may use, for short, bandwidth-bound tiles.
     scheduler: how tiles reach CTAs (see TILE_SCHEDULERS). "single_tile": one CTA per tile,
         the hardware hands out CTAs. "static_persistent": at most SMs x ctas_per_sm CTAs loop
-        over the tiles round-robin, so a tile's epilogue overlaps the next tile's loads (O gets
-        its own shared memory when it fits). "dynamic_persistent": the same, but each CTA
+        over the tiles round-robin, so a tile's epilogue overlaps the next tile's loads (a
+        TMA-stored O gets its own shared memory when it fits). "dynamic_persistent": the same, but each CTA
         takes its next tile from a global counter, which balances causal tiles of unequal
         length. Both persistent kinds apply to unsplit problems, fixed-length and varlen;
         split-KV launches keep one CTA per tile. Tile order: causal tiles longest first, in
@@ -185,16 +185,17 @@ class AttentionConfig:
 
     def separate_o_smem(self, head_dim: int, element_bytes: int = 2) -> bool:
         """Whether O gets a smem tile of its own: persistent schedulers only (so the next
-        tile's Q can load during this tile's epilogue), and only when it fits; otherwise O
-        reuses Q's tile."""
+        tile's Q can load during this tile's epilogue), and only when it fits and O goes
+        through smem at all (not store_o_from_registers); otherwise O reuses Q's tile when it
+        goes through smem."""
         o = _aligned_1k(self.tile_m * head_dim * element_bytes)
         return (self.persistent and not self.store_o_from_registers
                 and self._smem_bytes_without_o(head_dim, element_bytes) + o <= self.smem_limit())
 
     def smem_bytes(self, head_dim: int, element_bytes: int = 2) -> int:
-        """Dynamic shared memory of the kernel: Q (reused for O unless separate_o_smem), the K
-        and V rings, P when it goes through shared memory, and the mbarriers; each buffer
-        1024-byte aligned."""
+        """Dynamic shared memory of the kernel: Q (reused for a TMA-stored O unless
+        separate_o_smem), O's own tile when separate_o_smem, the K and V rings, P when it goes
+        through shared memory, and the mbarriers; each buffer 1024-byte aligned."""
         o = 0
         if self.separate_o_smem(head_dim, element_bytes):
             o = _aligned_1k(self.tile_m * head_dim * element_bytes)
@@ -291,8 +292,17 @@ _BY_HEAD_DIM = {
     # P from registers with 192-row tiles spills at head dim 96, so P goes through smem.
     # Dynamic persistent: +2-5% at 1k-16k (H100: 444 / 529 / 591 / 616 / 628 against 424 / 512 /
     # 576 / 603 / 617 with one CTA per tile, benchmarks/sweeps/scheduler_h100/sched96.json).
-    (96, False): _row(192, 144, pv_from_registers=False, scheduler="dynamic_persistent"),
-    (96, True): _row(192, 128, pv_from_registers=False, scheduler="dynamic_persistent"),
+    # Eighth session (H100): 192 x 128 with O rescaled under the Q K^T and the lazy rescale (max
+    # lagging 8) beat 192 x 144 at every length in two interleaved runs: bf16 +8-11% / +5-6% /
+    # +3% / +2-4.5% at 2k / 4k / 8k / 16k, fp16 +10-11% / +2-4% / +1-2% at 2k / 8k / 16k (a
+    # 48-config sweep ranked 192 x 128-160 with both knobs first; benchmarks/sweeps/hdim96_h100).
+    (96, False): _row(192, 128, pv_from_registers=False, scheduler="dynamic_persistent", rescale_o_before_pv=True,
+                      lazy_rescale=True, rescale_threshold=8),
+    # Eighth session (H100): O rescaled under the Q K^T with the lazy rescale (max lagging 8):
+    # +2-4% at 2k-16k in two interleaved runs, bf16 and fp16 (the lazy rescale alone +1-5%;
+    # benchmarks/sweeps/hdim96_h100/knobs96c.log).
+    (96, True): _row(192, 128, pv_from_registers=False, scheduler="dynamic_persistent", rescale_o_before_pv=True,
+                     lazy_rescale=True, rescale_threshold=8),
     # 3 warpgroups with P through smem win from 4k (655 vs 628 TFLOP/s at 4k, 673 vs 660 at 8k);
     # dynamic persistent adds 1-2% (H100: 653 / 673 / 682 against 641 / 666 / 675 at 4k-16k).
     # Lazy O rescale, max lagging up to 8 log2 units: +0.9-1.1% at 4k-16k (H100, bf16 and fp16).

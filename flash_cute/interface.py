@@ -41,7 +41,7 @@ def flash_attn_func(
             Each tensor needs a contiguous last dimension; other strides are arbitrary
             (slices of bigger tensors work; strides that are not multiples of 16 bytes cost
             a copy).
-        softmax_scale: scale of q k^T before the softmax; default 1/sqrt(headdim).
+        softmax_scale: scale (>= 0) of q k^T before the softmax; default 1/sqrt(headdim).
         causal: mask key j for query i when j > i + seqlen_k - seqlen_q (bottom-right aligned).
         return_lse: also return the log-sum-exp of each row.
         out: optional preallocated output, shape and dtype of q, last dim contiguous.
@@ -503,7 +503,8 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
     # Zeroed counters: the dynamic scheduler's tile counter, or a split launch's per-tile arrivals.
     num_counters = 2 if key.uses_tile_counter else _split_tiles(problem, q, config, pack_ratio) if split else 0
     with _on_device(q.device):  # (counters and scratch depend on q's device's current stream)
-        counters, out_partial, lse_partial = _stream_buffers(q.device, _stream_key(q.device), num_counters, partials)
+        stream = _stream_key(q.device) if num_counters or partials is not None else None
+        counters, out_partial, lse_partial = _stream_buffers(q.device, stream, num_counters, partials)
         kv_length = 0 if int_length is None else int_length
         if key.takes_optionals:
             kernel(q_k, k_k, v_k, out_kernel, lse, out_partial, lse_partial, scale_log2, cu_seqlens_q, cu_seqlens_k,

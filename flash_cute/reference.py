@@ -134,3 +134,11 @@ def gather_paged(cache: torch.Tensor, page_table: torch.Tensor, seqlen: int) -> 
     """Padded (batch, seqlen, nheads_kv, d) view of a paged cache (num_pages, page_size, ...)."""
     pages = cache[page_table.long()]  # (batch, max_pages, page_size, h, d)
     return pages.flatten(1, 2)[:, :seqlen]
+
+
+def stable_seed(*parts) -> int:
+    """A seed from a test's parameters that is the same in every process (hash() of a str is
+    salted per process, so a failing case could not be rerun with its inputs)."""
+    import zlib
+
+    return zlib.crc32(repr(parts).encode())

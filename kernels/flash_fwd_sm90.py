@@ -1142,10 +1142,11 @@ class FlashAttentionForwardSm90:
         seqlen: SeqlenInfo,
         q_release: Optional[SimpleNamespace] = None,
     ):
-        """O and LSE out. Padded, unsplit: O registers -> smem (over Q's tile) -> one TMA store
-        (which clips rows past seqlen_q); each warpgroup writes only the 64 rows of sO whose sQ
-        rows it alone read, so no barrier is needed before the smem writes. Otherwise: O
-        straight from registers, one column pair per store, rows predicated.
+        """O and LSE out. Padded, unsplit (unless the config stores O from registers): O
+        registers -> smem (its own tile, or over Q's) -> one TMA store (which clips rows past
+        seqlen_q); each warpgroup writes only the 64 rows of sO whose sQ rows it alone read, so
+        no barrier is needed before the smem writes. Otherwise: O straight from registers, one
+        column pair per store, rows predicated.
         The LSE always goes from registers; the 4 threads of a quad share rows and the one
         holding column 0 writes."""
         thr_mma = tiled_mma_pv.get_slice(tidx)

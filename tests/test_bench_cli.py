@@ -40,6 +40,14 @@ def test_sweep_list_covers_softmax_knobs(capsys):
         bench.main(["sweep", "--lazy-rescale", "maybe", "--list"])
 
 
+def test_sweep_list_covers_the_o_store(capsys):
+    argv = ["sweep", "--hdim", "64", "--tile-m", "192", "--tile-n", "128", "--pv", "regs", "--pingpong", "on",
+            "--rescale-before-pv", "off", "--scheduler", "single_tile", "static_persistent",
+            "--store-o-from-registers", "off", "on", "--list"]
+    labels = _listed_labels(capsys, argv, 4, 64)
+    assert sum("O-regs" in label for label in labels) == 2
+
+
 def test_sweep_rejects_unknown_scheduler():
     with pytest.raises(SystemExit):
         bench.main(["sweep", "--scheduler", "persistent", "--list"])

@@ -46,7 +46,8 @@ def test_bad_flags():
         flash_cute.flash_attn_func(q, k, v, config=(128, 128))
 
 
-@pytest.mark.parametrize("scale, exc", [("0.1", TypeError), (float("nan"), ValueError), (float("inf"), ValueError), (True, TypeError)])
+@pytest.mark.parametrize("scale, exc", [("0.1", TypeError), (float("nan"), ValueError), (float("inf"), ValueError), (True, TypeError),
+                                        (-0.125, ValueError)])
 def test_bad_softmax_scale(scale, exc):
     with pytest.raises(exc, match="softmax_scale"):
         checks.softmax_scale_log2(scale, 64)

@@ -80,15 +80,13 @@ SPLITKV_KEYS = [
     ForwardKernelKey("bfloat16", 128, True, AttentionConfig(128, 128), True, varlen_q=True, kv_layout="paged",
                      seqused_k=True, page_box_rows=32, split=True),
     # The table's rows as varlen and KV-cache prefill calls run them (persistent schedulers).
-    ForwardKernelKey("bfloat16", 96, False, AttentionConfig(192, 144, pv_from_registers=False,
-                                                            scheduler="dynamic_persistent"), False,
+    ForwardKernelKey("bfloat16", 96, False, FORWARD_CONFIGS[(96, "bfloat16", False)], False,
                      varlen_q=True, kv_layout="padded", seqused_k=True, pack_gqa_ratio=4),
     ForwardKernelKey("float16", 192, False, AttentionConfig(128, 112, pingpong=False, rescale_o_before_pv=True,
                                                             scheduler="dynamic_persistent"), True,
                      varlen_q=True, kv_layout="packed"),
-    ForwardKernelKey("bfloat16", 64, False, AttentionConfig(192, 128, scheduler="static_persistent",
-                                                            mbarrier_probe=True), False,
-                     kv_layout="paged", seqused_k=True, page_box_rows=64),
+    ForwardKernelKey("bfloat16", 64, False, FORWARD_CONFIGS[(64, "bfloat16", False)], False,
+                     kv_layout="paged", seqused_k=True, page_box_rows=64, pack_gqa_ratio=4),
 ]
 
 
@@ -101,7 +99,8 @@ def _id(key):
             + ("-seqused" if key.seqused_k else "") + ("-kvlength" if key.scalar_kv_length else "")
             + ("-split" if key.split else "")
             + (f"-pack{key.pack_gqa_ratio}" if key.pack_gqa_ratio > 1 else "")
-            + (f"-fmaexp{c.exp2_on_fma}" if c.exp2_on_fma else ""))
+            + (f"-fmaexp{c.exp2_on_fma}" if c.exp2_on_fma else "")
+            + ("-oregs" if c.store_o_from_registers else ""))
 
 
 @pytest.mark.parametrize("key", TABLE_KEYS + KNOB_KEYS + SPLITKV_KEYS, ids=_id)

@@ -161,3 +161,27 @@ def test_config_pickles_with_a_fresh_hash():
     clone = pickle.loads(pickle.dumps(cfg))
     assert clone == cfg and hash(clone) == hash(cfg) and {cfg: 1}[clone] == 1
     assert hash(cfg.replace(tile_n=64)) != hash(cfg)
+
+
+def test_o_store_knob_reaches_the_kernel():
+    """store_o_from_registers turns off the TMA store of O and with it O's smem tile (and O
+    over Q's tile); varlen and split keys, which store from registers anyway, drop the flag so
+    that they do not compile the same kernel twice."""
+    import cutlass
+
+    from flash_cute.compile_cache import ForwardKernelKey
+    from flash_cute.kernels import FlashAttentionForwardSm90
+
+    cfg = AttentionConfig(192, 128, scheduler="static_persistent")
+    tma = FlashAttentionForwardSm90(cutlass.BFloat16, 64, False, cfg)
+    assert tma.tma_store_o and tma.separate_o_smem and not tma.o_overwrites_q
+    over_q = FlashAttentionForwardSm90(cutlass.BFloat16, 256, False, AttentionConfig(
+        128, 80, pingpong=False, rescale_o_before_pv=True, scheduler="static_persistent"))
+    assert over_q.tma_store_o and over_q.o_overwrites_q
+    regs = FlashAttentionForwardSm90(cutlass.BFloat16, 64, False, cfg.replace(store_o_from_registers=True))
+    assert not (regs.tma_store_o or regs.separate_o_smem or regs.o_overwrites_q)
+    on = cfg.replace(store_o_from_registers=True)
+    assert ForwardKernelKey("bfloat16", 64, False, on, True).config == on
+    for variant in (dict(varlen_q=True), dict(split=True, seqused_k=True)):
+        key = ForwardKernelKey("bfloat16", 64, False, on, True, **variant)
+        assert key == ForwardKernelKey("bfloat16", 64, False, on.replace(store_o_from_registers=False), True, **variant)

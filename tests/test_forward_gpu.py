@@ -12,7 +12,7 @@ import torch
 
 import flash_cute
 from flash_cute import AttentionConfig
-from flash_cute.reference import attention_ref, error_bound
+from flash_cute.reference import attention_ref, error_bound, stable_seed
 
 pytestmark = pytest.mark.gpu
 
@@ -55,7 +55,7 @@ def test_forward(head_dim, dtype, causal, seqlens, heads):
     seqlen_q, seqlen_k = seqlens
     if max(seqlens) > 4000 and heads != (8, 1):
         pytest.skip("long sequences: one GQA ratio is enough")
-    torch.manual_seed(hash((head_dim, causal, seqlens, heads)) % 2**31)
+    torch.manual_seed(stable_seed(head_dim, causal, seqlens, heads))
     batch = 2
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, *heads, head_dim, dtype)
     out = torch.full_like(q, float("nan"))
@@ -168,7 +168,7 @@ def _knob_id(knobs):
 @pytest.mark.parametrize("knobs", SOFTMAX_KNOBS, ids=_knob_id)
 @pytest.mark.parametrize("scores", ["randn", "x8", "ramp"])
 def test_softmax_knobs(head_dim, dtype, causal, seqlens, knobs, scores):
-    torch.manual_seed(hash((head_dim, causal, seqlens, _knob_id(knobs), scores)) % 2**31)
+    torch.manual_seed(stable_seed(head_dim, causal, seqlens, _knob_id(knobs), scores))
     q, k, v = make_qkv(2, *seqlens, 4, 2, head_dim, dtype)
     if scores == "x8":
         q = (q * 8).to(dtype)
@@ -206,7 +206,7 @@ def test_persistent_scheduler(head_dim, causal, shape, short_row, scheduler):
     if short_row and config == flash_cute.default_config(head_dim, dtype_name, causal, 1 << 20):
         pytest.skip("no short-sequence row for this head dim")
     config = config.replace(scheduler=scheduler)
-    torch.manual_seed(hash((head_dim, causal, shape)) % 2**31)
+    torch.manual_seed(stable_seed(head_dim, causal, shape))
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype)
     out = torch.full_like(q, float("nan"))
     _, lse = flash_cute.flash_attn_func(q, k, v, causal=causal, return_lse=True, out=out, config=config)
@@ -228,7 +228,7 @@ def test_o_stored_from_registers(head_dim, causal, shape, scheduler):
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float16"
     config = flash_cute.default_config(head_dim, dtype_name, causal).replace(
         scheduler=scheduler, store_o_from_registers=True)
-    torch.manual_seed(hash((head_dim, causal, shape, scheduler)) % 2**31)
+    torch.manual_seed(stable_seed(head_dim, causal, shape, scheduler))
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype)
     padded = torch.full((batch, seqlen_q + 64, nheads, head_dim), float("nan"), device="cuda", dtype=dtype)
     out = padded[:, :seqlen_q]
@@ -341,6 +341,23 @@ def test_launch_plan_replay_leaves_checks_to_compiled_function():
         for kk, vv in ((odd_k, v), (k, shifted_v), (k, v)):
             out = flash_cute.flash_attn_func(q, kk, vv, causal=causal)
             check_against_reference(q, k, v, out, None, causal)
+    # q's strides too (the key holds only whether q is contiguous): a plan made for a q with a
+    # head stride of 72 elements meets one of 68, and the contiguous q's plan a q 8 bytes off
+    # alignment; both are refused by the compiled function and copied. An odd stride on a
+    # size-1 dim (never stepped over) replays the contiguous plan as it is.
+    wide_q = torch.randn(2, 300, 4, 72, device="cuda", dtype=torch.bfloat16)[..., :64]
+    odd_q = torch.randn(2, 300, 4, 68, device="cuda", dtype=torch.bfloat16)[..., :64]
+    shifted_q = torch.randn(q.numel() + 4, device="cuda", dtype=torch.bfloat16)[4:].view(q.shape)
+    for t in (wide_q, odd_q, shifted_q):
+        t.copy_(q)
+    q1, k1, v1 = q[:1].clone(), k[:1].clone(), v[:1].clone()
+    q1_odd = q1.as_strided(q1.shape, (3, *q1.stride()[1:]))
+    for causal in (False, True):
+        for qq in (wide_q, odd_q, shifted_q, q):
+            out = flash_cute.flash_attn_func(qq, k, v, causal=causal)
+            check_against_reference(q, k, v, out, None, causal)
+        ref1 = flash_cute.flash_attn_func(q1, k1, v1, causal=causal)
+        assert torch.equal(flash_cute.flash_attn_func(q1_odd, k1, v1, causal=causal), ref1)
     seqlens = torch.full((2,), 250, dtype=torch.int32, device="cuda")
     k_cache, v_cache = k.clone(), v.clone()
     ref = flash_cute.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, seqlens, num_splits=1)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flash_cute
-from flash_cute.reference import attention_ref, combine_ref, error_bound, gather_paged
+from flash_cute.reference import attention_ref, combine_ref, error_bound, gather_paged, stable_seed
 
 pytestmark = pytest.mark.gpu
 
@@ -105,7 +105,7 @@ GQA = [(8, 8), (32, 8), (64, 8), (128, 8)]  # ratios 1, 4, 8, 16
 @pytest.mark.parametrize("seqlen_q", [1, 4])
 def test_decode(page_size, heads, num_splits, causal, seqlen_q):
     run_kvcache_case(5, seqlen_q, *heads, 128, torch.bfloat16, page_size, 1000, num_splits, causal,
-                     seed=hash((page_size, heads, num_splits, causal, seqlen_q)) % 2**31)
+                     seed=stable_seed(page_size, heads, num_splits, causal, seqlen_q))
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 192, 256])
@@ -120,6 +120,32 @@ def test_decode_other_head_dims(head_dim, page_size):
 def test_prefill_against_cache(page_size, num_splits, causal):
     """Long query chunks against a cache (chunked prefill): the prefill tile configs."""
     run_kvcache_case(3, 300, 8, 2, 128, torch.bfloat16, page_size, 1500, num_splits, causal, seed=11)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 192, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("page_size", [None, 64], ids=lambda p: f"page{p}" if p else "contiguous")
+def test_prefill_against_cache_other_head_dims(head_dim, causal, page_size):
+    """The prefill rows of every head dim through the KV-cache path, GQA packed by 4 (hdim 64
+    non-causal stores O from registers, with packed rows); out is a slice of a NaN-filled
+    buffer, whose rows past seqlen_q must stay NaN."""
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed(head_dim, causal, page_size))
+    batch, seqlen_q, nheads, nheads_kv, capacity, dtype = 2, 300, 8, 2, 1100, torch.bfloat16
+    q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=dtype, generator=gen)
+    k_cache, v_cache, page_table, k_pad, v_pad = make_cache(batch, capacity, nheads_kv, head_dim, dtype, page_size, gen)
+    lengths = ragged_lengths(batch, capacity, gen)
+    padded = torch.full((batch, seqlen_q + 40, nheads, head_dim), float("nan"), device="cuda", dtype=dtype)
+    out = padded[:, :seqlen_q]
+    _, lse = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, page_table=page_table,
+                                                causal=causal, num_splits=1, return_softmax_lse=True, out=out)
+    n = lengths.tolist()
+    refs, lowps, lse_refs = reference_per_sequence(
+        [q[b:b + 1] for b in range(batch)], [k_pad[b:b + 1, :n[b]] for b in range(batch)],
+        [v_pad[b:b + 1, :n[b]] for b in range(batch)], causal,
+    )
+    assert_close_to_reference([out[b:b + 1] for b in range(batch)], [lse[b:b + 1] for b in range(batch)],
+                              refs, lowps, lse_refs)
+    assert padded[:, seqlen_q:].isnan().all(), "rows past seqlen_q were written"
 
 
 @pytest.mark.parametrize("page_size", [None, 64])
@@ -254,7 +280,7 @@ def test_varlen_explicit_config(kv_layout):
 
 
 def run_varlen_mixed(kv_layout, causal, num_splits, config=None):
-    gen = torch.Generator(device="cuda").manual_seed(hash((kv_layout, causal, num_splits)) % 2**31)
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed(kv_layout, causal, num_splits))
     q_lens = [1, 300, 1, 77, 0, 1, 513]
     k_lens = [900, 300, 1, 200, 50, 0, 513]
     nheads, nheads_kv, d, dtype = 16, 4, 128, torch.bfloat16
@@ -549,7 +575,7 @@ def poison_past_lengths(k_cache, v_cache, page_table, lengths, capacity):
 
 def run_nan_past_cache_lengths(page_size, lengths, num_splits, seqlen_q, causal, config, head_dim=128):
     gen = torch.Generator(device="cuda").manual_seed(
-        hash((page_size, lengths, num_splits, seqlen_q, str(config), head_dim)) % 2**31)
+        stable_seed(page_size, lengths, num_splits, seqlen_q, str(config), head_dim))
     batch, capacity, nheads, nheads_kv, dtype = 3, 700, 16, 4, torch.bfloat16
     q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=dtype, generator=gen)
     k_cache, v_cache, page_table, _, _ = make_cache(batch, capacity, nheads_kv, head_dim, dtype, page_size, gen)

@@ -73,3 +73,15 @@ def test_error_bound_has_a_floor_and_scales():
     assert error_bound(ref.bfloat16(), ref) > 0
     worse = (ref + 0.1).bfloat16()
     assert error_bound(worse, ref) >= 2 * 0.09
+
+
+def test_stable_seed_is_the_same_in_every_process():
+    import subprocess
+    import sys
+
+    from flash_cute.reference import stable_seed
+
+    code = "from flash_cute.reference import stable_seed; print(stable_seed(64, 'paged', (2, 3), None))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert int(other) == stable_seed(64, "paged", (2, 3), None)
+    assert stable_seed(64, "paged") != stable_seed(64, "padded")
