@@ -317,8 +317,15 @@ _BY_HEAD_DIM = {
     # Large O accumulators: no ping-pong; rescale O under the Q K^T instead.
     # Dynamic persistent: +1-7% at 1k-16k (H100: 621 / 723 / 705 / 729 / 767 against 578 / 695 /
     # 686 / 717 / 761; static persistent 562-633, sched192.json).
-    (192, False): _row(128, 112, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent"),
-    (192, True): _row(128, 112, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent"),
+    # Eighth session (H100): key blocks of 64 with the lazy rescale (max lagging 8) beat 128 x 112
+    # at every length in two interleaved runs: non-causal +12% / +16% / +3% / +7% at 512 / 2k / 8k
+    # / 16k (fp16 +7-13% / +3% at 2k / 8k), causal +20% / +21% / +14-19% / +8.5% / +4.5% / +5-6%
+    # at 512-16k (fp16 +20% / +12% / +4.5-8% at 512 / 2k / 8k); a 120-config causal sweep at
+    # 512-2k ranked it first (benchmarks/sweeps/hdim192_h100/).
+    (192, False): _row(128, 64, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent",
+                       lazy_rescale=True, rescale_threshold=8),
+    (192, True): _row(128, 64, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent",
+                      lazy_rescale=True, rescale_threshold=8),
     # 128 x 80 is the largest tile whose two-stage K/V ring fits in shared memory; rescaling O
     # before P V is worth 24% at 8k (753 vs 609), ping-pong costs 7%. Non-causal from 8k: one
     # CTA per tile (persistent level at 8k, 0.5-2.3% behind at 16k; up to 4k SHORT_SEQUENCE_CONFIGS).
