@@ -82,8 +82,7 @@ SPLITKV_KEYS = [
     # The table's rows as varlen and KV-cache prefill calls run them (persistent schedulers).
     ForwardKernelKey("bfloat16", 96, False, FORWARD_CONFIGS[(96, "bfloat16", False)], False,
                      varlen_q=True, kv_layout="padded", seqused_k=True, pack_gqa_ratio=4),
-    ForwardKernelKey("float16", 192, False, AttentionConfig(128, 112, pingpong=False, rescale_o_before_pv=True,
-                                                            scheduler="dynamic_persistent"), True,
+    ForwardKernelKey("float16", 192, False, FORWARD_CONFIGS[(192, "float16", False)], True,
                      varlen_q=True, kv_layout="packed"),
     ForwardKernelKey("bfloat16", 64, False, FORWARD_CONFIGS[(64, "bfloat16", False)], False,
                      kv_layout="paged", seqused_k=True, page_box_rows=64, pack_gqa_ratio=4),
