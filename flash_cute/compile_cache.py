@@ -162,6 +162,9 @@ def compile_forward(key: ForwardKernelKey, options: str = "") -> Callable:
     tile_counter = tensor(int32, (sym(),), align=4) if key.uses_tile_counter or key.split else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     opts = ("--enable-tvm-ffi " + options).strip()
+    optionals = (lse, out_partial, lse_partial, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, tile_counter)
+    # The callers pick the signature from the key alone: it must agree with the tensors built here.
+    assert key.takes_optionals == any(t is not None for t in optionals), key
     if not key.takes_optionals:
         return cute.compile(kernel.call_without_optionals, q, k, v, out, cutlass.Float32(1.0), int32(1), int32(0), stream,
                             options=opts)

@@ -655,7 +655,7 @@ class _LaunchPlan:
 
     __slots__ = ("forward", "device", "device_index", "dtype", "out_shape", "lse_shape",
                  "scale_log2", "max_ctas", "num_splits", "extents", "num_counters", "out_like_q",
-                 "partials", "int_capacity", "short_signature", "plain", "buffers")
+                 "partials", "int_capacity", "short_signature", "buffers")
 
     def __init__(self, forward, device, dtype, out_shape, lse_shape, scale_log2,
                  max_ctas, num_splits, partials, extents, num_counters=0, out_like_q=False, short_signature=False):
@@ -671,10 +671,8 @@ class _LaunchPlan:
         # their length to the kernel as a scalar); None otherwise.
         self.int_capacity = None
         # The kernel takes (q, k, v, out, scale_log2, max_ctas, kv_length) only
-        # (ForwardKernelKey.takes_optionals); otherwise its whole signature, in which a plain
-        # launch has no LSE, counters or split scratch.
+        # (ForwardKernelKey.takes_optionals); otherwise its whole signature.
         self.short_signature = short_signature
-        self.plain = lse_shape is None and not num_counters and partials is None
         # The per-stream buffers of the last launch: (stream key, _BUFFERS_VERSION, (counters,
         # out_partial, lse_partial)), reused while the stream and version match (two cache
         # lookups fewer per split call); None before the first launch.
@@ -703,10 +701,6 @@ class _LaunchPlan:
         kv_length = 0 if int_length is None else int_length
         if self.short_signature:  # the common call
             self.forward(q, k, v, out, self.scale_log2, self.max_ctas, kv_length)
-            return out
-        if self.plain:
-            self.forward(q, k, v, out, None, None, None, self.scale_log2, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                         page_table, None, self.max_ctas, self.num_splits, kv_length)
             return out
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         counters = out_partial = lse_partial = None

@@ -75,12 +75,15 @@ def ragged_lengths(batch, capacity, gen):
 
 
 def run_kvcache_case(batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, page_size, capacity,
-                     num_splits, causal, seed, pack_gqa=None, config=None):
+                     num_splits, causal, seed, pack_gqa=None, config=None, pad_rows=0):
+    """pad_rows: out is the first seqlen_q rows of a NaN-filled buffer this many rows longer,
+    whose rows past seqlen_q must stay NaN."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=dtype, generator=gen)
     k_cache, v_cache, page_table, k_pad, v_pad = make_cache(batch, capacity, nheads_kv, head_dim, dtype, page_size, gen)
     lengths = ragged_lengths(batch, capacity, gen)
-    out = torch.full_like(q, float("nan"))
+    padded = torch.full((batch, seqlen_q + pad_rows, nheads, head_dim), float("nan"), device="cuda", dtype=dtype)
+    out = padded[:, :seqlen_q]
     _, lse = flash_cute.flash_attn_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=lengths, page_table=page_table, causal=causal,
         num_splits=num_splits, pack_gqa=pack_gqa, return_softmax_lse=True, out=out, config=config,
@@ -92,6 +95,7 @@ def run_kvcache_case(batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, page_s
     )
     assert_close_to_reference([out[b:b + 1] for b in range(batch)], [lse[b:b + 1] for b in range(batch)],
                               refs, lowps, lse_refs)
+    assert padded[:, seqlen_q:].isnan().all(), "rows past seqlen_q were written"
 
 
 PAGE_SIZES = [None, 16, 32, 48, 64, 128, 256]
@@ -129,23 +133,8 @@ def test_prefill_against_cache_other_head_dims(head_dim, causal, page_size):
     """The prefill rows of every head dim through the KV-cache path, GQA packed by 4 (hdim 64
     non-causal stores O from registers, with packed rows); out is a slice of a NaN-filled
     buffer, whose rows past seqlen_q must stay NaN."""
-    gen = torch.Generator(device="cuda").manual_seed(stable_seed(head_dim, causal, page_size))
-    batch, seqlen_q, nheads, nheads_kv, capacity, dtype = 2, 300, 8, 2, 1100, torch.bfloat16
-    q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=dtype, generator=gen)
-    k_cache, v_cache, page_table, k_pad, v_pad = make_cache(batch, capacity, nheads_kv, head_dim, dtype, page_size, gen)
-    lengths = ragged_lengths(batch, capacity, gen)
-    padded = torch.full((batch, seqlen_q + 40, nheads, head_dim), float("nan"), device="cuda", dtype=dtype)
-    out = padded[:, :seqlen_q]
-    _, lse = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, page_table=page_table,
-                                                causal=causal, num_splits=1, return_softmax_lse=True, out=out)
-    n = lengths.tolist()
-    refs, lowps, lse_refs = reference_per_sequence(
-        [q[b:b + 1] for b in range(batch)], [k_pad[b:b + 1, :n[b]] for b in range(batch)],
-        [v_pad[b:b + 1, :n[b]] for b in range(batch)], causal,
-    )
-    assert_close_to_reference([out[b:b + 1] for b in range(batch)], [lse[b:b + 1] for b in range(batch)],
-                              refs, lowps, lse_refs)
-    assert padded[:, seqlen_q:].isnan().all(), "rows past seqlen_q were written"
+    run_kvcache_case(2, 300, 8, 2, head_dim, torch.bfloat16, page_size, 1100, 1, causal,
+                     seed=stable_seed(head_dim, causal, page_size), pad_rows=40)
 
 
 @pytest.mark.parametrize("page_size", [None, 64])
