@@ -329,12 +329,18 @@ _BY_HEAD_DIM = {
     # 128 x 80 is the largest tile whose two-stage K/V ring fits in shared memory; rescaling O
     # before P V is worth 24% at 8k (753 vs 609), ping-pong costs 7%. Non-causal from 8k: one
     # CTA per tile (persistent level at 8k, 0.5-2.3% behind at 16k; up to 4k SHORT_SEQUENCE_CONFIGS).
-    (256, False): _row(128, 80, pingpong=False, rescale_o_before_pv=True),
+    # Ninth session (H100): key blocks of 64 with the lazy rescale (max lagging 8) beat 128 x 80
+    # at all 28 points of two interleaved runs (bf16 and fp16, causal and not, 512-16k): +5.5% at
+    # 512, +2% at 1k, +2-3% at 2k, +1-2% at 4k, +1-3% at 8k, +0.2-0.3% at 16k non-causal; causal
+    # +2.6-3.9% at 512-2k, +0.7-1.8% at 4k-8k, +0.3-6% at 16k (after two eighth-session runs at
+    # +0.2-3.3%, one point -0.7%; benchmarks/sweeps/hdim256_tile64_lazy_h100*.log).
+    (256, False): _row(128, 64, pingpong=False, rescale_o_before_pv=True, lazy_rescale=True, rescale_threshold=8),
     # Dynamic persistent: +2-5% at every length (H100: 307 / 476 / 616 / 649 / 696 / 715
     # against 300 / 453 / 596 / 638 / 687 / 710 at 512-16k).
     # Lazy O rescale, max lagging up to 8 log2 units: level on the padded grid (+0.1-0.6% at
     # 4k-16k, H100, bf16 and fp16), +5-6% on the varlen causal batch (8 x 500-4000, two runs).
-    (256, True): _row(128, 80, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent",
+    # Ninth session: key blocks of 64 (see the non-causal row).
+    (256, True): _row(128, 64, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent",
                       lazy_rescale=True, rescale_threshold=8),
 }
 
@@ -359,7 +365,9 @@ _SHORT_BY_HEAD_DIM = {
     # Dynamic persistent: 513 / 662 at 512 / 1k against 500 / 651 (H100); up to 4k in two
     # fifth-session sweeps, 729 / 714 and 702 / 694 at 2k / 4k against 716 / 704 and 696 / 686
     # with one CTA per tile, which is level at 8k and ahead at 16k (benchmarks/sweeps/hdim256_h100).
-    (256, False): (4096, _row(128, 80, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent")),
+    # Ninth session: key blocks of 64 with the lazy rescale (see the long row).
+    (256, False): (4096, _row(128, 64, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent",
+                              lazy_rescale=True, rescale_threshold=8)),
 }
 SHORT_SEQUENCE_CONFIGS = {
     (head_dim, dtype, causal): entry
