@@ -80,7 +80,9 @@ class ForwardKernelKey:
         out_partial, lse_partial, scale_log2, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
         tile_counter, max_ctas, num_splits, kv_length). A variant using none of the optional
         tensors takes (q, k, v, out, scale_log2, max_ctas, kv_length) instead
-        (FlashAttentionForwardSm90.call_without_optionals): a cheaper call."""
+        (FlashAttentionForwardSm90.call_without_optionals): a cheaper call. Split variants
+        take the partials and the arrival counters as two addresses in place of the three
+        tensors out_partial, lse_partial, tile_counter (FlashAttentionForwardSm90.call_split)."""
         return (self.writes_lse or self.varlen_q or self.kv_layout != "padded" or self.seqused_k or self.split
                 or self.uses_tile_counter)
 
@@ -168,6 +170,14 @@ def compile_forward(key: ForwardKernelKey, options: str = "") -> Callable:
     if not key.takes_optionals:
         return cute.compile(kernel.call_without_optionals, q, k, v, out, cutlass.Float32(1.0), int32(1), int32(0), stream,
                             options=opts)
+    if key.split:  # the partials and the arrival counters come as addresses (call_split)
+        gmem = cute.AddressSpace.gmem
+        partials = cute.runtime.make_ptr(cutlass.Float32, 0, gmem, assumed_align=16)
+        arrivals = cute.runtime.make_ptr(int32, 0, gmem, assumed_align=4)
+        return cute.compile(
+            kernel.call_split, q, k, v, out, lse, partials, cutlass.Float32(1.0), cu_seqlens_q, cu_seqlens_k,
+            seqused_k, page_table, arrivals, int32(1), int32(1), int32(0), stream, options=opts,
+        )
     return cute.compile(
         kernel, q, k, v, out, lse, out_partial, lse_partial, cutlass.Float32(1.0), cu_seqlens_q, cu_seqlens_k, seqused_k,
         page_table, tile_counter, int32(1), int32(1), int32(0), stream, options=opts,

@@ -504,10 +504,14 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
     num_counters = 2 if key.uses_tile_counter else _split_tiles(problem, q, config, pack_ratio) if split else 0
     with _on_device(q.device):  # (counters and scratch depend on q's device's current stream)
         stream = _stream_key(q.device) if num_counters or partials is not None else None
-        counters, out_partial, lse_partial = _stream_buffers(q.device, stream, num_counters, partials)
+        buffers = _stream_buffers(q.device, stream, num_counters, partials)  # (alive through the launch)
+        counters, scratch = _kernel_scratch(buffers, split)
         kv_length = 0 if int_length is None else int_length
-        if key.takes_optionals:
-            kernel(q_k, k_k, v_k, out_kernel, lse, out_partial, lse_partial, scale_log2, cu_seqlens_q, cu_seqlens_k,
+        if split:  # FlashAttentionForwardSm90.call_split: the scratch as two addresses
+            kernel(q_k, k_k, v_k, out_kernel, lse, scratch, scale_log2, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                   page_table, counters, max_ctas, num_splits, kv_length)
+        elif key.takes_optionals:
+            kernel(q_k, k_k, v_k, out_kernel, lse, None, None, scale_log2, cu_seqlens_q, cu_seqlens_k,
                    seqused_k, page_table, counters, max_ctas, num_splits, kv_length)
         else:  # the shorter signature of a variant without optional tensors
             kernel(q_k, k_k, v_k, out_kernel, scale_log2, max_ctas, kv_length)
@@ -581,8 +585,9 @@ def _stream_key(device: torch.device):
 def _grown_size(current: Optional[torch.Tensor], needed: int, cap: Optional[int] = None) -> int:
     """Size of a per-stream buffer replacing `current` (None: none yet) that is too small for
     `needed` elements: doubled, so a run of growing calls reallocates a few times only (at most
-    `cap`, unless `needed` is larger). The replaced buffer is freed in stream order, after the
-    launches that used it (and after the next launch of any plan whose memo holds it)."""
+    `cap`, unless `needed` is larger). The replaced buffer goes back to torch's caching allocator
+    (once no plan's memo holds it), which reuses it only in stream order, after the launches
+    that used it; memos that hold its address are refreshed by the version bump."""
     if current is None:
         return needed
     doubled = 2 * current.numel()
@@ -596,6 +601,19 @@ def _stream_buffers(device: torch.device, stream: Optional[tuple], num_counters:
     counters = _zeroed_counters(device, num_counters, stream) if num_counters else None
     out_partial, lse_partial = _split_scratch(device, partials, stream) if partials is not None else (None, None)
     return counters, out_partial, lse_partial
+
+
+def _kernel_scratch(buffers: tuple, split: bool) -> tuple:
+    """What a launch passes the kernel for _stream_buffers' `buffers`: (counters, None) for an
+    unsplit kernel; for a split kernel (FlashAttentionForwardSm90.call_split) the addresses of
+    the arrival counters and of the partials (the LSE partial follows the O partial in one
+    allocation, as _SplitPartials lays them out): two ints cost TVM-FFI ~0.7 us less than three
+    tensors. The caller keeps `buffers` alive through the launch (the caches or a memo do
+    between calls)."""
+    counters, out_partial, _ = buffers
+    if split:
+        return counters.data_ptr(), out_partial.data_ptr()
+    return counters, None
 
 
 _COUNTERS: dict = {}
@@ -673,9 +691,10 @@ class _LaunchPlan:
         # The kernel takes (q, k, v, out, scale_log2, max_ctas, kv_length) only
         # (ForwardKernelKey.takes_optionals); otherwise its whole signature.
         self.short_signature = short_signature
-        # The per-stream buffers of the last launch: (stream key, _BUFFERS_VERSION, (counters,
-        # out_partial, lse_partial)), reused while the stream and version match (two cache
-        # lookups fewer per split call); None before the first launch.
+        # The per-stream buffers of the last launch, as the kernel takes them: (stream key,
+        # _BUFFERS_VERSION, _kernel_scratch(...)), reused while the stream and version match (two
+        # cache lookups fewer per split call; the caches keep the buffers alive, and replacing
+        # or dropping one bumps the version); None before the first launch.
         self.buffers = None
 
     def usable(self, q, k, v, out) -> bool:
@@ -703,20 +722,25 @@ class _LaunchPlan:
             self.forward(q, k, v, out, self.scale_log2, self.max_ctas, kv_length)
             return out
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
-        counters = out_partial = lse_partial = None
-        if self.num_counters or self.partials is not None:
+        split = self.partials is not None
+        counters = scratch = buffers = None
+        if self.num_counters or split:
             stream = _stream_key(self.device)  # one query for every per-stream buffer
             memo = self.buffers
             if stream is not None and memo is not None and memo[0] == stream and memo[1] == _BUFFERS_VERSION[0]:
-                counters, out_partial, lse_partial = memo[2]
+                counters, scratch = memo[2]
             else:
                 buffers = _stream_buffers(self.device, stream, self.num_counters, self.partials)
-                counters, out_partial, lse_partial = buffers
+                counters, scratch = _kernel_scratch(buffers, split)
                 # (A capture's buffers are its own; large split scratch is allocated per call.)
-                if stream is not None and (self.partials is None or self.partials.numel <= _SCRATCH_MAX_FLOATS):
-                    self.buffers = (stream, _BUFFERS_VERSION[0], buffers)
-        self.forward(q, k, v, out, lse, out_partial, lse_partial, self.scale_log2, cu_seqlens_q, cu_seqlens_k,
-                     seqused_k, page_table, counters, self.max_ctas, self.num_splits, kv_length)
+                if stream is not None and (not split or self.partials.numel <= _SCRATCH_MAX_FLOATS):
+                    self.buffers = (stream, _BUFFERS_VERSION[0], (counters, scratch))
+        if split:
+            self.forward(q, k, v, out, lse, scratch, self.scale_log2, cu_seqlens_q, cu_seqlens_k,
+                         seqused_k, page_table, counters, self.max_ctas, self.num_splits, kv_length)
+        else:
+            self.forward(q, k, v, out, lse, None, None, self.scale_log2, cu_seqlens_q, cu_seqlens_k,
+                         seqused_k, page_table, counters, self.max_ctas, self.num_splits, kv_length)
         return out if self.lse_shape is None else (out, lse)
 
 

@@ -74,6 +74,11 @@ LPT_TAIL_TILES_PER_CTA = 3
 LPT_TAIL_CTAS_PER_PAIR = 4
 
 
+def _row_major(shape) -> cute.Layout:
+    """The compact layout of `shape` with its last mode contiguous (torch's default)."""
+    return cute.make_ordered_layout(shape, order=tuple(reversed(range(len(shape)))))
+
+
 def _make_packed_gqa_tma_atom(op, mX, smem_layout, tile_m: int, head_dim: int, ratio: int):
     """TMA atom over rows folded as (q head in group, token): mX (s, d, h[, b]) becomes
     ((ratio, s), d, h / ratio[, b]), and a box of tile_m rows covers tile_m / ratio tokens
@@ -389,6 +394,46 @@ class FlashAttentionForwardSm90:
         self.__call__(
             mQ, mK, mV, mO, None, None, None, softmax_scale_log2, None, None, None, None, None,
             max_ctas, Int32(1), kv_length, stream,
+        )
+
+    @cute.jit
+    def call_split(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: Optional[cute.Tensor],
+        partials: cute.Pointer,
+        softmax_scale_log2: Float32,
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],
+        mPageTable: Optional[cute.Tensor],
+        arrivals: cute.Pointer,
+        max_ctas: Int32,
+        num_splits: Int32,
+        kv_length: Int32,
+        stream: cuda.CUstream,
+    ):
+        """__call__ for split variants, whose scratch comes as two addresses (TVM-FFI converts
+        an int for much less than a tensor): `partials`, 16-byte aligned fp32, holds the partial
+        O (num_splits, *out.shape) and right after it the partial LSE (num_splits, *lse shape),
+        both contiguous; `arrivals` holds the per-tile int32 arrival counters (zero before the
+        launch, left zero after it)."""
+        o_shape = (num_splits, *mO.shape)
+        if const_expr(self.varlen_q):  # q (total_q, nheads, d): lse (nheads, total_q)
+            lse_shape = (num_splits, mQ.shape[1], mQ.shape[0])
+        else:  # q (batch, seqlen_q, nheads, d): lse (batch, nheads, seqlen_q)
+            lse_shape = (num_splits, mQ.shape[0], mQ.shape[2], mQ.shape[1])
+        mOPartial = cute.make_tensor(partials, _row_major(o_shape))
+        # Offset by a multiple of head_dim (>= 64) floats: the LSE partial stays 16-byte aligned.
+        mLSEPartial = cute.make_tensor(partials + cute.size(mOPartial), _row_major(lse_shape))
+        # Indexed by tile only; the size is never read.
+        mArrivals = cute.make_tensor(arrivals, cute.make_layout(1 << 30))
+        self.__call__(
+            mQ, mK, mV, mO, mLSE, mOPartial, mLSEPartial, softmax_scale_log2, mCuSeqlensQ, mCuSeqlensK,
+            mSeqUsedK, mPageTable, mArrivals, max_ctas, num_splits, kv_length, stream,
         )
 
     # ------------------------------------------------------------------------------------

@@ -86,12 +86,13 @@ def test_empty_cache_drops_everything(streams):
 
 
 def _split_plan(num_counters=8, layout=None, calls=None):
-    """A split launch plan on the CPU whose kernel records the buffers it was given."""
+    """A split launch plan on the CPU whose kernel records the buffers it was given (split
+    kernels take the counters' and the partials' addresses: FlashAttentionForwardSm90.call_split)."""
     layout = layout or partials(2, out_shape=(1, 1, 4, 64), lse_shape=(1, 4, 1))
 
-    def forward(q, k, v, out, lse, out_partial, lse_partial, scale, cu_q, cu_k, seqused_k, table, counters,
+    def forward(q, k, v, out, lse, partials_address, scale, cu_q, cu_k, seqused_k, table, counters_address,
                 max_ctas, num_splits, kv_length):
-        calls.append((counters, out_partial, lse_partial, kv_length))
+        calls.append((counters_address, partials_address, kv_length))
 
     return interface._LaunchPlan(forward=forward, device=CPU, dtype=torch.float32, out_shape=(1, 1, 4, 64),
                                  lse_shape=None, scale_log2=1.0, max_ctas=132, num_splits=2, partials=layout,
@@ -111,28 +112,31 @@ def test_launch_plans_memo_their_stream_buffers(streams):
         return calls[-1]
 
     first = launch()
-    assert first[0] is interface._zeroed_counters(CPU, 8, stream())
-    assert first[1] is interface._split_scratch(CPU, plan.partials, stream())[0]
+    assert first[0] == interface._zeroed_counters(CPU, 8, stream()).data_ptr()
+    out_partial, lse_partial = interface._split_scratch(CPU, plan.partials, stream())
+    assert first[1] == out_partial.data_ptr()
+    # The kernel finds the LSE partial right after the O partial (call_split).
+    assert lse_partial.data_ptr() == first[1] + 4 * out_partial.numel() and lse_partial.is_contiguous()
     lookups = []
     real = interface._zeroed_counters
     interface._zeroed_counters = lambda *a: lookups.append(a) or real(*a)
     try:
-        assert launch()[:3] == first[:3] and not lookups, "the same stream looked its buffers up again"
+        assert launch()[:2] == first[:2] and not lookups, "the same stream looked its buffers up again"
         streams["stream"] = 9
         other = launch()
-        assert other[0] is not first[0] and len(lookups) == 1
+        assert other[0] != first[0] and len(lookups) == 1
         streams["capturing"] = True
         captured = launch()
-        assert captured[0] is not other[0] and captured[1].data_ptr() != other[1].data_ptr()
+        assert captured[0] != other[0] and captured[1] != other[1]
         streams["capturing"] = False
-        assert launch()[0] is other[0], "a capture replaced the memo"
+        assert launch()[0] == other[0], "a capture replaced the memo"
         grown = real(CPU, 100, stream())  # another plan needs more counters on this stream
-        assert launch()[0] is grown, "the memo outlived the buffer it names"
-        assert launch(int_length=7)[3] == 7 and launch()[3] == 0, "an int length goes to the kernel as is"
+        assert launch()[0] == grown.data_ptr(), "the memo outlived the buffer it names"
+        assert launch(int_length=7)[2] == 7 and launch()[2] == 0, "an int length goes to the kernel as is"
         interface._FUNC_PLANS[("test",)] = plan
         flash_cute.empty_cache()
         assert plan.buffers is None
-        assert launch()[0] is interface._COUNTERS[stream()]
+        assert launch()[0] == interface._COUNTERS[stream()].data_ptr()
     finally:
         interface._zeroed_counters = real
         interface._FUNC_PLANS.pop(("test",), None)
