@@ -134,7 +134,8 @@ class FlashAttentionForwardSm90:
       out:  like q in q's dtype
       lse:  (B, nheads, seqlen_q) or (nheads, total_q) fp32, or None
       out_partial, lse_partial: split kernels' fp32 partials, (S, *out.shape) and
-            (S, *lse.shape); None otherwise
+            (S, *lse.shape); None otherwise (compiled split kernels take them, with the
+            arrival counters, as addresses: call_split)
       cu_seqlens_q / cu_seqlens_k: (B + 1,) int32; seqused_k: (B,) int32;
       page_table: (B, max_pages_per_seq) int32
       tile_counter: int32 counters, zero before the launch and left zero after it (the last
