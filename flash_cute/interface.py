@@ -150,18 +150,23 @@ def flash_attn_varlen_func(
     be non-decreasing and stay within q/k. Rows of q past cu_seqlens_q[-1] are not written.
     The call has no host synchronization.
     """
-    try:  # repeated calls with the same metadata skip the checks (see _LaunchPlan)
-        key = (q.shape, q.stride(), q.dtype, q.get_device(), _meta(k), _meta(v), _meta(cu_seqlens_q),
-               _meta(cu_seqlens_k), _meta(seqused_k), _meta(page_table), _meta(out), max_seqlen_q,
-               max_seqlen_k, softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, config,
-               type(max_seqlen_q), type(max_seqlen_k), type(softmax_scale), type(causal), type(num_splits),
-               type(pack_gqa), type(return_softmax_lse))
+    try:  # repeated calls with the same metadata skip the checks (see _LaunchPlan); inlined: hot
+        # As in flash_attn_func: the compiled function checks the rest of the arguments (the
+        # int32 tensors' contiguity and device included); the key holds their shapes and dtypes.
+        key = (q.shape, q.dtype, q.get_device(), k.shape,
+               q.is_contiguous() if out is None else (q.stride(), k.stride(), v.stride(), out.stride()),
+               cu_seqlens_q.shape, cu_seqlens_q.dtype, _int_meta(cu_seqlens_k), _int_meta(seqused_k),
+               _int_meta(page_table), max_seqlen_q, max_seqlen_k, softmax_scale, causal, num_splits, pack_gqa,
+               return_softmax_lse, config, type(max_seqlen_q), type(max_seqlen_k), type(softmax_scale),
+               type(causal), type(num_splits), type(pack_gqa), type(return_softmax_lse))
         plan = _VARLEN_PLANS.get(key)
     except (AttributeError, TypeError):
         key = plan = None
-    if plan is not None and plan.usable(q, k, v, out):
-        return plan.launch(q, k, v, out, seqused_k=seqused_k, page_table=page_table,
-                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if plan is not None and (plan.device_index == _current_device() if out is None else plan.usable(q, k, v, out)):
+        try:
+            return plan.launch(q, k, v, out, seqused_k, page_table, cu_seqlens_q, cu_seqlens_k)
+        except Exception:  # an argument the compiled function refused: the checks below name it
+            pass
     checks.check_tensor("q", q, 3, "(total_q, nheads, headdim)")
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -276,13 +281,13 @@ def flash_attn_with_kvcache(
             # One plan per power of two of an int length, so a decode loop whose length grows
             # by one each step replays plans (its split count was chosen for the first length).
             seqlens_meta = ("int length of bit length", cache_seqlens.bit_length())
-        else:
-            seqlens_meta = cache_seqlens
+        else:  # None, or what the checks reject (with its type: True == 1)
+            seqlens_meta = (type(cache_seqlens), cache_seqlens)
         # As in flash_attn_func: the compiled function checks the rest of the arguments.
         key = (q.shape, q.dtype, q.get_device(), k_cache.shape, seqlens_meta,
                None if page_table is None else (page_table.shape, page_table.dtype),
                q.is_contiguous() if out is None else (q.stride(), k_cache.stride(), v_cache.stride(), out.stride()),
-               softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, config, type(cache_seqlens),
+               softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, config,
                type(softmax_scale), type(causal), type(num_splits), type(pack_gqa), type(return_softmax_lse))
         plan = _KVCACHE_PLANS.get(key)
     except (AttributeError, TypeError):
@@ -291,9 +296,9 @@ def flash_attn_with_kvcache(
                              else plan.usable(q, k_cache, v_cache, out)):
         try:
             if plan.int_capacity is None:
-                return plan.launch(q, k_cache, v_cache, out, seqused_k=cache_seqlens, page_table=page_table)
+                return plan.launch(q, k_cache, v_cache, out, cache_seqlens, page_table)
             if 0 <= cache_seqlens <= plan.int_capacity:  # otherwise the checks below raise
-                return plan.launch(q, k_cache, v_cache, out, page_table=page_table, int_length=cache_seqlens)
+                return plan.launch(q, k_cache, v_cache, out, None, page_table, None, None, cache_seqlens)
         except Exception:  # an argument the compiled function refused: the checks below name it
             pass
     checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
@@ -645,9 +650,10 @@ _KVCACHE_PLANS: dict = {}
 _VARLEN_PLANS: dict = {}
 
 
-def _meta(t):
-    """A tensor's metadata for a launch-plan key (None stays None)."""
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
+def _int_meta(t):
+    """An optional int32 tensor's part of a launch-plan key: its shape and dtype (the compiled
+    function takes uint32 for int32, and checks the rest itself); None stays None."""
+    return None if t is None else (t.shape, t.dtype)
 _MAX_PLANS = 4096
 
 

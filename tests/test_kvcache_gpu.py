@@ -545,6 +545,53 @@ def test_varlen_repeated_calls_use_new_contents(num_splits, return_lse):
     assert len(flash_cute.interface._VARLEN_PLANS) > 0, "the repeated calls did not take the launch-plan path"
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_varlen_plan_replay_leaves_checks_to_compiled_function(num_splits):
+    """A varlen plan's key holds q's metadata, k's shape and the int32 tensors' shapes and
+    dtypes: the compiled function checks the rest (k's and v's dtypes, strides and alignment,
+    v's shape, every tensor's device, the int32 tensors' contiguity) and raises before
+    launching, and the call then goes through the full checks: clear errors, a copy for
+    strides TMA cannot read, and the plan replays afterwards."""
+    gen = torch.Generator(device="cuda").manual_seed(71 + num_splits)
+    batch, nheads, nheads_kv, d, page_size, pages_per_seq = 4, 16, 2, 128, 16, 8
+    q = torch.randn(batch, nheads, d, device="cuda", dtype=torch.bfloat16, generator=gen)  # one token each
+    k = torch.randn(batch * pages_per_seq, page_size, nheads_kv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(k.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    used = torch.tensor([5, 128, 77, 100], dtype=torch.int32, device="cuda")
+    table = torch.randperm(batch * pages_per_seq, device="cuda", generator=gen).to(torch.int32).view(batch, -1)
+
+    def call(q=q, k=k, v=v, cu_q=cu_q, used=used, table=table):
+        return flash_cute.flash_attn_varlen_func(q, k, v, cu_q, 1, seqused_k=used, max_seqlen_k=128,
+                                                 page_table=table, num_splits=num_splits)
+
+    ref = call()
+    k_pad, v_pad = (gather_paged(t, table, 128) for t in (k, v))
+    refs, lowps, lse_refs = reference_per_sequence(
+        [q[b:b + 1].unsqueeze(0) for b in range(batch)],
+        [k_pad[b:b + 1, :n] for b, n in enumerate(used.tolist())],
+        [v_pad[b:b + 1, :n] for b, n in enumerate(used.tolist())], False)
+    assert_close_to_reference([ref[b:b + 1].unsqueeze(0) for b in range(batch)], None, refs, lowps, lse_refs)
+    assert torch.equal(call(), ref)  # replayed
+    with pytest.raises(TypeError, match="k must have the same dtype as q"):
+        call(k=k.half())
+    with pytest.raises(ValueError, match="v must have the shape of k"):
+        call(v=v[:-1])
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
+        call(cu_q=cu_q.to(torch.uint32))
+    with pytest.raises(ValueError, match="cu_seqlens_q must be contiguous"):
+        call(cu_q=torch.stack([cu_q, cu_q], 1)[:, 0])
+    with pytest.raises(ValueError, match="seqused_k must be on q's device"):
+        call(used=used.cpu())
+    with pytest.raises(TypeError, match="page_table must be int32"):
+        call(table=table.to(torch.uint32))
+    # Same shape, head stride 132 elements (264 bytes): TMA cannot read it, so the full path copies k.
+    odd_k = torch.empty(k.shape[:-1] + (d + 4,), device="cuda", dtype=k.dtype)[..., :d]
+    odd_k.copy_(k)
+    assert torch.equal(call(k=odd_k), ref)
+    assert torch.equal(call(), ref)
+
+
 def poison_past_lengths(k_cache, v_cache, page_table, lengths, capacity):
     """Write NaN into every cache slot at or past each sequence's length (what a cache from
     torch.empty may hold), through the page table for a paged cache."""
