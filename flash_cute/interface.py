@@ -591,8 +591,8 @@ def _grown_size(current: Optional[torch.Tensor], needed: int, cap: Optional[int]
     """Size of a per-stream buffer replacing `current` (None: none yet) that is too small for
     `needed` elements: doubled, so a run of growing calls reallocates a few times only (at most
     `cap`, unless `needed` is larger). The replaced buffer goes back to torch's caching allocator
-    (once no plan's memo holds it), which reuses it only in stream order, after the launches
-    that used it; memos that hold its address are refreshed by the version bump."""
+    (once no unsplit plan's memo holds it), which reuses it only in stream order, after the
+    launches that used it; the version bump keeps any memo from using it again."""
     if current is None:
         return needed
     doubled = 2 * current.numel()
@@ -623,9 +623,10 @@ def _kernel_scratch(buffers: tuple, split: bool) -> tuple:
 
 _COUNTERS: dict = {}
 # Bumped whenever a per-stream buffer is replaced or dropped, so that launch plans' memos of
-# them (_LaunchPlan.buffers) move to the caches' current buffers at their next launch. (A
-# memo'd buffer stays valid for its stream: counters are left zero and the scratch is consumed
-# within each launch; the bump keeps plans from pinning replaced memory for long.)
+# them (_LaunchPlan.buffers) move to the caches' current buffers at their next launch. A split
+# plan's memo holds bare addresses, so this bump is what keeps it from using freed memory:
+# every path that replaces or drops a cached buffer must bump it. (A memo'd buffer stays valid
+# for its stream: counters are left zero and the scratch is consumed within each launch.)
 _BUFFERS_VERSION = [0]
 
 

@@ -46,7 +46,7 @@ store_o_from_registers), and straight from registers (row-predicated) otherwise.
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Optional, Type
+from typing import Optional, Tuple, Type
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -74,9 +74,19 @@ LPT_TAIL_TILES_PER_CTA = 3
 LPT_TAIL_CTAS_PER_PAIR = 4
 
 
-def _row_major(shape) -> cute.Layout:
-    """The compact layout of `shape` with its last mode contiguous (torch's default)."""
-    return cute.make_ordered_layout(shape, order=tuple(reversed(range(len(shape)))))
+def _row_major_wide(shape) -> Tuple[cute.Layout, cutlass.Int64]:
+    """(the compact layout of `shape` with its last mode contiguous, torch's default; its size).
+    Strides and size are 64-bit: a split launch's scratch may pass 2^31 elements. Static extents
+    stay static in the strides."""
+    strides, static_factor = [1], 1
+    for extent in (*reversed(shape[1:]), shape[0]):
+        if isinstance(extent, int):
+            static_factor *= extent
+            strides.append(strides[-1] * extent)
+        else:  # the widening cast drops what the DSL knew of the stride's divisibility: restate it
+            strides.append(cute.assume(strides[-1] * cutlass.Int64(extent), divby=static_factor))
+    size = strides.pop()
+    return cute.make_layout(shape, stride=tuple(reversed(strides))), size
 
 
 def _make_packed_gqa_tma_atom(op, mX, smem_layout, tile_m: int, head_dim: int, ratio: int):
@@ -427,9 +437,10 @@ class FlashAttentionForwardSm90:
             lse_shape = (num_splits, mQ.shape[1], mQ.shape[0])
         else:  # q (batch, seqlen_q, nheads, d): lse (batch, nheads, seqlen_q)
             lse_shape = (num_splits, mQ.shape[0], mQ.shape[2], mQ.shape[1])
-        mOPartial = cute.make_tensor(partials, _row_major(o_shape))
+        o_layout, o_size = _row_major_wide(o_shape)
+        mOPartial = cute.make_tensor(partials, o_layout)
         # Offset by a multiple of head_dim (>= 64) floats: the LSE partial stays 16-byte aligned.
-        mLSEPartial = cute.make_tensor(partials + cute.size(mOPartial), _row_major(lse_shape))
+        mLSEPartial = cute.make_tensor(partials + o_size, _row_major_wide(lse_shape)[0])
         # Indexed by tile only; the size is never read.
         mArrivals = cute.make_tensor(arrivals, cute.make_layout(1 << 30))
         self.__call__(

@@ -444,6 +444,27 @@ def test_split_launches_back_to_back_on_two_streams():
     assert torch.equal(launches[0](), expected[0]), "a launch after empty_cache differs"
 
 
+def test_split_scratch_past_two_to_the_31_floats():
+    """A forced split count whose fp32 partials pass 2^31 elements (8 GiB): the kernel's
+    scratch offsets are 64-bit (call_split), so the merged output matches the unsplit call's."""
+    if torch.cuda.mem_get_info()[0] < 12 << 30:
+        pytest.skip("needs 12 GiB of free GPU memory")
+    gen = torch.Generator(device="cuda").manual_seed(59)
+    q = torch.randn(1, 32768, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_cache, v_cache = (torch.randn(1, 1024, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+                        for _ in range(2))
+    # 16 splits x 2^27 output elements: the LSE partial starts exactly 2^31 floats in.
+    poisoned = torch.full_like(q, float("nan"))
+    out, lse = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=16, return_softmax_lse=True,
+                                                  out=poisoned)
+    ref, ref_lse = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=1, return_softmax_lse=True)
+    assert not out.isnan().any(), "unwritten output rows"
+    assert (out.float() - ref.float()).abs().max().item() <= 2 ** -6
+    assert (lse - ref_lse).abs().max().item() <= 1e-4
+    del out, lse, ref, ref_lse, poisoned
+    flash_cute.empty_cache()
+
+
 @pytest.mark.parametrize("out_kind", ["slice", "odd_strides"])
 def test_split_merge_writes_into_given_out(out_kind):
     """The in-kernel merge writes O through out's strides: a slice of a bigger buffer gets only
