@@ -698,7 +698,7 @@ class _LaunchPlan:
         # The kernel takes (q, k, v, out, scale_log2, max_ctas, kv_length) only
         # (ForwardKernelKey.takes_optionals); otherwise its whole signature.
         self.short_signature = short_signature
-        # The per-stream buffers of the last launch, as the kernel takes them: (stream key,
+        # The per-stream buffers of the last launch, as the kernel takes them: (raw stream,
         # _BUFFERS_VERSION, _kernel_scratch(...)), reused while the stream and version match (two
         # cache lookups fewer per split call; the caches keep the buffers alive, and replacing
         # or dropping one bumps the version); None before the first launch.
@@ -732,16 +732,20 @@ class _LaunchPlan:
         split = self.partials is not None
         counters = scratch = buffers = None
         if self.num_counters or split:
-            stream = _stream_key(self.device)  # one query for every per-stream buffer
+            # _stream_key inlined (one query for every per-stream buffer); the memo holds the
+            # raw stream, the plan's device being fixed.
+            raw = _current_raw_stream(self.device_index)
+            capturing = raw and _stream_capturing()  # (the legacy default stream 0 cannot be captured)
             memo = self.buffers
-            if stream is not None and memo is not None and memo[0] == stream and memo[1] == _BUFFERS_VERSION[0]:
+            if not capturing and memo is not None and memo[0] == raw and memo[1] == _BUFFERS_VERSION[0]:
                 counters, scratch = memo[2]
             else:
+                stream = None if capturing else (self.device_index, raw)
                 buffers = _stream_buffers(self.device, stream, self.num_counters, self.partials)
                 counters, scratch = _kernel_scratch(buffers, split)
                 # (A capture's buffers are its own; large split scratch is allocated per call.)
                 if stream is not None and (not split or self.partials.numel <= _SCRATCH_MAX_FLOATS):
-                    self.buffers = (stream, _BUFFERS_VERSION[0], (counters, scratch))
+                    self.buffers = (raw, _BUFFERS_VERSION[0], (counters, scratch))
         if split:
             self.forward(q, k, v, out, lse, scratch, self.scale_log2, cu_seqlens_q, cu_seqlens_k,
                          seqused_k, page_table, counters, self.max_ctas, self.num_splits, kv_length)
