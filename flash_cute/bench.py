@@ -117,13 +117,13 @@ def time_interleaved(fns: Dict[str, Callable[[], object]], warmup: int = 5, reps
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
-def host_us_per_call(fns: Dict[str, Callable[[], object]], calls: int = 500, rounds: int = 15
-                     ) -> Dict[str, Tuple[float, float]]:
+def host_rounds_us(fns: Dict[str, Callable[[], object]], calls: int = 500, rounds: int = 15
+                   ) -> Dict[str, List[float]]:
     """Host microseconds per call of each fn() issued back to back (tiny problems: the GPU keeps
-    up), as (median, best) over `rounds` rounds of `calls` calls. The callables take turns
-    round by round, so that load from other processes on a shared host CPU (which moves single
-    rounds by tens of percent) falls on all of them alike; the best round is the cost with the
-    least such load."""
+    up), one value per round of `calls` calls. The callables take turns round by round, each
+    round starting with another one, so that load from other processes on a shared host CPU
+    (which moves single rounds by tens of percent) falls on all of them alike, and round r of
+    two callables can be compared (an A/B's median of the rounds' differences)."""
     for fn in fns.values():
         for _ in range(20):
             fn()
@@ -138,7 +138,14 @@ def host_us_per_call(fns: Dict[str, Callable[[], object]], calls: int = 500, rou
                 fn()
             per_round[name].append((time.perf_counter() - start) / calls * 1e6)
             torch.cuda.synchronize()
-    return {name: (statistics.median(t), min(t)) for name, t in per_round.items()}
+    return per_round
+
+
+def host_us_per_call(fns: Dict[str, Callable[[], object]], calls: int = 500, rounds: int = 15
+                     ) -> Dict[str, Tuple[float, float]]:
+    """(median, best) over host_rounds_us' rounds for each callable; the best round is the
+    cost with the least load from other processes."""
+    return {name: (statistics.median(t), min(t)) for name, t in host_rounds_us(fns, calls, rounds).items()}
 
 
 def prefill_peers(q, k, v, causal: bool) -> Dict[str, Callable[[], object]]:
