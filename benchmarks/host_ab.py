@@ -8,6 +8,7 @@ on a shared CPU whose speed moves between rounds). Run from the repository root 
     python benchmarks/host_ab.py OLD_DIR [CALL ...]      (no CALL: all of CALLS)
 
 The host_h100_eighth / host_h100_ninth A/B logs were taken with this call table (or a subset)."""
+
 import statistics
 import sys
 
@@ -34,12 +35,17 @@ CALLS = {
     "func": lambda m: m.flash_attn_func(q, k, v),
     "func causal": lambda m: m.flash_attn_func(q, k, v, causal=True),
     "func out=": lambda m: m.flash_attn_func(q, k, v, out=out),
-    "kvcache tensor len, no split": lambda m: m.flash_attn_with_kvcache(qd, kc, vc, sl, num_splits=1),
-    "kvcache int len, no split": lambda m: m.flash_attn_with_kvcache(qd, kc, vc, 1000, num_splits=1),
+    "kvcache tensor len, no split": lambda m: m.flash_attn_with_kvcache(
+        qd, kc, vc, sl, num_splits=1
+    ),
+    "kvcache int len, no split": lambda m: m.flash_attn_with_kvcache(
+        qd, kc, vc, 1000, num_splits=1
+    ),
     "kvcache tensor len, auto split": lambda m: m.flash_attn_with_kvcache(qd, kc, vc, sl),
     "kvcache int len, auto split": lambda m: m.flash_attn_with_kvcache(qd, kc, vc, 1000),
     "varlen paged decode, 4 splits": lambda m: m.flash_attn_varlen_func(
-        qv, kp, vp, cu_q, 1, seqused_k=used, max_seqlen_k=256, page_table=pages, num_splits=4),
+        qv, kp, vp, cu_q, 1, seqused_k=used, max_seqlen_k=256, page_table=pages, num_splits=4
+    ),
 }
 
 
@@ -48,15 +54,22 @@ def main():
     import flash_cute_old
 
     names = sys.argv[2:] or list(CALLS)
-    fns = {(n, tag): (lambda call=CALLS[n], m=m: call(m))
-           for tag, m in (("old", flash_cute_old), ("new", flash_cute)) for n in names}
+    fns = {
+        (n, tag): (lambda call=CALLS[n], m=m: call(m))
+        for tag, m in (("old", flash_cute_old), ("new", flash_cute))
+        for n in names
+    }
     fns[("torch x.add_(0)", "-")] = lambda: q.add_(0)
     res = host_rounds_us(fns, calls=500, rounds=21)
-    print(f"{'call':32s} {'old med/best':>14s} {'new med/best':>14s}  new-old (median of rounds' differences)")
+    print(
+        f"{'call':32s} {'old med/best':>14s} {'new med/best':>14s}  new-old (median of rounds' differences)"
+    )
     for n in names:
         o, w = res[(n, "old")], res[(n, "new")]
         d = statistics.median(b - a for a, b in zip(o, w))
-        print(f"{n:32s} {statistics.median(o):6.2f}/{min(o):5.2f}  {statistics.median(w):6.2f}/{min(w):5.2f}  {d:+.2f} us")
+        print(
+            f"{n:32s} {statistics.median(o):6.2f}/{min(o):5.2f}  {statistics.median(w):6.2f}/{min(w):5.2f}  {d:+.2f} us"
+        )
     a = res[("torch x.add_(0)", "-")]
     print(f"{'torch x.add_(0)':32s} {statistics.median(a):6.2f}/{min(a):5.2f}")
 

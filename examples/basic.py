@@ -19,8 +19,19 @@ def main():
         from flash_cute.compile_cache import ForwardKernelKey, compile_forward
 
         start = time.time()
-        compile_forward(ForwardKernelKey("bfloat16", head_dim, True, flash_cute.default_config(head_dim, "bfloat16", True), True))
-        print(f"no Hopper GPU here: compiled the sm_90a kernel in {time.time() - start:.1f}s, nothing to run")
+        compile_forward(
+            ForwardKernelKey(
+                "bfloat16",
+                head_dim,
+                True,
+                flash_cute.default_config(head_dim, "bfloat16", True),
+                True,
+            )
+        )
+        print(
+            f"no Hopper GPU here: compiled the sm_90a kernel in {time.time() - start:.1f}s, "
+            "nothing to run"
+        )
         return
 
     torch.manual_seed(0)
@@ -35,7 +46,10 @@ def main():
     err = (out.float() - ref).abs().max().item()
     bound = error_bound(lowp, ref)
     lse_err = (lse - lse_ref).abs().max().item()
-    print(f"out {tuple(out.shape)} {out.dtype}: max error {err:.2e} (bound {bound:.2e}); lse max error {lse_err:.2e}")
+    print(
+        f"out {tuple(out.shape)} {out.dtype}: max error {err:.2e} (bound {bound:.2e}); "
+        f"lse max error {lse_err:.2e}"
+    )
     assert err <= bound and lse_err < 1e-3, "flash_cute disagrees with the reference"
     print("ok")
 

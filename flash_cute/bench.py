@@ -22,9 +22,10 @@ varlen API), eager and as CUDA-graph replays. Reports microseconds and the K+V r
 varlen batch mixing prefills and decodes.
 
 sweep: every valid config of the given knob lists (tile M/N, stages, P source, overlap,
-ping-pong, rescale point, CTAs per SM, persistent scheduler) on the paper-grid shapes of one head dim; prints a table
-ranked by geometric-mean TFLOP/s, writes JSON, and with --plot draws TFLOP/s per config against
-sequence length. Configs compile in parallel worker processes first (into the disk cache).
+ping-pong, rescale point, CTAs per SM, persistent scheduler) on the paper-grid shapes of one
+head dim; prints a table ranked by geometric-mean TFLOP/s, writes JSON, and with --plot draws
+TFLOP/s per config against sequence length. Configs compile in parallel worker processes first
+(into the disk cache).
 
 plot: redraw a sweep's JSON as a PNG, on any machine.
 
@@ -95,8 +96,12 @@ def balanced_orders(n: int) -> List[List[int]]:
     return orders
 
 
-def time_interleaved(fns: Dict[str, Callable[[], object]], warmup: int = 5, reps: int = 30,
-                     rounds: Optional[int] = None) -> Dict[str, float]:
+def time_interleaved(
+    fns: Dict[str, Callable[[], object]],
+    warmup: int = 5,
+    reps: int = 30,
+    rounds: Optional[int] = None,
+) -> Dict[str, float]:
     """time_cuda for several callables, taking turns in rounds so that drift of the GPU's
     clocks or temperature during the run falls on all of them alike, each round in another
     order of balanced_orders (by default one round per order, so within rounds each callable
@@ -107,7 +112,7 @@ def time_interleaved(fns: Dict[str, Callable[[], object]], warmup: int = 5, reps
     orders = balanced_orders(len(names))
     rounds = rounds or len(orders)
     samples: Dict[str, list] = {name: [] for name in fns}
-    for name, fn in fns.items():
+    for fn in fns.values():
         for _ in range(warmup):
             fn()
     per_round = max(1, reps // rounds)
@@ -117,8 +122,9 @@ def time_interleaved(fns: Dict[str, Callable[[], object]], warmup: int = 5, reps
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
-def host_rounds_us(fns: Dict[str, Callable[[], object]], calls: int = 500, rounds: int = 15
-                   ) -> Dict[str, List[float]]:
+def host_rounds_us(
+    fns: Dict[str, Callable[[], object]], calls: int = 500, rounds: int = 15
+) -> Dict[str, List[float]]:
     """Host microseconds per call of each fn() issued back to back (tiny problems: the GPU keeps
     up), one value per round of `calls` calls. The callables take turns round by round, each
     round starting with another one, so that load from other processes on a shared host CPU
@@ -131,7 +137,9 @@ def host_rounds_us(fns: Dict[str, Callable[[], object]], calls: int = 500, round
     per_round: Dict[str, List[float]] = {name: [] for name in fns}
     names = list(fns)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:  # each round starts elsewhere
+        for name in (
+            names[r % len(names) :] + names[: r % len(names)]
+        ):  # each round starts elsewhere
             fn = fns[name]
             start = time.perf_counter()
             for _ in range(calls):
@@ -141,11 +149,15 @@ def host_rounds_us(fns: Dict[str, Callable[[], object]], calls: int = 500, round
     return per_round
 
 
-def host_us_per_call(fns: Dict[str, Callable[[], object]], calls: int = 500, rounds: int = 15
-                     ) -> Dict[str, Tuple[float, float]]:
+def host_us_per_call(
+    fns: Dict[str, Callable[[], object]], calls: int = 500, rounds: int = 15
+) -> Dict[str, Tuple[float, float]]:
     """(median, best) over host_rounds_us' rounds for each callable; the best round is the
     cost with the least load from other processes."""
-    return {name: (statistics.median(t), min(t)) for name, t in host_rounds_us(fns, calls, rounds).items()}
+    return {
+        name: (statistics.median(t), min(t))
+        for name, t in host_rounds_us(fns, calls, rounds).items()
+    }
 
 
 def prefill_peers(q, k, v, causal: bool) -> Dict[str, Callable[[], object]]:
@@ -158,10 +170,15 @@ def prefill_peers(q, k, v, causal: bool) -> Dict[str, Callable[[], object]]:
 
     # SDPA wants (b, h, s, d); transpose once, outside the timed region.
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+    for name, backend in (
+        ("cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+    ):
+
         def run(backend=backend):
             with sdpa_kernel(backend):
                 return sdpa(qt, kt, vt, is_causal=causal)
+
         try:
             run()
             peers[name] = run
@@ -217,9 +234,17 @@ class PrefillRow:
         return self.tflops["flash_cute"] / max(others)
 
 
-def run_prefill(dtype: str, hdims: List[int], causals: List[bool], seqlens: List[int],
-                total_tokens: int = 16384, hidden: int = 2048, warmup: int = 5, reps: int = 30,
-                passes: int = 1) -> List[PrefillRow]:
+def run_prefill(
+    dtype: str,
+    hdims: List[int],
+    causals: List[bool],
+    seqlens: List[int],
+    total_tokens: int = 16384,
+    hidden: int = 2048,
+    warmup: int = 5,
+    reps: int = 30,
+    passes: int = 1,
+) -> List[PrefillRow]:
     """The grid, each point timed with its peers interleaved. With passes > 1 the whole grid runs
     that many times; each peer's time at a point is its median over the passes, and the ratio
     to the best peer the median of the passes' ratios: a point's passes lie a minute or more
@@ -232,14 +257,21 @@ def run_prefill(dtype: str, hdims: List[int], causals: List[bool], seqlens: List
             nheads = hidden // hdim
             batch = max(1, total_tokens // seqlen)
             gen = torch.Generator(device="cuda").manual_seed(seqlen + hdim)
-            q, k, v = (torch.randn(batch, seqlen, nheads, hdim, device="cuda", dtype=DTYPES[dtype], generator=gen)
-                       for _ in range(3))
+            q, k, v = (
+                torch.randn(
+                    batch, seqlen, nheads, hdim, device="cuda", dtype=DTYPES[dtype], generator=gen
+                )
+                for _ in range(3)
+            )
             row = PrefillRow(dtype, hdim, causal, seqlen, batch, nheads)
             for name, ms in time_interleaved(prefill_peers(q, k, v, causal), warmup, reps).items():
                 row.ms[name] = ms
                 row.tflops[name] = row.flops / ms / 1e9
             runs[(hdim, causal, seqlen)].append(row)
-            print(format_prefill_row(row) + (f"  (pass {p + 1}/{passes})" if passes > 1 else ""), flush=True)
+            print(
+                format_prefill_row(row) + (f"  (pass {p + 1}/{passes})" if passes > 1 else ""),
+                flush=True,
+            )
             del q, k, v
     return [merge_passes(rows) for rows in runs.values()]
 
@@ -248,7 +280,9 @@ def merge_passes(rows: List[PrefillRow]) -> PrefillRow:
     """One point's passes as one row: each peer's median time, and each pass's ratio (their
     median is the row's paired_ratio)."""
     first = rows[0]
-    merged = PrefillRow(first.dtype, first.hdim, first.causal, first.seqlen, first.batch, first.nheads)
+    merged = PrefillRow(
+        first.dtype, first.hdim, first.causal, first.seqlen, first.batch, first.nheads
+    )
     for name in dict.fromkeys(name for r in rows for name in r.ms):  # peers of any pass
         times = [r.ms[name] for r in rows if name in r.ms]
         merged.ms[name] = statistics.median(times)
@@ -261,8 +295,10 @@ def format_prefill_row(row: PrefillRow) -> str:
     cells = " ".join(f"{name}={t:6.1f}" for name, t in row.tflops.items())
     ratio = row.ratio_to_best_peer
     ratio_s = f"{ratio:.2f}x" if ratio is not None else "n/a"
-    return (f"{row.dtype} hdim={row.hdim:3d} causal={int(row.causal)} seqlen={row.seqlen:5d} "
-            f"batch={row.batch:2d}: {cells}  flash_cute/best_peer={ratio_s}")
+    return (
+        f"{row.dtype} hdim={row.hdim:3d} causal={int(row.causal)} seqlen={row.seqlen:5d} "
+        f"batch={row.batch:2d}: {cells}  flash_cute/best_peer={ratio_s}"
+    )
 
 
 def prefill_table(rows: List[PrefillRow]) -> str:
@@ -271,8 +307,10 @@ def prefill_table(rows: List[PrefillRow]) -> str:
     for row in rows:
         peers += [p for p in row.tflops if p not in peers]
     seqlens = sorted({r.seqlen for r in rows})
-    lines = ["| dtype | hdim | causal | peer | " + " | ".join(str(s) for s in seqlens) + " |",
-             "|---|---|---|---|" + "---|" * len(seqlens)]
+    lines = [
+        "| dtype | hdim | causal | peer | " + " | ".join(str(s) for s in seqlens) + " |",
+        "|---|---|---|---|" + "---|" * len(seqlens),
+    ]
     groups = sorted({(r.dtype, r.hdim, r.causal) for r in rows})
     for dtype, hdim, causal in groups:
         group = {r.seqlen: r for r in rows if (r.dtype, r.hdim, r.causal) == (dtype, hdim, causal)}
@@ -287,11 +325,21 @@ def prefill_table(rows: List[PrefillRow]) -> str:
                     ratio = r.paired_ratio
                     cells.append(f"{ratio:.2f}" if ratio is not None else "")
                 elif peer == "pass ratios":
-                    cells.append(f"{min(r.pass_ratios):.2f}-{max(r.pass_ratios):.2f}" if r.pass_ratios else "")
+                    cells.append(
+                        f"{min(r.pass_ratios):.2f}-{max(r.pass_ratios):.2f}"
+                        if r.pass_ratios
+                        else ""
+                    )
                 else:
                     cells.append(f"{r.tflops[peer]:.0f}" if peer in r.tflops else "")
-            name = {"ratio": "flash_cute / best peer", "pass ratios": "range over passes"}.get(peer, peer)
-            lines.append(f"| {dtype} | {hdim} | {'yes' if causal else 'no'} | {name} | " + " | ".join(cells) + " |")
+            name = {"ratio": "flash_cute / best peer", "pass ratios": "range over passes"}.get(
+                peer, peer
+            )
+            lines.append(
+                f"| {dtype} | {hdim} | {'yes' if causal else 'no'} | {name} | "
+                + " | ".join(cells)
+                + " |"
+            )
     return "\n".join(lines)
 
 
@@ -330,7 +378,9 @@ class DecodeRow:
         return self.kv_bytes / self.us[name] / 1e6
 
 
-def decode_peers(q, k, v, page_size: int, seqlens: torch.Tensor, gen) -> Dict[str, Callable[[], object]]:
+def decode_peers(
+    q, k, v, page_size: int, seqlens: torch.Tensor, gen
+) -> Dict[str, Callable[[], object]]:
     """(batch, 1, 32, 128) decode against k/v (batch, seqlen_k, 8, 128), paged when page_size."""
     import flash_cute
 
@@ -346,7 +396,8 @@ def decode_peers(q, k, v, page_size: int, seqlens: torch.Tensor, gen) -> Dict[st
         k_cache[perm] = k.reshape(num_pages, page_size, *k.shape[2:])
         v_cache[perm] = v.reshape(num_pages, page_size, *v.shape[2:])
         peers["flash_cute"] = lambda: flash_cute.flash_attn_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens=seqlens, page_table=page_table)
+            q, k_cache, v_cache, cache_seqlens=seqlens, page_table=page_table
+        )
         try:
             from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
 
@@ -354,13 +405,22 @@ def decode_peers(q, k, v, page_size: int, seqlens: torch.Tensor, gen) -> Dict[st
             q_packed = q.reshape(batch, *q.shape[2:])
 
             def run_fa4():
-                return fa4_varlen(q_packed, k_cache, v_cache, cu_seqlens_q=cu_q, seqused_k=seqlens,
-                                  page_table=page_table, max_seqlen_q=1)
+                return fa4_varlen(
+                    q_packed,
+                    k_cache,
+                    v_cache,
+                    cu_seqlens_q=cu_q,
+                    seqused_k=seqlens,
+                    page_table=page_table,
+                    max_seqlen_q=1,
+                )
 
             run_fa4()
             peers["fa4"] = run_fa4
         except Exception as exc:
-            print(f"# fa4 paged unavailable: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+            print(
+                f"# fa4 paged unavailable: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr
+            )
         return peers
     peers["flash_cute"] = lambda: flash_cute.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens)
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -381,8 +441,13 @@ def decode_peers(q, k, v, page_size: int, seqlens: torch.Tensor, gen) -> Dict[st
     return peers
 
 
-def run_decode(batches: List[int], seqlens: List[int], pages: List[int], graphs: bool = True,
-               memory_fraction: float = 0.4) -> List[DecodeRow]:
+def run_decode(
+    batches: List[int],
+    seqlens: List[int],
+    pages: List[int],
+    graphs: bool = True,
+    memory_fraction: float = 0.4,
+) -> List[DecodeRow]:
     nheads, nheads_kv, d, dtype = 32, 8, 128, torch.bfloat16
     free = torch.cuda.mem_get_info()[0]
     rows = []
@@ -390,12 +455,19 @@ def run_decode(batches: List[int], seqlens: List[int], pages: List[int], graphs:
         for seqlen_k in seqlens:
             kv_bytes = 2 * batch * seqlen_k * nheads_kv * d * 2
             if 2 * kv_bytes > memory_fraction * free:  # paged copies double it
-                print(f"# skip batch={batch} seqlen_k={seqlen_k}: {kv_bytes / 1e9:.1f} GB", file=sys.stderr)
+                print(
+                    f"# skip batch={batch} seqlen_k={seqlen_k}: {kv_bytes / 1e9:.1f} GB",
+                    file=sys.stderr,
+                )
                 continue
             gen = torch.Generator(device="cuda").manual_seed(batch * 7 + seqlen_k)
             q = torch.randn(batch, 1, nheads, d, device="cuda", dtype=dtype, generator=gen)
-            k = torch.randn(batch, seqlen_k, nheads_kv, d, device="cuda", dtype=dtype, generator=gen)
-            v = torch.randn(batch, seqlen_k, nheads_kv, d, device="cuda", dtype=dtype, generator=gen)
+            k = torch.randn(
+                batch, seqlen_k, nheads_kv, d, device="cuda", dtype=dtype, generator=gen
+            )
+            v = torch.randn(
+                batch, seqlen_k, nheads_kv, d, device="cuda", dtype=dtype, generator=gen
+            )
             seqlens_t = torch.full((batch,), seqlen_k, dtype=torch.int32, device="cuda")
             for page in pages:
                 if page and seqlen_k % page:
@@ -407,7 +479,11 @@ def run_decode(batches: List[int], seqlens: List[int], pages: List[int], graphs:
                         try:
                             row.us[name + "/graph"] = time_graph(fn) * 1e3
                         except Exception as exc:
-                            print(f"# {name} graph capture failed: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+                            print(
+                                f"# {name} graph capture failed: "
+                                f"{type(exc).__name__}: {str(exc)[:120]}",
+                                file=sys.stderr,
+                            )
                 rows.append(row)
                 print(format_decode_row(row), flush=True)
                 torch.cuda.empty_cache()
@@ -419,20 +495,31 @@ def run_decode(batches: List[int], seqlens: List[int], pages: List[int], graphs:
 def format_decode_row(row: DecodeRow) -> str:
     cells = "  ".join(f"{name}={us:8.1f}us {row.tbs(name):5.2f}TB/s" for name, us in row.us.items())
     layout = f"page{row.page_size}" if row.page_size else "contig"
-    return f"batch={row.batch:3d} seqlen_k={row.seqlen_k:6d} {layout:7s} KV={row.kv_bytes / 1e6:8.1f}MB  {cells}"
+    return (
+        f"batch={row.batch:3d} seqlen_k={row.seqlen_k:6d} {layout:7s} "
+        f"KV={row.kv_bytes / 1e6:8.1f}MB  {cells}"
+    )
 
 
 def decode_table(rows: List[DecodeRow], copy_gbs: float) -> str:
     names = []
     for row in rows:
         names += [n for n in row.us if n not in names]
-    lines = [f"K+V read bandwidth in TB/s (us in parentheses); device-to-device copy: {copy_gbs / 1e3:.2f} TB/s",
-             "", "| batch | seqlen_k | KV MB | layout | " + " | ".join(names) + " |",
-             "|---|---|---|---|" + "---|" * len(names)]
+    lines = [
+        "K+V read bandwidth in TB/s (us in parentheses); "
+        f"device-to-device copy: {copy_gbs / 1e3:.2f} TB/s",
+        "",
+        "| batch | seqlen_k | KV MB | layout | " + " | ".join(names) + " |",
+        "|---|---|---|---|" + "---|" * len(names),
+    ]
     for r in rows:
         cells = [f"{r.tbs(n):.2f} ({r.us[n]:.0f})" if n in r.us else "" for n in names]
         layout = f"page {r.page_size}" if r.page_size else "contiguous"
-        lines.append(f"| {r.batch} | {r.seqlen_k} | {r.kv_bytes / 1e6:.0f} | {layout} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {r.batch} | {r.seqlen_k} | {r.kv_bytes / 1e6:.0f} | {layout} | "
+            + " | ".join(cells)
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -449,25 +536,50 @@ def run_varlen_mixed() -> str:
     cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
     q = torch.randn(int(cu_q[-1]), nheads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     pages = max(k_lens) // page
-    k_cache = torch.randn(batch * pages, page, nheads_kv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_cache = torch.randn(
+        batch * pages, page, nheads_kv, d, device="cuda", dtype=torch.bfloat16, generator=gen
+    )
     v_cache = torch.randn_like(k_cache)
-    page_table = torch.randperm(batch * pages, device="cuda", generator=gen).view(batch, pages).to(torch.int32)
+    page_table = (
+        torch.randperm(batch * pages, device="cuda", generator=gen)
+        .view(batch, pages)
+        .to(torch.int32)
+    )
     seqused = torch.tensor(k_lens, device="cuda", dtype=torch.int32)
     kv_bytes = sum(k_lens) * nheads_kv * d * 2 * 2
     flops = sum(4 * nheads * ql * kl * d for ql, kl in zip(q_lens, k_lens))
     lines = []
     for causal in (False, True):
         fn = lambda: flash_cute.flash_attn_varlen_func(  # noqa: E731
-            q, k_cache, v_cache, cu_q, max(q_lens), seqused_k=seqused, page_table=page_table, causal=causal,
-            num_splits=0)
+            q,
+            k_cache,
+            v_cache,
+            cu_q,
+            max(q_lens),
+            seqused_k=seqused,
+            page_table=page_table,
+            causal=causal,
+            num_splits=0,
+        )
         ms = time_cuda(fn, 3, 20)
-        lines.append(f"varlen mixed batch (2 x 2048-token prefill + 30 decodes at 8k keys, page 64, causal={causal}): "
-                     f"flash_cute {ms * 1e3:.0f} us, {kv_bytes / ms / 1e9:.2f} TB/s of K+V, {flops / ms / 1e9:.0f} TFLOP/s")
+        lines.append(
+            "varlen mixed batch (2 x 2048-token prefill + 30 decodes at 8k keys, page 64, "
+            f"causal={causal}): flash_cute {ms * 1e3:.0f} us, "
+            f"{kv_bytes / ms / 1e9:.2f} TB/s of K+V, {flops / ms / 1e9:.0f} TFLOP/s"
+        )
         try:
             from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
 
-            fa4 = lambda: fa4_varlen(q, k_cache, v_cache, cu_seqlens_q=cu_q, seqused_k=seqused,  # noqa: E731
-                                     page_table=page_table, max_seqlen_q=max(q_lens), causal=causal)
+            fa4 = lambda: fa4_varlen(  # noqa: E731
+                q,
+                k_cache,
+                v_cache,
+                cu_seqlens_q=cu_q,
+                seqused_k=seqused,  # noqa: E731
+                page_table=page_table,
+                max_seqlen_q=max(q_lens),
+                causal=causal,
+            )
             fa4()
             ms = time_cuda(fa4, 3, 20)
             lines.append(f"    fa4 {ms * 1e3:.0f} us, {kv_bytes / ms / 1e9:.2f} TB/s")
@@ -483,24 +595,66 @@ def run_varlen_mixed() -> str:
 ON_OFF = {"on": True, "off": False}
 
 
-def sweep_configs(head_dim: int, dtype: str, tile_m, tile_n, stages, pv, overlap, pingpong, rescale, ctas,
-                  schedulers=("single_tile",), l2_section_mb=(AttentionConfig.l2_section_mb,),
-                  mbarrier_probe=(False,), exp2_on_fma=(0,), lazy_rescale=(False,), rescale_threshold=(0,),
-                  store_o_from_registers=(False,)):
+def sweep_configs(
+    head_dim: int,
+    dtype: str,
+    tile_m,
+    tile_n,
+    stages,
+    pv,
+    overlap,
+    pingpong,
+    rescale,
+    ctas,
+    schedulers=("single_tile",),
+    l2_section_mb=(AttentionConfig.l2_section_mb,),
+    mbarrier_probe=(False,),
+    exp2_on_fma=(0,),
+    lazy_rescale=(False,),
+    rescale_threshold=(0,),
+    store_o_from_registers=(False,),
+):
     """Every valid AttentionConfig of the product of the knob lists."""
     import itertools
 
     configs = []
     for tm, tn, st, p, ov, pp, rb, c, sch, l2, probe, fma, lazy, thr, reg_o in itertools.product(
-            tile_m, tile_n, stages, pv, overlap, pingpong, rescale, ctas, schedulers, l2_section_mb, mbarrier_probe,
-            exp2_on_fma, lazy_rescale, rescale_threshold, store_o_from_registers):
+        tile_m,
+        tile_n,
+        stages,
+        pv,
+        overlap,
+        pingpong,
+        rescale,
+        ctas,
+        schedulers,
+        l2_section_mb,
+        mbarrier_probe,
+        exp2_on_fma,
+        lazy_rescale,
+        rescale_threshold,
+        store_o_from_registers,
+    ):
         if pp and tm == 64 or rb and not ov:
             continue
         try:
-            cfg = AttentionConfig(tile_m=tm, tile_n=tn, num_stages=st, pv_from_registers=p == "regs",
-                                  intra_wg_overlap=ov, pingpong=pp, rescale_o_before_pv=rb, ctas_per_sm=c,
-                                  scheduler=sch, l2_section_mb=l2, mbarrier_probe=probe, exp2_on_fma=fma,
-                                  lazy_rescale=lazy, rescale_threshold=thr, store_o_from_registers=reg_o)
+            cfg = AttentionConfig(
+                tile_m=tm,
+                tile_n=tn,
+                num_stages=st,
+                pv_from_registers=p == "regs",
+                intra_wg_overlap=ov,
+                pingpong=pp,
+                rescale_o_before_pv=rb,
+                ctas_per_sm=c,
+                scheduler=sch,
+                l2_section_mb=l2,
+                mbarrier_probe=probe,
+                exp2_on_fma=fma,
+                lazy_rescale=lazy,
+                rescale_threshold=thr,
+                store_o_from_registers=reg_o,
+            )
             cfg.validate(head_dim, "bfloat16" if dtype == "bf16" else "float16")
         except ValueError:
             continue
@@ -546,12 +700,16 @@ class SweepRow:
 
 
 def config_label(cfg) -> str:
-    label = (f"{cfg.tile_m}x{cfg.tile_n} st{cfg.num_stages} {'RS' if cfg.pv_from_registers else 'SS'}"
-             f"{' ov' if cfg.intra_wg_overlap else ''}{' pp' if cfg.pingpong else ''}"
-             f"{' rb' if cfg.rescale_o_before_pv else ''}")
+    label = (
+        f"{cfg.tile_m}x{cfg.tile_n} st{cfg.num_stages} {'RS' if cfg.pv_from_registers else 'SS'}"
+        f"{' ov' if cfg.intra_wg_overlap else ''}{' pp' if cfg.pingpong else ''}"
+        f"{' rb' if cfg.rescale_o_before_pv else ''}"
+    )
     label += f" {cfg.ctas_per_sm}cta" if cfg.ctas_per_sm > 1 else ""
     short = {"single_tile": "", "static_persistent": " static", "dynamic_persistent": " dynamic"}
-    label += f" l2:{cfg.l2_section_mb}MB" if cfg.l2_section_mb != AttentionConfig.l2_section_mb else ""
+    label += (
+        f" l2:{cfg.l2_section_mb}MB" if cfg.l2_section_mb != AttentionConfig.l2_section_mb else ""
+    )
     label += " probe" if cfg.mbarrier_probe else ""
     label += f" fma-exp2:{cfg.exp2_on_fma}/16" if cfg.exp2_on_fma else ""
     label += " lazy" if cfg.lazy_rescale else ""
@@ -560,8 +718,15 @@ def config_label(cfg) -> str:
     return label + short[cfg.scheduler]
 
 
-def run_sweep(head_dim: int, causal: bool, dtype: str, seqlens: List[int], configs, workers: int,
-              reps: int = 20) -> List[SweepRow]:
+def run_sweep(
+    head_dim: int,
+    causal: bool,
+    dtype: str,
+    seqlens: List[int],
+    configs,
+    workers: int,
+    reps: int = 20,
+) -> List[SweepRow]:
     import flash_cute
     from flash_cute.compile_cache import ForwardKernelKey
 
@@ -576,13 +741,21 @@ def run_sweep(head_dim: int, causal: bool, dtype: str, seqlens: List[int], confi
     for seqlen in seqlens:
         batch = max(1, 16384 // seqlen)
         gen = torch.Generator(device="cuda").manual_seed(seqlen)
-        q, k, v = (torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=DTYPES[dtype], generator=gen)
-                   for _ in range(3))
+        q, k, v = (
+            torch.randn(
+                batch, seqlen, nheads, head_dim, device="cuda", dtype=DTYPES[dtype], generator=gen
+            )
+            for _ in range(3)
+        )
         flops = prefill_flops(batch, nheads, seqlen, head_dim, causal)
         # Configs take turns in rounds, so drift hits them alike (up to 4 rounds: with many
         # configs, the orders are not balanced the way the prefill peers' are).
-        fns = {row.label: (lambda cfg=cfg: flash_cute.flash_attn_func(q, k, v, causal=causal, config=cfg))
-               for row, cfg in zip(rows, configs)}
+        fns = {
+            row.label: (
+                lambda cfg=cfg: flash_cute.flash_attn_func(q, k, v, causal=causal, config=cfg)
+            )
+            for row, cfg in zip(rows, configs)
+        }
         times = time_interleaved(fns, warmup=3, reps=reps, rounds=min(4, reps))
         for row in rows:
             row.tflops[seqlen] = flops / times[row.label] / 1e9
@@ -592,15 +765,19 @@ def run_sweep(head_dim: int, causal: bool, dtype: str, seqlens: List[int], confi
 
 
 def sweep_table(rows: List[SweepRow], seqlens: List[int], top: int = 30) -> str:
-    lines = ["| rank | config | geomean | " + " | ".join(str(s) for s in seqlens) + " |",
-             "|---|---|---|" + "---|" * len(seqlens)]
+    lines = [
+        "| rank | config | geomean | " + " | ".join(str(s) for s in seqlens) + " |",
+        "|---|---|---|" + "---|" * len(seqlens),
+    ]
     for rank, r in enumerate(rows[:top], 1):
         cells = " | ".join(f"{r.tflops.get(s, 0):.0f}" for s in seqlens)
         lines.append(f"| {rank} | {r.label} | {r.geomean:.0f} | {cells} |")
     return "\n".join(lines)
 
 
-def plot_sweep(rows: List[SweepRow], seqlens: List[int], title: str, path: str, highlight: int = 8) -> None:
+def plot_sweep(
+    rows: List[SweepRow], seqlens: List[int], title: str, path: str, highlight: int = 8
+) -> None:
     """TFLOP/s against sequence length, one line per config; the best `highlight` in color."""
     import matplotlib
 
@@ -609,10 +786,18 @@ def plot_sweep(rows: List[SweepRow], seqlens: List[int], title: str, path: str, 
 
     fig, ax = plt.subplots(figsize=(10, 6))
     for r in rows[highlight:]:
-        ax.plot(seqlens, [r.tflops.get(s, float("nan")) for s in seqlens], color="0.8", lw=0.8, zorder=1)
+        ax.plot(
+            seqlens, [r.tflops.get(s, float("nan")) for s in seqlens], color="0.8", lw=0.8, zorder=1
+        )
     for r in rows[:highlight]:
-        ax.plot(seqlens, [r.tflops.get(s, float("nan")) for s in seqlens], marker="o", lw=1.8, zorder=2,
-                label=f"{r.label} ({r.geomean:.0f})")
+        ax.plot(
+            seqlens,
+            [r.tflops.get(s, float("nan")) for s in seqlens],
+            marker="o",
+            lw=1.8,
+            zorder=2,
+            label=f"{r.label} ({r.geomean:.0f})",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xticks(seqlens, [str(s) for s in seqlens])
     ax.set_xlabel("sequence length (batch x seqlen = 16k tokens)")
@@ -634,7 +819,10 @@ def run_host() -> List[str]:
 
     dev, bf16 = "cuda", torch.bfloat16
     q = torch.randn(1, 1, 8, 128, device=dev, dtype=bf16)
-    k, v = torch.randn(1, 256, 8, 128, device=dev, dtype=bf16), torch.randn(1, 256, 8, 128, device=dev, dtype=bf16)
+    k, v = (
+        torch.randn(1, 256, 8, 128, device=dev, dtype=bf16),
+        torch.randn(1, 256, 8, 128, device=dev, dtype=bf16),
+    )
     qd = torch.randn(1, 1, 16, 128, device=dev, dtype=bf16)
     kc, vc = (torch.randn(1, 1024, 2, 128, device=dev, dtype=bf16) for _ in range(2))
     seqlens = torch.full((1,), 1024, dtype=torch.int32, device=dev)
@@ -643,24 +831,33 @@ def run_host() -> List[str]:
         "flash_cute.flash_attn_func": lambda: flash_cute.flash_attn_func(q, k, v),
         "flash_cute.flash_attn_func(out=)": lambda: flash_cute.flash_attn_func(q, k, v, out=out),
         "flash_cute.flash_attn_with_kvcache (no split)": lambda: flash_cute.flash_attn_with_kvcache(
-            qd, kc, vc, cache_seqlens=seqlens, num_splits=1),
-        "flash_cute.flash_attn_with_kvcache (auto split, merged in-kernel)": lambda: flash_cute.flash_attn_with_kvcache(
-            qd, kc, vc, cache_seqlens=seqlens),
-        "flash_cute.flash_attn_with_kvcache (int cache_seqlens, auto split)": lambda: flash_cute.flash_attn_with_kvcache(
-            qd, kc, vc, cache_seqlens=1000),
+            qd, kc, vc, cache_seqlens=seqlens, num_splits=1
+        ),
+        "flash_cute.flash_attn_with_kvcache (auto split, merged in-kernel)": lambda: (
+            flash_cute.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=seqlens)
+        ),
+        "flash_cute.flash_attn_with_kvcache (int cache_seqlens, auto split)": lambda: (
+            flash_cute.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=1000)
+        ),
     }
     # A decode loop's int length grows by one per step (512-1023: one launch plan).
     growing = iter(range(1 << 40))
     calls["flash_cute.flash_attn_with_kvcache (int cache_seqlens + 1 per call, auto split)"] = (
-        lambda: flash_cute.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=512 + next(growing) % 512))
+        lambda: flash_cute.flash_attn_with_kvcache(
+            qd, kc, vc, cache_seqlens=512 + next(growing) % 512
+        )
+    )
     # A vLLM-style paged decode step through the varlen entry point: 4 sequences, 4 splits.
     qv = torch.randn(4, 16, 128, device=dev, dtype=bf16)
     kp, vp = (torch.randn(64, 16, 2, 128, device=dev, dtype=bf16) for _ in range(2))
     cu_q = torch.arange(5, dtype=torch.int32, device=dev)
     pages = torch.arange(64, dtype=torch.int32, device=dev).view(4, 16)
     used = torch.full((4,), 256, dtype=torch.int32, device=dev)
-    calls["flash_cute.flash_attn_varlen_func (paged decode, 4 splits)"] = lambda: flash_cute.flash_attn_varlen_func(
-        qv, kp, vp, cu_q, 1, seqused_k=used, max_seqlen_k=256, page_table=pages, num_splits=4)
+    calls["flash_cute.flash_attn_varlen_func (paged decode, 4 splits)"] = lambda: (
+        flash_cute.flash_attn_varlen_func(
+            qv, kp, vp, cu_q, 1, seqused_k=used, max_seqlen_k=256, page_table=pages, num_splits=4
+        )
+    )
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
@@ -674,17 +871,28 @@ def run_host() -> List[str]:
         calls["fa4 flash_attn_func"] = lambda: fa4_func(q, k, v)
     except Exception as exc:
         print(f"# fa4 unavailable: {type(exc).__name__}", file=sys.stderr)
-    lines = [f"{name}: {median:.1f} us/call (median of rounds; best round {best:.1f})"
-             for name, (median, best) in host_us_per_call(calls).items()]
-    code = ("import time, torch, flash_cute; q = torch.randn(1, 77, 4, 96, device='cuda', dtype=torch.float16); "
-            "t = time.time(); flash_cute.flash_attn_func(q, q, q, causal=True); torch.cuda.synchronize(); "
-            "print(f'{time.time() - t:.3f}')")
+    lines = [
+        f"{name}: {median:.1f} us/call (median of rounds; best round {best:.1f})"
+        for name, (median, best) in host_us_per_call(calls).items()
+    ]
+    code = (
+        "import time, torch, flash_cute; "
+        "q = torch.randn(1, 77, 4, 96, device='cuda', dtype=torch.float16); "
+        "t = time.time(); flash_cute.flash_attn_func(q, q, q, causal=True); "
+        "torch.cuda.synchronize(); "
+        "print(f'{time.time() - t:.3f}')"
+    )
     import tempfile
 
     with tempfile.TemporaryDirectory() as cache_dir:
         env = dict(os.environ, FLASH_CUTE_CACHE_DIR=cache_dir)
-        for label in ("first call of a new config, empty disk cache", "first call in a new process, warm disk cache"):
-            r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        for label in (
+            "first call of a new config, empty disk cache",
+            "first call in a new process, warm disk cache",
+        ):
+            r = subprocess.run(
+                [sys.executable, "-c", code], env=env, capture_output=True, text=True
+            )
             lines.append(f"{label}: {r.stdout.strip() or r.stderr[-200:]} s")
     return lines
 
@@ -740,35 +948,67 @@ def run_varlen_prefill(dtype: str, seed: int = 0, reps: int = 40) -> List[Varlen
         one_cta = table.replace(scheduler="single_tile")
 
         def ours(cfg):
-            return lambda: flash_cute.flash_attn_varlen_func(q, k, v, cu, longest, cu_seqlens_k=cu,
-                                                             max_seqlen_k=longest, causal=causal, config=cfg)
+            return lambda: flash_cute.flash_attn_varlen_func(
+                q,
+                k,
+                v,
+                cu,
+                longest,
+                cu_seqlens_k=cu,
+                max_seqlen_k=longest,
+                causal=causal,
+                config=cfg,
+            )
 
         fns = {"flash_cute": ours(table), "flash_cute one CTA per tile": ours(one_cta)}
         if fa4_varlen is not None:
-            fns["fa4"] = lambda: fa4_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                                            max_seqlen_k=longest, causal=causal)
+            fns["fa4"] = lambda: fa4_varlen(
+                q,
+                k,
+                v,
+                cu_seqlens_q=cu,
+                cu_seqlens_k=cu,
+                max_seqlen_q=longest,
+                max_seqlen_k=longest,
+                causal=causal,
+            )
         times = time_interleaved(fns, warmup=3, reps=reps)
-        row = VarlenPrefillRow(name, config_label(table), total, {n: flops / ms / 1e9 for n, ms in times.items()})
-        print(f"{row.case} ({row.config}): " + " ".join(f"{n}={t:.0f}" for n, t in row.tflops.items()), flush=True)
+        row = VarlenPrefillRow(
+            name, config_label(table), total, {n: flops / ms / 1e9 for n, ms in times.items()}
+        )
+        print(
+            f"{row.case} ({row.config}): "
+            + " ".join(f"{n}={t:.0f}" for n, t in row.tflops.items()),
+            flush=True,
+        )
         rows.append(row)
     return rows
 
 
 def varlen_prefill_table(rows: List[VarlenPrefillRow]) -> str:
     """Markdown table: TFLOP/s per implementation, and flash_cute's ratios."""
-    lines = ["| case | config | tokens | flash_cute | one CTA per tile | fa4 | flash_cute / one CTA | flash_cute / fa4 |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| case | config | tokens | flash_cute | one CTA per tile | fa4 | flash_cute / one CTA "
+        "| flash_cute / fa4 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        ours, one, fa4 = (r.tflops.get(n) for n in ("flash_cute", "flash_cute one CTA per tile", "fa4"))
+        ours, one, fa4 = (
+            r.tflops.get(n) for n in ("flash_cute", "flash_cute one CTA per tile", "fa4")
+        )
         cell = lambda x: f"{x:.0f}" if x else ""  # noqa: E731
         ratio = lambda a, b: f"{a / b:.2f}" if a and b else ""  # noqa: E731
-        lines.append(f"| {r.case} | {r.config} | {r.tokens} | {cell(ours)} | {cell(one)} | {cell(fa4)} | "
-                     f"{ratio(ours, one)} | {ratio(ours, fa4)} |")
+        lines.append(
+            f"| {r.case} | {r.config} | {r.tokens} | {cell(ours)} | {cell(one)} | {cell(fa4)} | "
+            f"{ratio(ours, one)} | {ratio(ours, fa4)} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     pre = sub.add_parser("prefill", help="FlashAttention-3 paper grid")
     pre.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -776,8 +1016,12 @@ def main(argv=None) -> int:
     pre.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     pre.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     pre.add_argument("--reps", type=int, default=30)
-    pre.add_argument("--passes", type=int, default=1,
-                     help="run the grid this many times; each peer's time is its median over the passes")
+    pre.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="run the grid this many times; each peer's time is its median over the passes",
+    )
     pre.add_argument("--json", default=None, help="write the rows here")
     sw = sub.add_parser("sweep", help="rank a grid of configs on one problem")
     sw.add_argument("--hdim", type=int, default=128)
@@ -785,27 +1029,64 @@ def main(argv=None) -> int:
     sw.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     sw.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     sw.add_argument("--tile-m", type=int, nargs="+", default=[64, 128, 192])
-    sw.add_argument("--tile-n", type=int, nargs="+", default=[64, 80, 96, 112, 128, 144, 160, 176, 192])
+    sw.add_argument(
+        "--tile-n", type=int, nargs="+", default=[64, 80, 96, 112, 128, 144, 160, 176, 192]
+    )
     sw.add_argument("--stages", type=int, nargs="+", default=[2])
     sw.add_argument("--pv", choices=["regs", "smem"], nargs="+", default=["regs", "smem"])
     sw.add_argument("--overlap", choices=["on", "off"], nargs="+", default=["on"])
     sw.add_argument("--pingpong", choices=["on", "off"], nargs="+", default=["on", "off"])
     sw.add_argument("--rescale-before-pv", choices=["on", "off"], nargs="+", default=["off", "on"])
     sw.add_argument("--ctas-per-sm", type=int, nargs="+", default=[1])
-    sw.add_argument("--scheduler", choices=list(TILE_SCHEDULERS), nargs="+", default=list(TILE_SCHEDULERS),
-                    help="tile schedulers to try (one CTA per tile, or persistent CTAs)")
-    sw.add_argument("--l2-section-mb", type=int, nargs="+", default=[AttentionConfig.l2_section_mb],
-                    help="causal tile order: MB of K/V per section of heads ordered longest first")
-    sw.add_argument("--mbarrier-probe", choices=["on", "off"], nargs="+", default=["off"],
-                    help="poll K/V barriers once before the blocking wait")
-    sw.add_argument("--exp2-on-fma", type=int, nargs="+", default=[0],
-                    help="of every 16 softmax exponentials, how many a polynomial computes on the FMA pipe")
-    sw.add_argument("--lazy-rescale", choices=["on", "off"], nargs="+", default=["off"],
-                    help="skip a warp's O rescale when no row max moved")
-    sw.add_argument("--rescale-threshold", type=int, nargs="+", default=[0],
-                    help="log2 units a row's max may lag a new block's before it moves")
-    sw.add_argument("--store-o-from-registers", choices=["on", "off"], nargs="+", default=["off"],
-                    help="padded problems store O from registers instead of through smem and TMA")
+    sw.add_argument(
+        "--scheduler",
+        choices=list(TILE_SCHEDULERS),
+        nargs="+",
+        default=list(TILE_SCHEDULERS),
+        help="tile schedulers to try (one CTA per tile, or persistent CTAs)",
+    )
+    sw.add_argument(
+        "--l2-section-mb",
+        type=int,
+        nargs="+",
+        default=[AttentionConfig.l2_section_mb],
+        help="causal tile order: MB of K/V per section of heads ordered longest first",
+    )
+    sw.add_argument(
+        "--mbarrier-probe",
+        choices=["on", "off"],
+        nargs="+",
+        default=["off"],
+        help="poll K/V barriers once before the blocking wait",
+    )
+    sw.add_argument(
+        "--exp2-on-fma",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="of every 16 softmax exponentials, how many a polynomial computes on the FMA pipe",
+    )
+    sw.add_argument(
+        "--lazy-rescale",
+        choices=["on", "off"],
+        nargs="+",
+        default=["off"],
+        help="skip a warp's O rescale when no row max moved",
+    )
+    sw.add_argument(
+        "--rescale-threshold",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="log2 units a row's max may lag a new block's before it moves",
+    )
+    sw.add_argument(
+        "--store-o-from-registers",
+        choices=["on", "off"],
+        nargs="+",
+        default=["off"],
+        help="padded problems store O from registers instead of through smem and TMA",
+    )
     sw.add_argument("--compile-workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     sw.add_argument("--reps", type=int, default=20)
     sw.add_argument("--list", action="store_true", help="print the valid configs and exit (no GPU)")
@@ -823,7 +1104,9 @@ def main(argv=None) -> int:
     var.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     var.add_argument("--seed", type=int, default=0, help="seed of the random sequence lengths")
     var.add_argument("--reps", type=int, default=40)
-    var.add_argument("--list", action="store_true", help="print the cases' lengths and exit (no GPU)")
+    var.add_argument(
+        "--list", action="store_true", help="print the cases' lengths and exit (no GPU)"
+    )
     var.add_argument("--json", default=None)
     plot = sub.add_parser("plot", help="draw a sweep's JSON as a PNG (no GPU needed)")
     plot.add_argument("json_path")
@@ -832,18 +1115,32 @@ def main(argv=None) -> int:
     if args.command == "plot":
         with open(args.json_path) as f:
             data = json.load(f)
-        rows = [SweepRow(r["config"], r["label"], {int(s): t for s, t in r["tflops"].items()}) for r in data["rows"]]
+        rows = [
+            SweepRow(r["config"], r["label"], {int(s): t for s, t in r["tflops"].items()})
+            for r in data["rows"]
+        ]
         seqlens = sorted({s for r in rows for s in r.tflops})
         plot_sweep(rows, seqlens, data["title"], args.png_path)
         print(f"plot: {args.png_path}")
         return 0
     if args.command == "sweep":
         configs = sweep_configs(
-            args.hdim, args.dtype, args.tile_m, args.tile_n, args.stages, args.pv,
-            [ON_OFF[x] for x in args.overlap], [ON_OFF[x] for x in args.pingpong],
-            [ON_OFF[x] for x in args.rescale_before_pv], args.ctas_per_sm,
-            args.scheduler, args.l2_section_mb, [ON_OFF[x] for x in args.mbarrier_probe], args.exp2_on_fma,
-            [ON_OFF[x] for x in args.lazy_rescale], args.rescale_threshold,
+            args.hdim,
+            args.dtype,
+            args.tile_m,
+            args.tile_n,
+            args.stages,
+            args.pv,
+            [ON_OFF[x] for x in args.overlap],
+            [ON_OFF[x] for x in args.pingpong],
+            [ON_OFF[x] for x in args.rescale_before_pv],
+            args.ctas_per_sm,
+            args.scheduler,
+            args.l2_section_mb,
+            [ON_OFF[x] for x in args.mbarrier_probe],
+            args.exp2_on_fma,
+            [ON_OFF[x] for x in args.lazy_rescale],
+            args.rescale_threshold,
             [ON_OFF[x] for x in args.store_o_from_registers],
         )
         print(f"{len(configs)} valid configs for hdim {args.hdim}", flush=True)
@@ -861,9 +1158,20 @@ def main(argv=None) -> int:
         print("benchmarks need a CUDA GPU", file=sys.stderr)
         return 2
     if args.command == "sweep":
-        rows = run_sweep(args.hdim, args.causal, args.dtype, args.seqlens, configs, args.compile_workers, args.reps)
-        title = (f"flash_cute config sweep: hdim {args.hdim}, {'causal' if args.causal else 'non-causal'}, "
-                 f"{args.dtype}, {torch.cuda.get_device_name()}")
+        rows = run_sweep(
+            args.hdim,
+            args.causal,
+            args.dtype,
+            args.seqlens,
+            configs,
+            args.compile_workers,
+            args.reps,
+        )
+        title = (
+            f"flash_cute config sweep: hdim {args.hdim}, "
+            f"{'causal' if args.causal else 'non-causal'}, "
+            f"{args.dtype}, {torch.cuda.get_device_name()}"
+        )
         print(f"\n{title}\n")
         print(sweep_table(rows, args.seqlens))
         if args.json:
@@ -895,7 +1203,9 @@ def main(argv=None) -> int:
         rows = run_varlen_prefill(args.dtype, args.seed, args.reps)
         return _report(varlen_prefill_table(rows), rows, args.json)
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
-    rows = run_prefill(args.dtype, args.hdim, causals, args.seqlens, reps=args.reps, passes=args.passes)
+    rows = run_prefill(
+        args.dtype, args.hdim, causals, args.seqlens, reps=args.reps, passes=args.passes
+    )
     return _report(prefill_table(rows), rows, args.json)
 
 

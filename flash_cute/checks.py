@@ -39,7 +39,9 @@ def check_tensor(name: str, t, ndim: int, layout: str) -> None:
 
 def check_same_dtype(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     if t.dtype != ref.dtype:
-        raise TypeError(f"{name} must have the same dtype as {ref_name} ({ref.dtype}), got {t.dtype}")
+        raise TypeError(
+            f"{name} must have the same dtype as {ref_name} ({ref.dtype}), got {t.dtype}"
+        )
 
 
 def check_cuda(named_tensors) -> None:
@@ -49,7 +51,9 @@ def check_cuda(named_tensors) -> None:
         raise ValueError(f"{ref_name} must be a CUDA tensor, got a tensor on {ref.device}")
     for name, t in rest:
         if t.device != ref.device:
-            raise ValueError(f"{name} must be on {ref_name}'s device ({ref.device}), got {t.device}")
+            raise ValueError(
+                f"{name} must be on {ref_name}'s device ({ref.device}), got {t.device}"
+            )
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -85,7 +89,9 @@ def softmax_scale_log2(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
     elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+        raise TypeError(
+            f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}"
+        )
     elif not math.isfinite(softmax_scale) or softmax_scale < 0:
         # The kernel's running row max is taken over unscaled scores, which is the max of the
         # scaled ones only for a scale >= 0.
@@ -93,7 +99,9 @@ def softmax_scale_log2(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale) * math.log2(math.e)
 
 
-def check_out(out, shape: Tuple[int, ...], ref: torch.Tensor, inputs: Tuple[torch.Tensor, ...]) -> None:
+def check_out(
+    out, shape: Tuple[int, ...], ref: torch.Tensor, inputs: Tuple[torch.Tensor, ...]
+) -> None:
     """A caller-provided output of the attention entry points: q's dtype and device, and the
     checks of check_out_like against q, k, v."""
     check_out_like(out, shape, ref.dtype, ref.device, tuple(zip(("q", "k", "v"), inputs)))
@@ -103,7 +111,9 @@ def byte_extent(t: torch.Tensor) -> int:
     """Bytes from t's first to one past its last element (0 when empty)."""
     if t.numel() == 0:
         return 0
-    return (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
+    return (
+        sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+    ) * t.element_size()
 
 
 def _span(t: torch.Tensor) -> Tuple[int, int]:
@@ -139,7 +149,11 @@ def for_tma(t: torch.Tensor) -> torch.Tensor:
             if t.shape[i] == 1 and fixed[i] % per:
                 fixed[i] = per
         return t.as_strided(t.shape, fixed)
-    return t.clone(memory_format=torch.contiguous_format) if t.data_ptr() % TMA_ALIGN_BYTES else t.contiguous()
+    return (
+        t.clone(memory_format=torch.contiguous_format)
+        if t.data_ptr() % TMA_ALIGN_BYTES
+        else t.contiguous()
+    )
 
 
 def check_grid(nheads: int, batch: int) -> None:
@@ -155,7 +169,9 @@ def check_config(config, head_dim: int, dtype: str):
     if config is None:
         return None
     if not isinstance(config, AttentionConfig):
-        raise TypeError(f"config must be a flash_cute.AttentionConfig or None, got {type(config).__name__}")
+        raise TypeError(
+            f"config must be a flash_cute.AttentionConfig or None, got {type(config).__name__}"
+        )
     return config.validate(head_dim, dtype)
 
 
@@ -206,7 +222,9 @@ def check_cu_seqlens(name: str, t, batch: Optional[int]) -> int:
     """cu_seqlens: (batch + 1,) int32. Returns batch. Contents are not read (no host sync)."""
     _check_int32_vector(name, t, None if batch is None else batch + 1, "batch + 1 prefix sums")
     if t.shape[0] < 1:
-        raise ValueError(f"{name} must have at least one element (batch + 1), got shape {tuple(t.shape)}")
+        raise ValueError(
+            f"{name} must have at least one element (batch + 1), got shape {tuple(t.shape)}"
+        )
     if t.stride(0) != 1 and t.shape[0] > 1:
         raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")
     return t.shape[0] - 1
@@ -227,13 +245,18 @@ def check_page_table(page_table, batch: int, k_cache: torch.Tensor) -> int:
         raise TypeError(f"page_table must be int32, got {page_table.dtype}")
     if page_table.dim() != 2 or page_table.shape[0] != batch:
         raise ValueError(
-            f"page_table must have shape (batch={batch}, max_pages_per_seq), got {tuple(page_table.shape)}"
+            f"page_table must have shape (batch={batch}, max_pages_per_seq), "
+            f"got {tuple(page_table.shape)}"
         )
     if page_table.shape[1] > 1 and page_table.stride(1) != 1:
-        raise ValueError(f"page_table must have a contiguous last dimension, got strides {page_table.stride()}")
+        raise ValueError(
+            f"page_table must have a contiguous last dimension, got strides {page_table.stride()}"
+        )
     page_size = k_cache.shape[1]
     if page_size == 0 or page_size % 16:
-        raise ValueError(f"page size (k_cache.shape[1]) must be a positive multiple of 16, got {page_size}")
+        raise ValueError(
+            f"page size (k_cache.shape[1]) must be a positive multiple of 16, got {page_size}"
+        )
     return page_table.shape[1] * page_size if k_cache.shape[0] > 0 else 0
 
 
@@ -249,9 +272,13 @@ def check_out_like(out, shape, dtype, device, inputs) -> None:
     if out.device != device:
         raise ValueError(f"out must be on {device}, got {out.device}")
     if out.numel() > 0 and out.stride(-1) != 1:
-        raise ValueError(f"out must have a contiguous last dimension (stride 1), got strides {out.stride()}")
+        raise ValueError(
+            f"out must have a contiguous last dimension (stride 1), got strides {out.stride()}"
+        )
     if 0 in out.stride()[:-1] and out.numel() > 1:
-        raise ValueError(f"out must not have broadcast (stride 0) dimensions, got strides {out.stride()}")
+        raise ValueError(
+            f"out must not have broadcast (stride 0) dimensions, got strides {out.stride()}"
+        )
     for name, t in inputs:
         if _overlaps(out, t):
             raise ValueError(f"out must not overlap {name} in memory")

@@ -83,8 +83,14 @@ class ForwardKernelKey:
         (FlashAttentionForwardSm90.call_without_optionals): a cheaper call. Split variants
         take the partials and the arrival counters as two addresses in place of the three
         tensors out_partial, lse_partial, tile_counter (FlashAttentionForwardSm90.call_split)."""
-        return (self.writes_lse or self.varlen_q or self.kv_layout != "padded" or self.seqused_k or self.split
-                or self.uses_tile_counter)
+        return (
+            self.writes_lse
+            or self.varlen_q
+            or self.kv_layout != "padded"
+            or self.seqused_k
+            or self.split
+            or self.uses_tile_counter
+        )
 
 
 _cache: Dict[object, Callable] = {}
@@ -128,8 +134,18 @@ def compile_forward(key: ForwardKernelKey, options: str = "") -> Callable:
     from flash_cute.kernels import FlashAttentionForwardSm90
 
     dtype = _cutlass_dtype(key.dtype)
-    variant = {f: getattr(key, f) for f in ("varlen_q", "kv_layout", "seqused_k", "scalar_kv_length",
-                                             "page_box_rows", "split", "pack_gqa_ratio")}
+    variant = {
+        f: getattr(key, f)
+        for f in (
+            "varlen_q",
+            "kv_layout",
+            "seqused_k",
+            "scalar_kv_length",
+            "page_box_rows",
+            "split",
+            "pack_gqa_ratio",
+        )
+    }
     kernel = FlashAttentionForwardSm90(dtype, key.head_dim, key.causal, key.config, **variant)
     sym = cute.sym_int
     batch, seqlen_q, nheads, seqlen_k, nheads_kv, splits = (sym() for _ in range(6))
@@ -138,7 +154,9 @@ def compile_forward(key: ForwardKernelKey, options: str = "") -> Callable:
     def tensor(dtype_, shape, align=16, last_contiguous=True):
         div = STRIDE_DIVISIBILITY_16BIT if align == 16 else 1
         strides = tuple(cute.sym_int64(divisibility=div) for _ in shape[:-1])
-        return cute.runtime.make_fake_tensor(dtype_, shape, stride=(*strides, 1), assumed_align=align)
+        return cute.runtime.make_fake_tensor(
+            dtype_, shape, stride=(*strides, 1), assumed_align=align
+        )
 
     q_rows = (seqlen_q,) if key.varlen_q else (batch, seqlen_q)
     q = tensor(dtype, (*q_rows, nheads, d))
@@ -164,23 +182,75 @@ def compile_forward(key: ForwardKernelKey, options: str = "") -> Callable:
     tile_counter = tensor(int32, (sym(),), align=4) if key.uses_tile_counter or key.split else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     opts = ("--enable-tvm-ffi " + options).strip()
-    optionals = (lse, out_partial, lse_partial, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, tile_counter)
+    optionals = (
+        lse,
+        out_partial,
+        lse_partial,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        seqused_k,
+        page_table,
+        tile_counter,
+    )
     # The callers pick the signature from the key alone: it must agree with the tensors built here.
     assert key.takes_optionals == any(t is not None for t in optionals), key
     if not key.takes_optionals:
-        return cute.compile(kernel.call_without_optionals, q, k, v, out, cutlass.Float32(1.0), int32(1), int32(0), stream,
-                            options=opts)
+        return cute.compile(
+            kernel.call_without_optionals,
+            q,
+            k,
+            v,
+            out,
+            cutlass.Float32(1.0),
+            int32(1),
+            int32(0),
+            stream,
+            options=opts,
+        )
     if key.split:  # the partials and the arrival counters come as addresses (call_split)
         gmem = cute.AddressSpace.gmem
         partials = cute.runtime.make_ptr(cutlass.Float32, 0, gmem, assumed_align=16)
         arrivals = cute.runtime.make_ptr(int32, 0, gmem, assumed_align=4)
         return cute.compile(
-            kernel.call_split, q, k, v, out, lse, partials, cutlass.Float32(1.0), cu_seqlens_q, cu_seqlens_k,
-            seqused_k, page_table, arrivals, int32(1), int32(1), int32(0), stream, options=opts,
+            kernel.call_split,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            partials,
+            cutlass.Float32(1.0),
+            cu_seqlens_q,
+            cu_seqlens_k,
+            seqused_k,
+            page_table,
+            arrivals,
+            int32(1),
+            int32(1),
+            int32(0),
+            stream,
+            options=opts,
         )
     return cute.compile(
-        kernel, q, k, v, out, lse, out_partial, lse_partial, cutlass.Float32(1.0), cu_seqlens_q, cu_seqlens_k, seqused_k,
-        page_table, tile_counter, int32(1), int32(1), int32(0), stream, options=opts,
+        kernel,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        out_partial,
+        lse_partial,
+        cutlass.Float32(1.0),
+        cu_seqlens_q,
+        cu_seqlens_k,
+        seqused_k,
+        page_table,
+        tile_counter,
+        int32(1),
+        int32(1),
+        int32(0),
+        stream,
+        options=opts,
     )
 
 
@@ -207,13 +277,18 @@ def compile_combine(key: CombineKernelKey, options: str = "") -> Callable:
 
     def tensor(dtype_, shape, divisibility, align):
         strides = tuple(cute.sym_int64(divisibility=divisibility) for _ in shape[:-1])
-        return cute.runtime.make_fake_tensor(dtype_, shape, stride=(*strides, 1), assumed_align=align)
+        return cute.runtime.make_fake_tensor(
+            dtype_, shape, stride=(*strides, 1), assumed_align=align
+        )
 
     fp32 = cutlass.Float32
     out_partial = tensor(fp32, (splits, batch, seqlen, nheads, d), 4, 16)
     rows = (seqlen, nheads)
     lse_partial = cute.runtime.make_fake_tensor(
-        fp32, (splits, batch, *rows), stride=tuple(cute.sym_int64() for _ in range(4)), assumed_align=4
+        fp32,
+        (splits, batch, *rows),
+        stride=tuple(cute.sym_int64() for _ in range(4)),
+        assumed_align=4,
     )
     out = tensor(out_dtype, (batch, seqlen, nheads, d), 16 // (out_dtype.width // 8), 16)
     lse = None
@@ -283,7 +358,10 @@ def _source_fingerprint() -> str:
     from flash_cute import kernels
 
     h = hashlib.sha256()
-    h.update(f"py{sys.version_info[:2]} cutlass={cutlass.__version__} tvm_ffi={tvm_ffi.__version__}".encode())
+    versions = (
+        f"py{sys.version_info[:2]} cutlass={cutlass.__version__} tvm_ffi={tvm_ffi.__version__}"
+    )
+    h.update(versions.encode())
     h.update(TARGET_ARCH.encode())
     for package_dir in (Path(__file__).resolve().parent, Path(kernels.__file__).resolve().parent):
         for src in sorted(package_dir.glob("*.py")):
@@ -315,7 +393,9 @@ class _FileLock:
             except OSError:
                 if time.monotonic() > deadline:
                     os.close(self.fd)
-                    raise TimeoutError(f"timed out waiting for the kernel cache lock {self.path}")
+                    raise TimeoutError(
+                        f"timed out waiting for the kernel cache lock {self.path}"
+                    ) from None
                 time.sleep(0.05)
 
     def __exit__(self, *exc):
@@ -369,7 +449,10 @@ def _load_or_compile(key, compile_fn) -> Callable:
                     os.unlink(tmp)
             return fn
     except (OSError, TimeoutError) as exc:
-        warnings.warn(f"flash_cute: kernel disk cache unavailable ({exc}); compiling in memory only")
+        warnings.warn(
+            f"flash_cute: kernel disk cache unavailable ({exc}); compiling in memory only",
+            stacklevel=2,
+        )
         return compile_fn(key)
 
 

@@ -22,6 +22,8 @@ REGISTERS_PER_SM = 65536
 THREADS_PER_WARPGROUP = 128
 # Registers per MMA thread kept free of accumulators (addresses, softmax temporaries, masks).
 REGISTER_HEADROOM = 32
+
+
 def _aligned_1k(nbytes: int) -> int:
     """Bytes of a shared-memory buffer aligned to 1024 (the kernel's swizzle alignment)."""
     return (nbytes + 1023) // 1024 * 1024
@@ -92,15 +94,31 @@ class AttentionConfig:
     store_o_from_registers: bool = False
 
     def __post_init__(self):
-        for name in ("tile_m", "tile_n", "num_stages", "ctas_per_sm", "l2_section_mb", "exp2_on_fma",
-                     "rescale_threshold"):
+        for name in (
+            "tile_m",
+            "tile_n",
+            "num_stages",
+            "ctas_per_sm",
+            "l2_section_mb",
+            "exp2_on_fma",
+            "rescale_threshold",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"AttentionConfig.{name} must be an int, got {value!r}")
         if self.scheduler not in TILE_SCHEDULERS:
-            raise ValueError(f"AttentionConfig.scheduler must be one of {TILE_SCHEDULERS}, got {self.scheduler!r}")
-        for name in ("pv_from_registers", "intra_wg_overlap", "pingpong", "rescale_o_before_pv", "mbarrier_probe",
-                     "lazy_rescale", "store_o_from_registers"):
+            raise ValueError(
+                f"AttentionConfig.scheduler must be one of {TILE_SCHEDULERS}, got {self.scheduler!r}"
+            )
+        for name in (
+            "pv_from_registers",
+            "intra_wg_overlap",
+            "pingpong",
+            "rescale_o_before_pv",
+            "mbarrier_probe",
+            "lazy_rescale",
+            "store_o_from_registers",
+        ):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"AttentionConfig.{name} must be a bool, got {value!r}")
@@ -110,9 +128,13 @@ class AttentionConfig:
                 f"got {self.tile_m}"
             )
         if not 1 <= self.l2_section_mb <= 1024:
-            raise ValueError(f"AttentionConfig.l2_section_mb must be in [1, 1024], got {self.l2_section_mb}")
+            raise ValueError(
+                f"AttentionConfig.l2_section_mb must be in [1, 1024], got {self.l2_section_mb}"
+            )
         if not 0 <= self.exp2_on_fma <= 16:
-            raise ValueError(f"AttentionConfig.exp2_on_fma must be in [0, 16] (of every 16 exponentials), got {self.exp2_on_fma}")
+            raise ValueError(
+                f"AttentionConfig.exp2_on_fma must be in [0, 16] (of every 16 exponentials), got {self.exp2_on_fma}"
+            )
         if not 0 <= self.rescale_threshold <= 15:
             raise ValueError(
                 f"AttentionConfig.rescale_threshold must be in [0, 15] (log2 units; probabilities reach "
@@ -124,7 +146,13 @@ class AttentionConfig:
         if self.ctas_per_sm == 2:  # half the register file each: scale the split down
             per_thread = self.entry_registers
             split = (max(24, per_thread // 4 // 8 * 8), None)
-            split = (split[0], (per_thread * (1 + self.num_mma_warpgroups) - split[0]) // self.num_mma_warpgroups // 8 * 8)
+            split = (
+                split[0],
+                (per_thread * (1 + self.num_mma_warpgroups) - split[0])
+                // self.num_mma_warpgroups
+                // 8
+                * 8,
+            )
         if self.producer_registers is None:
             object.__setattr__(self, "producer_registers", split[0])
         if self.mma_registers is None:
@@ -189,8 +217,11 @@ class AttentionConfig:
         through smem at all (not store_o_from_registers); otherwise O reuses Q's tile when it
         goes through smem."""
         o = _aligned_1k(self.tile_m * head_dim * element_bytes)
-        return (self.persistent and not self.store_o_from_registers
-                and self._smem_bytes_without_o(head_dim, element_bytes) + o <= self.smem_limit())
+        return (
+            self.persistent
+            and not self.store_o_from_registers
+            and self._smem_bytes_without_o(head_dim, element_bytes) + o <= self.smem_limit()
+        )
 
     def smem_bytes(self, head_dim: int, element_bytes: int = 2) -> int:
         """Dynamic shared memory of the kernel: Q (reused for a TMA-stored O unless
@@ -231,7 +262,9 @@ class AttentionConfig:
         for name in ("producer_registers", "mma_registers"):
             value = getattr(self, name)
             if not isinstance(value, int) or not (24 <= value <= 256 and value % 8 == 0):
-                problems.append(f"{name}={value!r} must be a multiple of 8 in [24, 256] (setmaxnreg)")
+                problems.append(
+                    f"{name}={value!r} must be a multiple of 8 in [24, 256] (setmaxnreg)"
+                )
         if not problems:
             total = THREADS_PER_WARPGROUP * (
                 self.producer_registers + self.num_mma_warpgroups * self.mma_registers
@@ -281,14 +314,28 @@ _BY_HEAD_DIM = {
     # with the storing warp): +0.4 / +1 / +1.8 / +2-4 / 0-4 / +3-9% at 512 / 1k / 2k / 4k / 8k /
     # 16k in bf16 (four runs from 8k), +0.5-2.6% in fp16; level or slower at hdim 64 causal, 96,
     # 128, 192 and 256 (benchmarks/sweeps/o_from_registers_h100.log).
-    (64, False): _row(192, 128, scheduler="static_persistent", mbarrier_probe=True, rescale_o_before_pv=True,
-                      lazy_rescale=True, rescale_threshold=8, store_o_from_registers=True),
+    (64, False): _row(
+        192,
+        128,
+        scheduler="static_persistent",
+        mbarrier_probe=True,
+        rescale_o_before_pv=True,
+        lazy_rescale=True,
+        rescale_threshold=8,
+        store_o_from_registers=True,
+    ),
     # Dynamic persistent beats one CTA per tile at every length from 2k (H100: 423 / 464 / 507 /
     # 535 against 372 / 433 / 490 / 527 at 2k-16k).
     # Lazy O rescale with the row max allowed to lag 8 log2 units: +1-6% at 2k-16k (two H100
     # runs, bf16 and fp16); on the non-causal row it measured level (-1 to +1%).
-    (64, True): _row(192, 128, scheduler="dynamic_persistent", mbarrier_probe=True, lazy_rescale=True,
-                     rescale_threshold=8),
+    (64, True): _row(
+        192,
+        128,
+        scheduler="dynamic_persistent",
+        mbarrier_probe=True,
+        lazy_rescale=True,
+        rescale_threshold=8,
+    ),
     # P from registers with 192-row tiles spills at head dim 96, so P goes through smem.
     # Dynamic persistent: +2-5% at 1k-16k (H100: 444 / 529 / 591 / 616 / 628 against 424 / 512 /
     # 576 / 603 / 617 with one CTA per tile, benchmarks/sweeps/scheduler_h100/sched96.json).
@@ -296,24 +343,46 @@ _BY_HEAD_DIM = {
     # lagging 8) beat 192 x 144 at every length in two interleaved runs: bf16 +8-11% / +5-6% /
     # +3% / +2-4.5% at 2k / 4k / 8k / 16k, fp16 +10-11% / +2-4% / +1-2% at 2k / 8k / 16k (a
     # 48-config sweep ranked 192 x 128-160 with both knobs first; benchmarks/sweeps/hdim96_h100).
-    (96, False): _row(192, 128, pv_from_registers=False, scheduler="dynamic_persistent", rescale_o_before_pv=True,
-                      lazy_rescale=True, rescale_threshold=8),
+    (96, False): _row(
+        192,
+        128,
+        pv_from_registers=False,
+        scheduler="dynamic_persistent",
+        rescale_o_before_pv=True,
+        lazy_rescale=True,
+        rescale_threshold=8,
+    ),
     # Eighth session (H100): O rescaled under the Q K^T with the lazy rescale (max lagging 8):
     # +2-4% at 2k-16k in two interleaved runs, bf16 and fp16 (the lazy rescale alone +1-5%;
     # benchmarks/sweeps/hdim96_h100/knobs96c.log).
-    (96, True): _row(192, 128, pv_from_registers=False, scheduler="dynamic_persistent", rescale_o_before_pv=True,
-                     lazy_rescale=True, rescale_threshold=8),
+    (96, True): _row(
+        192,
+        128,
+        pv_from_registers=False,
+        scheduler="dynamic_persistent",
+        rescale_o_before_pv=True,
+        lazy_rescale=True,
+        rescale_threshold=8,
+    ),
     # 3 warpgroups with P through smem win from 4k (655 vs 628 TFLOP/s at 4k, 673 vs 660 at 8k);
     # dynamic persistent adds 1-2% (H100: 653 / 673 / 682 against 641 / 666 / 675 at 4k-16k).
     # Lazy O rescale, max lagging up to 8 log2 units: +0.9-1.1% at 4k-16k (H100, bf16 and fp16).
-    (128, False): _row(192, 128, pv_from_registers=False, scheduler="dynamic_persistent", lazy_rescale=True,
-                       rescale_threshold=8),
+    (128, False): _row(
+        192,
+        128,
+        pv_from_registers=False,
+        scheduler="dynamic_persistent",
+        lazy_rescale=True,
+        rescale_threshold=8,
+    ),
     # 128x128 RS leads at every length (600 at 8k); ping-pong on or off within 1%. Dynamic
     # persistent: +24% / +19% / +10% at 512 / 1k / 2k, +1-4% from 4k (H100, 331 / 473 / 591 /
     # 644 / 662 against 267 / 396 / 535 / 619 / 641).
     # Lazy O rescale, max lagging up to 8 log2 units: +0.3-5.5% at 2k-16k (two H100 runs, bf16
     # and fp16; +3-5.5% at 4k and 16k).
-    (128, True): _row(128, 128, scheduler="dynamic_persistent", lazy_rescale=True, rescale_threshold=8),
+    (128, True): _row(
+        128, 128, scheduler="dynamic_persistent", lazy_rescale=True, rescale_threshold=8
+    ),
     # Large O accumulators: no ping-pong; rescale O under the Q K^T instead.
     # Dynamic persistent: +1-7% at 1k-16k (H100: 621 / 723 / 705 / 729 / 767 against 578 / 695 /
     # 686 / 717 / 761; static persistent 562-633, sched192.json).
@@ -322,10 +391,24 @@ _BY_HEAD_DIM = {
     # / 16k (fp16 +7-13% / +3% at 2k / 8k), causal +20% / +21% / +14-19% / +8.5% / +4.5% / +5-6%
     # at 512-16k (fp16 +20% / +12% / +4.5-8% at 512 / 2k / 8k); a 120-config causal sweep at
     # 512-2k ranked it first (benchmarks/sweeps/hdim192_h100/).
-    (192, False): _row(128, 64, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent",
-                       lazy_rescale=True, rescale_threshold=8),
-    (192, True): _row(128, 64, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent",
-                      lazy_rescale=True, rescale_threshold=8),
+    (192, False): _row(
+        128,
+        64,
+        pingpong=False,
+        rescale_o_before_pv=True,
+        scheduler="dynamic_persistent",
+        lazy_rescale=True,
+        rescale_threshold=8,
+    ),
+    (192, True): _row(
+        128,
+        64,
+        pingpong=False,
+        rescale_o_before_pv=True,
+        scheduler="dynamic_persistent",
+        lazy_rescale=True,
+        rescale_threshold=8,
+    ),
     # 128 x 80 is the largest tile whose two-stage K/V ring fits in shared memory; rescaling O
     # before P V is worth 24% at 8k (753 vs 609), ping-pong costs 7%. Non-causal from 8k: one
     # CTA per tile (persistent level at 8k, 0.5-2.3% behind at 16k; up to 4k SHORT_SEQUENCE_CONFIGS).
@@ -334,14 +417,23 @@ _BY_HEAD_DIM = {
     # 512, +2% at 1k, +2-3% at 2k, +1-2% at 4k, +1-3% at 8k, +0.2-0.3% at 16k non-causal; causal
     # +2.6-3.9% at 512-2k, +0.7-1.8% at 4k-8k, +0.3-6% at 16k (after two eighth-session runs at
     # +0.2-3.3%, one point -0.7%; benchmarks/sweeps/hdim256_tile64_lazy_h100*.log).
-    (256, False): _row(128, 64, pingpong=False, rescale_o_before_pv=True, lazy_rescale=True, rescale_threshold=8),
+    (256, False): _row(
+        128, 64, pingpong=False, rescale_o_before_pv=True, lazy_rescale=True, rescale_threshold=8
+    ),
     # Dynamic persistent: +2-5% at every length (H100: 307 / 476 / 616 / 649 / 696 / 715
     # against 300 / 453 / 596 / 638 / 687 / 710 at 512-16k).
     # Lazy O rescale, max lagging up to 8 log2 units: level on the padded grid (+0.1-0.6% at
     # 4k-16k, H100, bf16 and fp16), +5-6% on the varlen causal batch (8 x 500-4000, two runs).
     # Ninth session: key blocks of 64 (see the non-causal row).
-    (256, True): _row(128, 64, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent",
-                      lazy_rescale=True, rescale_threshold=8),
+    (256, True): _row(
+        128,
+        64,
+        pingpong=False,
+        rescale_o_before_pv=True,
+        scheduler="dynamic_persistent",
+        lazy_rescale=True,
+        rescale_threshold=8,
+    ),
 }
 
 FORWARD_CONFIGS = {
@@ -356,18 +448,40 @@ _SHORT_BY_HEAD_DIM = {
     # 128x128 dynamic: 242 / 327 at 512 / 1k against 214 / 292 for 192x128 dynamic and 172 /
     # 263 for 128x128 with one CTA per tile (H100).
     # Lazy O rescale (max lagging up to 8 log2 units): +0.6-0.9% at 512 / 1k.
-    (64, True): (1024, _row(128, 128, scheduler="dynamic_persistent", mbarrier_probe=True, lazy_rescale=True,
-                            rescale_threshold=8)),
+    (64, True): (
+        1024,
+        _row(
+            128,
+            128,
+            scheduler="dynamic_persistent",
+            mbarrier_probe=True,
+            lazy_rescale=True,
+            rescale_threshold=8,
+        ),
+    ),
     # 128x128 RS dynamic: 523 / 587 / 631 at 512 / 1k / 2k against 456 / 526 / 598 for 192x128
     # SS dynamic and 439 / 531 / 590 for 128x128 RS with one CTA per tile (H100).
     # Lazy O rescale (max lagging up to 8 log2 units): +2-6% at 512-2k (H100, bf16 and fp16).
-    (128, False): (2048, _row(128, 128, scheduler="dynamic_persistent", lazy_rescale=True, rescale_threshold=8)),
+    (128, False): (
+        2048,
+        _row(128, 128, scheduler="dynamic_persistent", lazy_rescale=True, rescale_threshold=8),
+    ),
     # Dynamic persistent: 513 / 662 at 512 / 1k against 500 / 651 (H100); up to 4k in two
     # fifth-session sweeps, 729 / 714 and 702 / 694 at 2k / 4k against 716 / 704 and 696 / 686
     # with one CTA per tile, which is level at 8k and ahead at 16k (benchmarks/sweeps/hdim256_h100).
     # Ninth session: key blocks of 64 with the lazy rescale (see the long row).
-    (256, False): (4096, _row(128, 64, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent",
-                              lazy_rescale=True, rescale_threshold=8)),
+    (256, False): (
+        4096,
+        _row(
+            128,
+            64,
+            pingpong=False,
+            rescale_o_before_pv=True,
+            scheduler="dynamic_persistent",
+            lazy_rescale=True,
+            rescale_threshold=8,
+        ),
+    ),
 }
 SHORT_SEQUENCE_CONFIGS = {
     (head_dim, dtype, causal): entry
@@ -387,7 +501,9 @@ _DECODE_BY_HEAD_DIM = {
     256: _row(64, 64, num_stages=3, pingpong=False),
 }
 DECODE_CONFIGS = {
-    (head_dim, dtype): config for head_dim, config in _DECODE_BY_HEAD_DIM.items() for dtype in SUPPORTED_DTYPES
+    (head_dim, dtype): config
+    for head_dim, config in _DECODE_BY_HEAD_DIM.items()
+    for dtype in SUPPORTED_DTYPES
 }
 
 
@@ -402,7 +518,9 @@ def decode_config(head_dim: int, dtype: str) -> AttentionConfig:
         ) from None
 
 
-def default_config(head_dim: int, dtype: str, causal: bool, seqlen_q: Optional[int] = None) -> AttentionConfig:
+def default_config(
+    head_dim: int, dtype: str, causal: bool, seqlen_q: Optional[int] = None
+) -> AttentionConfig:
     """The table's config for this problem; ValueError for an unsupported head dim or dtype.
     With seqlen_q, short sequences may get their own config (SHORT_SEQUENCE_CONFIGS)."""
     short = SHORT_SEQUENCE_CONFIGS.get((head_dim, dtype, bool(causal)))

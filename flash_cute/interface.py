@@ -58,14 +58,28 @@ def flash_attn_func(
         # The compiled function checks the rest of q, k, v and out (_LaunchPlan.launch); without
         # out, whether q is contiguous picks how out is allocated; with out, the strides give the
         # byte extents of the overlap check (_LaunchPlan.usable).
-        key = (q.shape, q.dtype, q.get_device(), k.shape,
-               q.is_contiguous() if out is None else (q.stride(), k.stride(), v.stride(), out.stride()),
-               softmax_scale, causal, return_lse, config,
-               type(softmax_scale), type(causal), type(return_lse))  # True == 1 == 1.0 as keys
+        key = (
+            q.shape,
+            q.dtype,
+            q.get_device(),
+            k.shape,
+            q.is_contiguous()
+            if out is None
+            else (q.stride(), k.stride(), v.stride(), out.stride()),
+            softmax_scale,
+            causal,
+            return_lse,
+            config,
+            type(softmax_scale),
+            type(causal),
+            type(return_lse),
+        )  # True == 1 == 1.0 as keys
         plan = _FUNC_PLANS.get(key)
     except (AttributeError, TypeError):
         key = plan = None
-    if plan is not None and (plan.device_index == _current_device() if out is None else plan.usable(q, k, v, out)):
+    if plan is not None and (
+        plan.device_index == _current_device() if out is None else plan.usable(q, k, v, out)
+    ):
         try:
             return plan.launch(q, k, v, out)
         except Exception:  # an argument the compiled function refused: the checks below name it
@@ -83,8 +97,14 @@ def flash_attn_func(
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
     problem = _Problem(
-        batch=batch, nheads=nheads, nheads_kv=k.shape[2], head_dim=head_dim, dtype=q.dtype,
-        max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1], kv_capacity=k.shape[1],
+        batch=batch,
+        nheads=nheads,
+        nheads_kv=k.shape[2],
+        head_dim=head_dim,
+        dtype=q.dtype,
+        max_seqlen_q=seqlen_q,
+        max_seqlen_k=k.shape[1],
+        kv_capacity=k.shape[1],
     )
     scale_log2, causal, return_lse, config = _common_checks(
         problem, softmax_scale, causal, return_lse, config
@@ -92,11 +112,17 @@ def flash_attn_func(
     checks.check_cuda((("q", q), ("k", k), ("v", v)))
     checks.check_hopper(q.device)
     out = _prepare_out(out, q, k, v)
-    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
+    lse = (
+        torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+        if return_lse
+        else None
+    )
     if config is None:  # the prefill table, whatever seqlen_q is
         config = default_config(head_dim, checks.dtype_name(q.dtype), causal, seqlen_q)
     if out.numel() > 0:
-        plan = _run(problem, q, k, v, out, lse, scale_log2, causal, config, num_splits=1, pack_gqa=False)
+        plan = _run(
+            problem, q, k, v, out, lse, scale_log2, causal, config, num_splits=1, pack_gqa=False
+        )
         _remember(_FUNC_PLANS, key, plan)
     return (out, lse) if return_lse else out
 
@@ -153,16 +179,41 @@ def flash_attn_varlen_func(
     try:  # repeated calls with the same metadata skip the checks (see _LaunchPlan); inlined: hot
         # As in flash_attn_func: the compiled function checks the rest of the arguments (the
         # int32 tensors' contiguity and device included); the key holds their shapes and dtypes.
-        key = (q.shape, q.dtype, q.get_device(), k.shape,
-               q.is_contiguous() if out is None else (q.stride(), k.stride(), v.stride(), out.stride()),
-               cu_seqlens_q.shape, cu_seqlens_q.dtype, _int_meta(cu_seqlens_k), _int_meta(seqused_k),
-               _int_meta(page_table), max_seqlen_q, max_seqlen_k, softmax_scale, causal, num_splits, pack_gqa,
-               return_softmax_lse, config, type(max_seqlen_q), type(max_seqlen_k), type(softmax_scale),
-               type(causal), type(num_splits), type(pack_gqa), type(return_softmax_lse))
+        key = (
+            q.shape,
+            q.dtype,
+            q.get_device(),
+            k.shape,
+            q.is_contiguous()
+            if out is None
+            else (q.stride(), k.stride(), v.stride(), out.stride()),
+            cu_seqlens_q.shape,
+            cu_seqlens_q.dtype,
+            _int_meta(cu_seqlens_k),
+            _int_meta(seqused_k),
+            _int_meta(page_table),
+            max_seqlen_q,
+            max_seqlen_k,
+            softmax_scale,
+            causal,
+            num_splits,
+            pack_gqa,
+            return_softmax_lse,
+            config,
+            type(max_seqlen_q),
+            type(max_seqlen_k),
+            type(softmax_scale),
+            type(causal),
+            type(num_splits),
+            type(pack_gqa),
+            type(return_softmax_lse),
+        )
         plan = _VARLEN_PLANS.get(key)
     except (AttributeError, TypeError):
         key = plan = None
-    if plan is not None and (plan.device_index == _current_device() if out is None else plan.usable(q, k, v, out)):
+    if plan is not None and (
+        plan.device_index == _current_device() if out is None else plan.usable(q, k, v, out)
+    ):
         try:
             return plan.launch(q, k, v, out, seqused_k, page_table, cu_seqlens_q, cu_seqlens_k)
         except Exception:  # an argument the compiled function refused: the checks below name it
@@ -174,8 +225,12 @@ def flash_attn_varlen_func(
     if cu_seqlens_k is not None and seqused_k is not None:
         raise ValueError("give either cu_seqlens_k or seqused_k, not both")
     if cu_seqlens_k is not None and page_table is not None:
-        raise ValueError("page_table cannot be combined with cu_seqlens_k (paged keys use seqused_k)")
-    kv_layout = "packed" if cu_seqlens_k is not None else ("paged" if page_table is not None else "padded")
+        raise ValueError(
+            "page_table cannot be combined with cu_seqlens_k (paged keys use seqused_k)"
+        )
+    kv_layout = (
+        "packed" if cu_seqlens_k is not None else ("paged" if page_table is not None else "padded")
+    )
     kv_ndim = 3 if kv_layout == "packed" else 4
     kv_doc = {
         "packed": "(total_k, nheads_kv, headdim) with cu_seqlens_k",
@@ -201,7 +256,9 @@ def flash_attn_varlen_func(
         capacity = checks.check_page_table(page_table, batch, k)
     elif kv_layout == "padded":
         if k.shape[0] != batch:
-            raise ValueError(f"padded k must have batch size {batch} (len(cu_seqlens_q) - 1), got shape {tuple(k.shape)}")
+            raise ValueError(
+                f"padded k must have batch size {batch} (len(cu_seqlens_q) - 1), got shape {tuple(k.shape)}"
+            )
         capacity = k.shape[1]
     else:
         capacity = k.shape[0]
@@ -209,24 +266,56 @@ def flash_attn_varlen_func(
         max_seqlen_k = capacity
     max_seqlen_k = min(checks.check_host_int("max_seqlen_k", max_seqlen_k), capacity)
     problem = _Problem(
-        batch=batch, nheads=nheads, nheads_kv=k.shape[-2], head_dim=head_dim, dtype=q.dtype,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, kv_capacity=capacity if batch > 0 else 0,
-        varlen_q=True, kv_layout=kv_layout,
+        batch=batch,
+        nheads=nheads,
+        nheads_kv=k.shape[-2],
+        head_dim=head_dim,
+        dtype=q.dtype,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        kv_capacity=capacity if batch > 0 else 0,
+        varlen_q=True,
+        kv_layout=kv_layout,
         page_size=k.shape[1] if kv_layout == "paged" else None,
     )
-    scale_log2, causal, return_lse, config = _common_checks(problem, softmax_scale, causal, return_softmax_lse, config)
+    scale_log2, causal, return_lse, config = _common_checks(
+        problem, softmax_scale, causal, return_softmax_lse, config
+    )
     num_splits = checks.check_num_splits(num_splits)
     pack_gqa = checks.check_optional_bool("pack_gqa", pack_gqa)
-    named = [("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
-             ("seqused_k", seqused_k), ("page_table", page_table)]
+    named = [
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("cu_seqlens_q", cu_seqlens_q),
+        ("cu_seqlens_k", cu_seqlens_k),
+        ("seqused_k", seqused_k),
+        ("page_table", page_table),
+    ]
     checks.check_cuda([(n, t) for n, t in named if t is not None])
     checks.check_hopper(q.device)
     out = _prepare_out(out, q, k, v)
-    lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device) if return_lse else None
+    lse = (
+        torch.empty((nheads, total_q), dtype=torch.float32, device=q.device) if return_lse else None
+    )
     if out.numel() > 0:
-        plan = _run(problem, q, k, v, out, lse, scale_log2, causal, config, num_splits, pack_gqa,
-                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-                    page_table=page_table)
+        plan = _run(
+            problem,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            scale_log2,
+            causal,
+            config,
+            num_splits,
+            pack_gqa,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            seqused_k=seqused_k,
+            page_table=page_table,
+        )
         _remember(_VARLEN_PLANS, key, plan)
     return (out, lse) if return_lse else out
 
@@ -275,7 +364,9 @@ def flash_attn_with_kvcache(
     cache_seqlens and page_table contents.
     """
     try:  # repeated calls with the same metadata skip the checks (see _LaunchPlan); inlined: hot
-        if isinstance(cache_seqlens, torch.Tensor):  # dtype too: the compiled function takes uint32 as int32
+        if isinstance(
+            cache_seqlens, torch.Tensor
+        ):  # dtype too: the compiled function takes uint32 as int32
             seqlens_meta = (cache_seqlens.shape, cache_seqlens.dtype)
         elif type(cache_seqlens) is int:
             # One plan per power of two of an int length, so a decode loop whose length grows
@@ -284,40 +375,72 @@ def flash_attn_with_kvcache(
         else:  # None, or what the checks reject (with its type: True == 1)
             seqlens_meta = (type(cache_seqlens), cache_seqlens)
         # As in flash_attn_func: the compiled function checks the rest of the arguments.
-        key = (q.shape, q.dtype, q.get_device(), k_cache.shape, seqlens_meta,
-               None if page_table is None else (page_table.shape, page_table.dtype),
-               q.is_contiguous() if out is None else (q.stride(), k_cache.stride(), v_cache.stride(), out.stride()),
-               softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, config,
-               type(softmax_scale), type(causal), type(num_splits), type(pack_gqa), type(return_softmax_lse))
+        key = (
+            q.shape,
+            q.dtype,
+            q.get_device(),
+            k_cache.shape,
+            seqlens_meta,
+            None if page_table is None else (page_table.shape, page_table.dtype),
+            q.is_contiguous()
+            if out is None
+            else (q.stride(), k_cache.stride(), v_cache.stride(), out.stride()),
+            softmax_scale,
+            causal,
+            num_splits,
+            pack_gqa,
+            return_softmax_lse,
+            config,
+            type(softmax_scale),
+            type(causal),
+            type(num_splits),
+            type(pack_gqa),
+            type(return_softmax_lse),
+        )
         plan = _KVCACHE_PLANS.get(key)
     except (AttributeError, TypeError):
         key = plan = None
-    if plan is not None and (plan.device_index == _current_device() if out is None
-                             else plan.usable(q, k_cache, v_cache, out)):
+    if plan is not None and (
+        plan.device_index == _current_device()
+        if out is None
+        else plan.usable(q, k_cache, v_cache, out)
+    ):
         try:
             if plan.int_capacity is None:
                 return plan.launch(q, k_cache, v_cache, out, cache_seqlens, page_table)
             if 0 <= cache_seqlens <= plan.int_capacity:  # otherwise the checks below raise
-                return plan.launch(q, k_cache, v_cache, out, None, page_table, None, None, cache_seqlens)
+                return plan.launch(
+                    q, k_cache, v_cache, out, None, page_table, None, None, cache_seqlens
+                )
         except Exception:  # an argument the compiled function refused: the checks below name it
             pass
     checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     paged = page_table is not None
-    kv_doc = "(num_pages, page_size, nheads_kv, headdim)" if paged else "(batch, seqlen_cache, nheads_kv, headdim)"
+    kv_doc = (
+        "(num_pages, page_size, nheads_kv, headdim)"
+        if paged
+        else "(batch, seqlen_cache, nheads_kv, headdim)"
+    )
     checks.check_tensor("k_cache", k_cache, 4, kv_doc)
     checks.check_tensor("v_cache", v_cache, 4, kv_doc)
     checks.check_same_dtype("k_cache", k_cache, "q", q)
     checks.check_same_dtype("v_cache", v_cache, "q", q)
     if tuple(v_cache.shape) != tuple(k_cache.shape):
-        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}"
+        )
     batch, seqlen_q, nheads, head_dim = q.shape
     if k_cache.shape[3] != head_dim:
-        raise ValueError(f"k_cache must have headdim {head_dim} (that of q), got shape {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"k_cache must have headdim {head_dim} (that of q), got shape {tuple(k_cache.shape)}"
+        )
     if paged:
         capacity = checks.check_page_table(page_table, batch, k_cache)
     else:
         if k_cache.shape[0] != batch:
-            raise ValueError(f"k_cache must have batch size {batch} (that of q), got shape {tuple(k_cache.shape)}")
+            raise ValueError(
+                f"k_cache must have batch size {batch} (that of q), got shape {tuple(k_cache.shape)}"
+            )
         capacity = k_cache.shape[1]
     seqused_k = int_length = None
     max_seqlen_k = capacity
@@ -329,25 +452,58 @@ def flash_attn_with_kvcache(
     else:
         int_length = max_seqlen_k = checks.check_host_int("cache_seqlens", cache_seqlens)
         if int_length > capacity:
-            raise ValueError(f"cache_seqlens={int_length} exceeds the cache's capacity of {capacity} keys")
+            raise ValueError(
+                f"cache_seqlens={int_length} exceeds the cache's capacity of {capacity} keys"
+            )
     problem = _Problem(
-        batch=batch, nheads=nheads, nheads_kv=k_cache.shape[2], head_dim=head_dim, dtype=q.dtype,
-        max_seqlen_q=seqlen_q, max_seqlen_k=max_seqlen_k, kv_capacity=max_seqlen_k,
+        batch=batch,
+        nheads=nheads,
+        nheads_kv=k_cache.shape[2],
+        head_dim=head_dim,
+        dtype=q.dtype,
+        max_seqlen_q=seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        kv_capacity=max_seqlen_k,
         kv_layout="paged" if paged else "padded",
         page_size=k_cache.shape[1] if paged else None,
     )
-    scale_log2, causal, return_lse, config = _common_checks(problem, softmax_scale, causal, return_softmax_lse, config)
+    scale_log2, causal, return_lse, config = _common_checks(
+        problem, softmax_scale, causal, return_softmax_lse, config
+    )
     num_splits = checks.check_num_splits(num_splits)
     pack_gqa = checks.check_optional_bool("pack_gqa", pack_gqa)
-    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("page_table", page_table),
-             ("cache_seqlens", seqused_k)]
+    named = [
+        ("q", q),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("page_table", page_table),
+        ("cache_seqlens", seqused_k),
+    ]
     checks.check_cuda([(n, t) for n, t in named if t is not None])
     checks.check_hopper(q.device)
     out = _prepare_out(out, q, k_cache, v_cache)
-    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
+    lse = (
+        torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+        if return_lse
+        else None
+    )
     if out.numel() > 0:
-        plan = _run(problem, q, k_cache, v_cache, out, lse, scale_log2, causal, config, num_splits, pack_gqa,
-                    seqused_k=seqused_k, page_table=page_table, int_length=int_length)
+        plan = _run(
+            problem,
+            q,
+            k_cache,
+            v_cache,
+            out,
+            lse,
+            scale_log2,
+            causal,
+            config,
+            num_splits,
+            pack_gqa,
+            seqused_k=seqused_k,
+            page_table=page_table,
+            int_length=int_length,
+        )
         if plan is not None and int_length is not None:
             plan.int_capacity = capacity  # replays check their length against it
         _remember(_KVCACHE_PLANS, key, plan)
@@ -389,12 +545,18 @@ def flash_attn_combine(
     if lse_partial.dtype != torch.float32:
         raise TypeError(f"lse_partial must be float32, got {lse_partial.dtype}")
     if tuple(lse_partial.shape) != tuple(out_partial.shape[:-1]):
-        raise ValueError(f"lse_partial must have shape {tuple(out_partial.shape[:-1])}, got {tuple(lse_partial.shape)}")
+        raise ValueError(
+            f"lse_partial must have shape {tuple(out_partial.shape[:-1])}, got {tuple(lse_partial.shape)}"
+        )
     head_dim = out_partial.shape[-1]
     if head_dim % 8 or not 8 <= head_dim <= 1024:
-        raise ValueError(f"headdim of out_partial must be a multiple of 8 in [8, 1024], got {head_dim}")
+        raise ValueError(
+            f"headdim of out_partial must be a multiple of 8 in [8, 1024], got {head_dim}"
+        )
     if out_partial.stride(-1) != 1 and head_dim > 1:
-        raise ValueError(f"out_partial must have a contiguous last dimension, got strides {out_partial.stride()}")
+        raise ValueError(
+            f"out_partial must have a contiguous last dimension, got strides {out_partial.stride()}"
+        )
     if out_dtype is None:
         out_dtype = out.dtype if isinstance(out, torch.Tensor) else torch.float32
     if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -405,8 +567,14 @@ def flash_attn_combine(
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=out_partial.device)
     else:
-        checks.check_out_like(out, shape, out_dtype, out_partial.device, (("out_partial", out_partial),))
-    lse = torch.empty(shape[:-1], dtype=torch.float32, device=out_partial.device) if return_lse else None
+        checks.check_out_like(
+            out, shape, out_dtype, out_partial.device, (("out_partial", out_partial),)
+        )
+    lse = (
+        torch.empty(shape[:-1], dtype=torch.float32, device=out_partial.device)
+        if return_lse
+        else None
+    )
     if out.numel() > 0:
         if out_partial.shape[0] == 0:
             out.zero_()
@@ -463,8 +631,11 @@ def _choose(problem: _Problem, causal: bool, config, num_splits: int, pack_gqa, 
     ratio = problem.nheads // problem.nheads_kv
     decode_like = problem.max_seqlen_q * ratio <= DECODE_ROWS
     if config is None:
-        config = (decode_config(problem.head_dim, dtype) if decode_like
-                  else default_config(problem.head_dim, dtype, causal, problem.max_seqlen_q))
+        config = (
+            decode_config(problem.head_dim, dtype)
+            if decode_like
+            else default_config(problem.head_dim, dtype, causal, problem.max_seqlen_q)
+        )
     if pack_gqa is None:  # K/V tiles read once for all q heads of a kv head
         pack_gqa = ratio > 1 and config.tile_m % ratio == 0
     if pack_gqa and ratio > 1 and config.tile_m % ratio:
@@ -474,18 +645,39 @@ def _choose(problem: _Problem, causal: bool, config, num_splits: int, pack_gqa, 
     pack_ratio = ratio if pack_gqa else 1
     if num_splits == 0:
         n_blocks = math.ceil(problem.max_seqlen_k / config.tile_n)
-        num_splits = num_splits_heuristic(_padded_tiles(problem, config.tile_m, pack_ratio), n_blocks,
-                                          num_sms(device_index) * config.ctas_per_sm)
+        num_splits = num_splits_heuristic(
+            _padded_tiles(problem, config.tile_m, pack_ratio),
+            n_blocks,
+            num_sms(device_index) * config.ctas_per_sm,
+        )
     return config, pack_ratio, num_splits
 
 
-def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_splits, pack_gqa,
-         cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None, int_length=None):
+def _run(
+    problem: _Problem,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    scale_log2,
+    causal,
+    config,
+    num_splits,
+    pack_gqa,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    seqused_k=None,
+    page_table=None,
+    int_length=None,
+):
     """Launch one forward call. int_length: an int cache_seqlens, given to the kernel as a
     scalar argument (also for a contiguous cache, rather than a slice of it, which costs two
     views per call)."""
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    config, pack_ratio, num_splits = _choose(problem, causal, config, num_splits, pack_gqa, device_index)
+    config, pack_ratio, num_splits = _choose(
+        problem, causal, config, num_splits, pack_gqa, device_index
+    )
     if problem.kv_capacity == 0:  # no keys: nothing for a kernel (or TMA) to read
         out.zero_()
         if lse is not None:
@@ -494,30 +686,80 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
     split = num_splits > 1
     config = single_wave_config(config, problem, pack_ratio, split, device_index)
     key = ForwardKernelKey(
-        dtype=checks.dtype_name(problem.dtype), head_dim=problem.head_dim, causal=causal,
-        config=config, writes_lse=lse is not None, varlen_q=problem.varlen_q,
-        kv_layout=problem.kv_layout, seqused_k=seqused_k is not None, scalar_kv_length=int_length is not None,
+        dtype=checks.dtype_name(problem.dtype),
+        head_dim=problem.head_dim,
+        causal=causal,
+        config=config,
+        writes_lse=lse is not None,
+        varlen_q=problem.varlen_q,
+        kv_layout=problem.kv_layout,
+        seqused_k=seqused_k is not None,
+        scalar_kv_length=int_length is not None,
         page_box_rows=math.gcd(problem.page_size, config.tile_n) if problem.page_size else None,
-        split=split, pack_gqa_ratio=pack_ratio,
+        split=split,
+        pack_gqa_ratio=pack_ratio,
     )
     kernel = get_forward_kernel(key)
-    partials = _SplitPartials.for_shapes(num_splits, tuple(out.shape), _lse_shape(problem, q)) if split else None
-    out_kernel = checks.for_tma(out) if checks.aligned_16b(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
+    partials = (
+        _SplitPartials.for_shapes(num_splits, tuple(out.shape), _lse_shape(problem, q))
+        if split
+        else None
+    )
+    out_kernel = (
+        checks.for_tma(out)
+        if checks.aligned_16b(out)
+        else torch.empty_like(out, memory_format=torch.contiguous_format)
+    )
     q_k, k_k, v_k = checks.for_tma(q), checks.for_tma(k), checks.for_tma(v)
     max_ctas = num_sms(device_index) * config.ctas_per_sm  # the persistent grid's cap
     # Zeroed counters: the dynamic scheduler's tile counter, or a split launch's per-tile arrivals.
-    num_counters = 2 if key.uses_tile_counter else _split_tiles(problem, q, config, pack_ratio) if split else 0
+    num_counters = (
+        2 if key.uses_tile_counter else _split_tiles(problem, q, config, pack_ratio) if split else 0
+    )
     with _on_device(q.device):  # (counters and scratch depend on q's device's current stream)
         stream = _stream_key(q.device) if num_counters or partials is not None else None
-        buffers = _stream_buffers(q.device, stream, num_counters, partials)  # (alive through the launch)
+        buffers = _stream_buffers(
+            q.device, stream, num_counters, partials
+        )  # (alive through the launch)
         counters, scratch = _kernel_scratch(buffers, split)
         kv_length = 0 if int_length is None else int_length
         if split:  # FlashAttentionForwardSm90.call_split: the scratch as two addresses
-            kernel(q_k, k_k, v_k, out_kernel, lse, scratch, scale_log2, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                   page_table, counters, max_ctas, num_splits, kv_length)
+            kernel(
+                q_k,
+                k_k,
+                v_k,
+                out_kernel,
+                lse,
+                scratch,
+                scale_log2,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                seqused_k,
+                page_table,
+                counters,
+                max_ctas,
+                num_splits,
+                kv_length,
+            )
         elif key.takes_optionals:
-            kernel(q_k, k_k, v_k, out_kernel, lse, None, None, scale_log2, cu_seqlens_q, cu_seqlens_k,
-                   seqused_k, page_table, counters, max_ctas, num_splits, kv_length)
+            kernel(
+                q_k,
+                k_k,
+                v_k,
+                out_kernel,
+                lse,
+                None,
+                None,
+                scale_log2,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                seqused_k,
+                page_table,
+                counters,
+                max_ctas,
+                num_splits,
+                kv_length,
+            )
         else:  # the shorter signature of a variant without optional tensors
             kernel(q_k, k_k, v_k, out_kernel, scale_log2, max_ctas, kv_length)
         if out_kernel.data_ptr() != out.data_ptr():
@@ -526,24 +768,37 @@ def _run(problem: _Problem, q, k, v, out, lse, scale_log2, causal, config, num_s
     if q_k is not q or k_k is not k or v_k is not v or out_kernel is not out:
         return None
     return _LaunchPlan(
-        forward=raw_function(kernel), device=q.device, dtype=q.dtype,
-        out_shape=tuple(out.shape), lse_shape=tuple(lse.shape) if lse is not None else None,
-        scale_log2=scale_log2, max_ctas=max_ctas, num_splits=num_splits, num_counters=num_counters,
-        out_like_q=q.is_contiguous() and tuple(out.shape) == tuple(q.shape) and out.dtype == q.dtype,
-        partials=partials, short_signature=not key.takes_optionals,
+        forward=raw_function(kernel),
+        device=q.device,
+        dtype=q.dtype,
+        out_shape=tuple(out.shape),
+        lse_shape=tuple(lse.shape) if lse is not None else None,
+        scale_log2=scale_log2,
+        max_ctas=max_ctas,
+        num_splits=num_splits,
+        num_counters=num_counters,
+        out_like_q=q.is_contiguous()
+        and tuple(out.shape) == tuple(q.shape)
+        and out.dtype == q.dtype,
+        partials=partials,
+        short_signature=not key.takes_optionals,
         extents=tuple(checks.byte_extent(t) for t in (q, k, v, out)),
     )
 
 
-def single_wave_config(config: AttentionConfig, problem: _Problem, pack_ratio: int, split: bool,
-                       device_index: int) -> AttentionConfig:
+def single_wave_config(
+    config: AttentionConfig, problem: _Problem, pack_ratio: int, split: bool, device_index: int
+) -> AttentionConfig:
     """The dynamic persistent scheduler's static twin when the tiles fit in one wave of CTAs:
     then CTA i takes tile i and none takes a second under either scheduler, and the static one
     needs no tile counter (one per-stream buffer fewer to look up per call: small problems are
     where host time matters). Varlen and split launches keep theirs."""
     if config.scheduler != "dynamic_persistent" or split or problem.varlen_q:
         return config
-    if _padded_tiles(problem, config.tile_m, pack_ratio) > num_sms(device_index) * config.ctas_per_sm:
+    if (
+        _padded_tiles(problem, config.tile_m, pack_ratio)
+        > num_sms(device_index) * config.ctas_per_sm
+    ):
         return config
     return config.replace(scheduler="static_persistent")
 
@@ -552,14 +807,20 @@ def _split_tiles(problem: _Problem, q, config, pack_ratio: int) -> int:
     """Tiles of a split launch (its grid without the split factor: grid.x * heads * grid.z in
     FlashAttentionForwardSm90.__call__), one arrival counter each."""
     if problem.varlen_q:  # every sequence's query tiles, flattened, plus one spare per sequence
-        return (math.ceil(q.shape[0] * pack_ratio / config.tile_m) + problem.batch) * (problem.nheads // pack_ratio)
+        return (math.ceil(q.shape[0] * pack_ratio / config.tile_m) + problem.batch) * (
+            problem.nheads // pack_ratio
+        )
     return _padded_tiles(problem, config.tile_m, pack_ratio)
 
 
 def _padded_tiles(problem: _Problem, tile_m: int, pack_ratio: int) -> int:
     """Query tiles of every (batch, kv-or-q head) with max_seqlen_q rows each: a fixed-length
     problem's grid (the host's estimate for a varlen one)."""
-    return math.ceil(problem.max_seqlen_q * pack_ratio / tile_m) * (problem.nheads // pack_ratio) * problem.batch
+    return (
+        math.ceil(problem.max_seqlen_q * pack_ratio / tile_m)
+        * (problem.nheads // pack_ratio)
+        * problem.batch
+    )
 
 
 try:
@@ -571,10 +832,12 @@ try:
     _current_raw_stream = torch._C._cuda_getCurrentRawStream
     _stream_capturing = torch._C._cuda_isCurrentStreamCapturing
 except AttributeError:  # pragma: no cover - other torch builds
+
     def _current_raw_stream(index):
         return torch.cuda.current_stream(index).cuda_stream
 
     _stream_capturing = torch.cuda.is_current_stream_capturing
+
 
 def _stream_key(device: torch.device):
     """(device index, current raw stream): the key of the buffers kept per stream between
@@ -604,7 +867,9 @@ def _stream_buffers(device: torch.device, stream: Optional[tuple], num_counters:
     tile counters when num_counters, split scratch for `partials` (a _SplitPartials or None);
     None for what the launch does not use."""
     counters = _zeroed_counters(device, num_counters, stream) if num_counters else None
-    out_partial, lse_partial = _split_scratch(device, partials, stream) if partials is not None else (None, None)
+    out_partial, lse_partial = (
+        _split_scratch(device, partials, stream) if partials is not None else (None, None)
+    )
     return counters, out_partial, lse_partial
 
 
@@ -641,7 +906,9 @@ def _zeroed_counters(device: torch.device, count: int, stream: Optional[tuple]) 
         return torch.zeros(count, dtype=torch.int32, device=device)
     counters = _COUNTERS.get(stream)
     if counters is None or counters.numel() < count:
-        counters = _COUNTERS[stream] = torch.zeros(_grown_size(counters, count), dtype=torch.int32, device=device)
+        counters = _COUNTERS[stream] = torch.zeros(
+            _grown_size(counters, count), dtype=torch.int32, device=device
+        )
         _BUFFERS_VERSION[0] += 1
     return counters
 
@@ -655,6 +922,8 @@ def _int_meta(t):
     """An optional int32 tensor's part of a launch-plan key: its shape and dtype (the compiled
     function takes uint32 for int32, and checks the rest itself); None stays None."""
     return None if t is None else (t.shape, t.dtype)
+
+
 _MAX_PLANS = 4096
 
 
@@ -678,12 +947,41 @@ class _LaunchPlan:
     copy what TMA cannot read: such a call pays that exception each time). What neither covers
     is checked here: the current device, and out not overlapping the inputs."""
 
-    __slots__ = ("forward", "device", "device_index", "dtype", "out_shape", "lse_shape",
-                 "scale_log2", "max_ctas", "num_splits", "extents", "num_counters", "out_like_q",
-                 "partials", "int_capacity", "short_signature", "buffers")
+    __slots__ = (
+        "forward",
+        "device",
+        "device_index",
+        "dtype",
+        "out_shape",
+        "lse_shape",
+        "scale_log2",
+        "max_ctas",
+        "num_splits",
+        "extents",
+        "num_counters",
+        "out_like_q",
+        "partials",
+        "int_capacity",
+        "short_signature",
+        "buffers",
+    )
 
-    def __init__(self, forward, device, dtype, out_shape, lse_shape, scale_log2,
-                 max_ctas, num_splits, partials, extents, num_counters=0, out_like_q=False, short_signature=False):
+    def __init__(
+        self,
+        forward,
+        device,
+        dtype,
+        out_shape,
+        lse_shape,
+        scale_log2,
+        max_ctas,
+        num_splits,
+        partials,
+        extents,
+        num_counters=0,
+        out_like_q=False,
+        short_signature=False,
+    ):
         self.forward = forward
         self.extents = extents  # bytes spanned by q, k, v, out
         self.device, self.device_index, self.dtype = device, device.index, dtype
@@ -717,27 +1015,52 @@ class _LaunchPlan:
         oe = self.extents[3]
         return all(op >= p + e or p >= op + oe for p, e in zip((qp, kp, vp), self.extents))
 
-    def launch(self, q, k, v, out, seqused_k=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k=None,
-               int_length=None):
+    def launch(
+        self,
+        q,
+        k,
+        v,
+        out,
+        seqused_k=None,
+        page_table=None,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        int_length=None,
+    ):
         """Launch for a call whose key matched this plan. The key leaves out metadata the compiled
         function checks itself (see the class docstring): it raises before launching if they do
         not fit."""
         if out is None:
-            out = torch.empty_like(q) if self.out_like_q else torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+            out = (
+                torch.empty_like(q)
+                if self.out_like_q
+                else torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+            )
         kv_length = 0 if int_length is None else int_length
         if self.short_signature:  # the common call
             self.forward(q, k, v, out, self.scale_log2, self.max_ctas, kv_length)
             return out
-        lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        lse = (
+            None
+            if self.lse_shape is None
+            else torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        )
         split = self.partials is not None
         counters = scratch = buffers = None
         if self.num_counters or split:
             # _stream_key inlined (one query for every per-stream buffer); the memo holds the
             # raw stream, the plan's device being fixed.
             raw = _current_raw_stream(self.device_index)
-            capturing = raw and _stream_capturing()  # (the legacy default stream 0 cannot be captured)
+            capturing = (
+                raw and _stream_capturing()
+            )  # (the legacy default stream 0 cannot be captured)
             memo = self.buffers
-            if not capturing and memo is not None and memo[0] == raw and memo[1] == _BUFFERS_VERSION[0]:
+            if (
+                not capturing
+                and memo is not None
+                and memo[0] == raw
+                and memo[1] == _BUFFERS_VERSION[0]
+            ):
                 counters, scratch = memo[2]
             else:
                 stream = None if capturing else (self.device_index, raw)
@@ -747,11 +1070,42 @@ class _LaunchPlan:
                 if stream is not None and (not split or self.partials.numel <= _SCRATCH_MAX_FLOATS):
                     self.buffers = (raw, _BUFFERS_VERSION[0], (counters, scratch))
         if split:
-            self.forward(q, k, v, out, lse, scratch, self.scale_log2, cu_seqlens_q, cu_seqlens_k,
-                         seqused_k, page_table, counters, self.max_ctas, self.num_splits, kv_length)
+            self.forward(
+                q,
+                k,
+                v,
+                out,
+                lse,
+                scratch,
+                self.scale_log2,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                seqused_k,
+                page_table,
+                counters,
+                self.max_ctas,
+                self.num_splits,
+                kv_length,
+            )
         else:
-            self.forward(q, k, v, out, lse, None, None, self.scale_log2, cu_seqlens_q, cu_seqlens_k,
-                         seqused_k, page_table, counters, self.max_ctas, self.num_splits, kv_length)
+            self.forward(
+                q,
+                k,
+                v,
+                out,
+                lse,
+                None,
+                None,
+                self.scale_log2,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                seqused_k,
+                page_table,
+                counters,
+                self.max_ctas,
+                self.num_splits,
+                kv_length,
+            )
         return out if self.lse_shape is None else (out, lse)
 
 
@@ -769,7 +1123,9 @@ class _SplitPartials:
     numel: int
 
     def __post_init__(self):  # hashed once: a split launch looks its scratch views up by layout
-        object.__setattr__(self, "_hash", hash((self.o_shape, self.o_stride, self.lse_shape, self.lse_stride)))
+        object.__setattr__(
+            self, "_hash", hash((self.o_shape, self.o_stride, self.lse_shape, self.lse_stride))
+        )
 
     def __hash__(self) -> int:
         return self._hash
@@ -778,16 +1134,24 @@ class _SplitPartials:
     def for_shapes(num_splits: int, out_shape: tuple, lse_shape: tuple) -> "_SplitPartials":
         o_shape, lse_shape = (num_splits, *out_shape), (num_splits, *lse_shape)
         offset = math.prod(o_shape)
-        return _SplitPartials(o_shape, _contiguous_strides(o_shape), lse_shape, _contiguous_strides(lse_shape),
-                              offset, offset + math.prod(lse_shape))
+        return _SplitPartials(
+            o_shape,
+            _contiguous_strides(o_shape),
+            lse_shape,
+            _contiguous_strides(lse_shape),
+            offset,
+            offset + math.prod(lse_shape),
+        )
 
     def allocate(self, device):
         return self.views_of(torch.empty(self.numel, dtype=torch.float32, device=device))
 
     def views_of(self, buffer):
         """(out_partial, lse_partial) at the start of an fp32 buffer of at least numel floats."""
-        return (buffer.as_strided(self.o_shape, self.o_stride),
-                buffer.as_strided(self.lse_shape, self.lse_stride, self.lse_offset))
+        return (
+            buffer.as_strided(self.o_shape, self.o_stride),
+            buffer.as_strided(self.lse_shape, self.lse_stride, self.lse_offset),
+        )
 
 
 # Split partials of up to this many floats (16 MB: decode steps need well under 1 MB per 8
@@ -822,7 +1186,9 @@ def _split_scratch(device: torch.device, partials: _SplitPartials, stream: Optio
         return partials.allocate(device)
     scratch = _SCRATCH.get(key)
     if scratch is None or scratch[0].numel() < partials.numel:
-        size = _grown_size(None if scratch is None else scratch[0], partials.numel, _SCRATCH_MAX_FLOATS)
+        size = _grown_size(
+            None if scratch is None else scratch[0], partials.numel, _SCRATCH_MAX_FLOATS
+        )
         scratch = _SCRATCH[key] = (torch.empty(size, dtype=torch.float32, device=device), {})
         _BUFFERS_VERSION[0] += 1
     views = scratch[1].get(partials)
@@ -854,10 +1220,20 @@ def _combine(out_partial, lse_partial, out, lse):
         out = out.unsqueeze(0)
         lse = lse.unsqueeze(0) if lse is not None else None
     if not checks.aligned_16b(out_partial):
-        out_partial = out_partial.contiguous() if out_partial.data_ptr() % 16 == 0 else out_partial.clone(memory_format=torch.contiguous_format)
-    out_kernel = out if checks.aligned_16b(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
+        out_partial = (
+            out_partial.contiguous()
+            if out_partial.data_ptr() % 16 == 0
+            else out_partial.clone(memory_format=torch.contiguous_format)
+        )
+    out_kernel = (
+        out
+        if checks.aligned_16b(out)
+        else torch.empty_like(out, memory_format=torch.contiguous_format)
+    )
     key = CombineKernelKey(
-        out_dtype=checks.ALL_DTYPE_NAMES[out.dtype], head_dim=out.shape[-1], writes_lse=lse is not None,
+        out_dtype=checks.ALL_DTYPE_NAMES[out.dtype],
+        head_dim=out.shape[-1],
+        writes_lse=lse is not None,
     )
     with _on_device(out.device):
         get_combine_kernel(key)(out_partial, lse_partial, out_kernel, lse)

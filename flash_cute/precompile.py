@@ -5,9 +5,9 @@
 
 Covers the prefill table (and its short-sequence rows), with and without the LSE, and the decode
 configs as flash_attn_with_kvcache uses them (cache_seqlens a tensor or an int, split and not,
-GQA packed at each --gqa-ratios). With --arch sm_90a it runs on a machine with no GPU. --check-ptx keeps each
-kernel's PTX and ptxas report and fails unless the PTX has WGMMA, TMA loads and setmaxnreg and
-ptxas reports zero spill bytes.
+GQA packed at each --gqa-ratios). With --arch sm_90a it runs on a machine with no GPU.
+--check-ptx keeps each kernel's PTX and ptxas report and fails unless the PTX has WGMMA, TMA
+loads and setmaxnreg and ptxas reports zero spill bytes.
 """
 
 from __future__ import annotations
@@ -47,11 +47,15 @@ class PtxReport:
         return found
 
 
-def table_keys(head_dims: Optional[Iterable[int]] = None, writes_lse=(True, False)) -> List[ForwardKernelKey]:
+def table_keys(
+    head_dims: Optional[Iterable[int]] = None, writes_lse=(True, False)
+) -> List[ForwardKernelKey]:
     """Prefill kernels of the config table, long and short-sequence rows; a dynamic persistent
     row also with its static twin, which problems of one wave of tiles launch
     (interface.single_wave_config)."""
-    rows = list(FORWARD_CONFIGS.items()) + [(k, entry[1]) for k, entry in SHORT_SEQUENCE_CONFIGS.items()]
+    rows = list(FORWARD_CONFIGS.items()) + [
+        (k, entry[1]) for k, entry in SHORT_SEQUENCE_CONFIGS.items()
+    ]
     keys = []
     for (head_dim, dtype, causal), config in sorted(rows, key=str):
         if head_dims is not None and head_dim not in head_dims:
@@ -65,8 +69,9 @@ def table_keys(head_dims: Optional[Iterable[int]] = None, writes_lse=(True, Fals
     return list(dict.fromkeys(keys))
 
 
-def decode_keys(head_dims: Optional[Iterable[int]] = None, gqa_ratios=(4, 8),
-                int_lengths=(False, True)) -> List[ForwardKernelKey]:
+def decode_keys(
+    head_dims: Optional[Iterable[int]] = None, gqa_ratios=(4, 8), int_lengths=(False, True)
+) -> List[ForwardKernelKey]:
     """Decode kernels as flash_attn_with_kvcache launches them for a padded cache and no LSE
     returned: cache_seqlens a tensor and (int_lengths) an int, causal or not, split or not, GQA
     packed at each ratio."""
@@ -78,8 +83,19 @@ def decode_keys(head_dims: Optional[Iterable[int]] = None, gqa_ratios=(4, 8),
             for split in (False, True):
                 for ratio in gqa_ratios:
                     for scalar in int_lengths:
-                        keys.append(ForwardKernelKey(dtype, head_dim, causal, config, False, seqused_k=not scalar,
-                                                     scalar_kv_length=scalar, split=split, pack_gqa_ratio=ratio))
+                        keys.append(
+                            ForwardKernelKey(
+                                dtype,
+                                head_dim,
+                                causal,
+                                config,
+                                False,
+                                seqused_k=not scalar,
+                                scalar_kv_length=scalar,
+                                split=split,
+                                pack_gqa_ratio=ratio,
+                            )
+                        )
     return keys
 
 
@@ -94,7 +110,9 @@ def compile_with_ptx_report(key: ForwardKernelKey) -> PtxReport:
             compile_forward(key, options=f"--keep-ptx --dump-dir={dump_dir} remarks{{ptx}}")
         seconds = time.time() - start
         ptx = "".join(
-            open(os.path.join(dump_dir, f)).read() for f in os.listdir(dump_dir) if f.endswith(".ptx")
+            open(os.path.join(dump_dir, f)).read()
+            for f in os.listdir(dump_dir)
+            if f.endswith(".ptx")
         )
     report = log.getvalue()
     if not ptx:
@@ -115,27 +133,41 @@ def compile_with_ptx_report(key: ForwardKernelKey) -> PtxReport:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", default=None, help="target arch when there is no GPU, e.g. sm_90a")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--arch", default=None, help="target arch when there is no GPU, e.g. sm_90a"
+    )
     parser.add_argument("--head-dims", type=int, nargs="*", default=None)
-    parser.add_argument("--gqa-ratios", type=int, nargs="*", default=[4, 8],
-                        help="q heads per kv head to prepare decode kernels for")
+    parser.add_argument(
+        "--gqa-ratios",
+        type=int,
+        nargs="*",
+        default=[4, 8],
+        help="q heads per kv head to prepare decode kernels for",
+    )
     parser.add_argument("--check-ptx", action="store_true")
     args = parser.parse_args(argv)
     ensure_target_arch(args.arch)
     failures = 0
     for key in table_keys(args.head_dims) + decode_keys(args.head_dims, args.gqa_ratios):
-        label = (f"hdim={key.head_dim} {key.dtype} causal={key.causal} lse={key.writes_lse} "
-                 f"tile={key.config.tile_m}x{key.config.tile_n}"
-                 + (f" decode split={key.split} gqa={key.pack_gqa_ratio}" if key.seqused_k else ""))
+        label = (
+            f"hdim={key.head_dim} {key.dtype} causal={key.causal} lse={key.writes_lse} "
+            f"tile={key.config.tile_m}x{key.config.tile_n}"
+            + (f" decode split={key.split} gqa={key.pack_gqa_ratio}" if key.seqused_k else "")
+        )
         try:
             if args.check_ptx:
                 report = compile_with_ptx_report(key)
                 problems = report.problems()
                 status = "FAIL " + "; ".join(problems) if problems else "ok"
                 failures += bool(problems)
-                print(f"{label}: {status} ({report.registers} regs at entry, "
-                      f"{report.spill_bytes} spill bytes, {report.seconds:.1f}s)", flush=True)
+                print(
+                    f"{label}: {status} ({report.registers} regs at entry, "
+                    f"{report.spill_bytes} spill bytes, {report.seconds:.1f}s)",
+                    flush=True,
+                )
             else:
                 start = time.time()
                 get_forward_kernel(key)

@@ -63,7 +63,11 @@ def error_bound(out_lowp: torch.Tensor, out_ref: torch.Tensor, factor: float = 2
     dtype around the reference values."""
     ref = out_ref.float()
     lowp_err = (out_lowp.float() - ref).abs().max().item() if ref.numel() else 0.0
-    rounding = ((ref + 0.3 - 0.3).to(out_lowp.dtype).float() - ref).abs().max().item() if ref.numel() else 0.0
+    rounding = (
+        ((ref + 0.3 - 0.3).to(out_lowp.dtype).float() - ref).abs().max().item()
+        if ref.numel()
+        else 0.0
+    )
     return factor * lowp_err + 2.0 * rounding + 1e-5
 
 
@@ -110,7 +114,9 @@ def _masked_attention(q, k, v, allowed, softmax_scale):
     return torch.einsum("bhts,bshd->bthd", probs, v), lse
 
 
-def combine_ref(out_partial: torch.Tensor, lse_partial: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def combine_ref(
+    out_partial: torch.Tensor, lse_partial: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Merge partial results: lse = logsumexp_k lse_k, out = sum_k exp(lse_k - lse) out_k.
 
     out_partial (K, ..., d), lse_partial (K, ...). Splits with lse -inf contribute nothing
@@ -118,7 +124,9 @@ def combine_ref(out_partial: torch.Tensor, lse_partial: torch.Tensor) -> Tuple[t
     lse = torch.logsumexp(lse_partial, dim=0)
     weights = torch.exp(lse_partial - lse.unsqueeze(0))
     weights = torch.nan_to_num(weights, nan=0.0)  # all -inf: (-inf) - (-inf)
-    safe = torch.where(torch.isfinite(lse_partial).unsqueeze(-1), out_partial, torch.zeros_like(out_partial))
+    safe = torch.where(
+        torch.isfinite(lse_partial).unsqueeze(-1), out_partial, torch.zeros_like(out_partial)
+    )
     return (weights.unsqueeze(-1) * safe).sum(0), lse
 
 
@@ -127,7 +135,10 @@ def split_ranges(seqlen_k: int, tile_n: int, num_splits: int):
     (ceil), trailing splits possibly empty."""
     n_blocks = -(-seqlen_k // tile_n)
     per = -(-n_blocks // num_splits) if num_splits else 0
-    return [(min(s * per * tile_n, seqlen_k), min((s + 1) * per * tile_n, seqlen_k)) for s in range(num_splits)]
+    return [
+        (min(s * per * tile_n, seqlen_k), min((s + 1) * per * tile_n, seqlen_k))
+        for s in range(num_splits)
+    ]
 
 
 def gather_paged(cache: torch.Tensor, page_table: torch.Tensor, seqlen: int) -> torch.Tensor:

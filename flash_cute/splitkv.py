@@ -14,7 +14,9 @@ from functools import lru_cache
 MAX_SPLITS = 128
 
 
-def num_splits_heuristic(num_tiles: int, num_n_blocks: int, num_sms: int, max_splits: int = MAX_SPLITS) -> int:
+def num_splits_heuristic(
+    num_tiles: int, num_n_blocks: int, num_sms: int, max_splits: int = MAX_SPLITS
+) -> int:
     """Splits for `num_tiles` work tiles of `num_n_blocks` key blocks each on `num_sms` SMs.
 
     1 when the tiles already fill most SMs or the key range is short; otherwise the smallest

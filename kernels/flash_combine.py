@@ -46,11 +46,18 @@ class FlashAttentionCombine:
     ):
         rows = mO.shape[1] * mO.shape[2]
         grid = (cute.ceil_div(rows, self.rows_per_cta), mO.shape[0], 1)
-        self.kernel(mO_partial, mLSE_partial, mO, mLSE).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+        self.kernel(mO_partial, mLSE_partial, mO, mLSE).launch(
+            grid=grid, block=[THREADS, 1, 1], stream=stream
+        )
 
     @cute.kernel
-    def kernel(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor,
-               mLSE: Optional[cute.Tensor]):
+    def kernel(
+        self,
+        mO_partial: cute.Tensor,
+        mLSE_partial: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: Optional[cute.Tensor],
+    ):
         tidx = cute.arch.thread_idx()[0]
         bidx, batch, _ = cute.arch.block_idx()
         group = self.lanes_per_row
@@ -65,8 +72,13 @@ class FlashAttentionCombine:
         head = row - token * nheads
 
         acc = cute.make_rmem_tensor(self.floats_per_lane, Float32)
-        lse = merge_row(mLSE_partial[None, batch, token, head], mO_partial[None, batch, token, head, None],
-                        sub, group, acc)
+        lse = merge_row(
+            mLSE_partial[None, batch, token, head],
+            mO_partial[None, batch, token, head, None],
+            sub,
+            group,
+            acc,
+        )
 
         if valid:
             dst = cute.local_tile(mO[batch, token, head, None], (self.floats_per_lane,), (sub,))

@@ -291,16 +291,25 @@ class FlashAttentionForwardSm90:
             mLSE = hopper_mma.permute_modes(mLSE, lse_modes)
         if const_expr(self.split):  # the leading split mode goes last
             mOPartial = hopper_mma.permute_modes(mOPartial, tuple(m + 1 for m in q_modes) + (0,))
-            mLSEPartial = hopper_mma.permute_modes(mLSEPartial, tuple(m + 1 for m in lse_modes) + (0,))
+            mLSEPartial = hopper_mma.permute_modes(
+                mLSEPartial, tuple(m + 1 for m in lse_modes) + (0,)
+            )
         kv_modes = (0, 2, 1) if const_expr(self.kv_layout == "packed") else (1, 3, 2, 0)
         mK, mV = [hopper_mma.permute_modes(t, kv_modes) for t in (mK, mV)]
 
         d = self.head_dim
         tiled_mma_qk = hopper_mma.make_tiled_mma(
-            self.dtype, self.num_mma_warpgroups, self.tile_n, b_mn_major=False, a_from_registers=False
+            self.dtype,
+            self.num_mma_warpgroups,
+            self.tile_n,
+            b_mn_major=False,
+            a_from_registers=False,
         )
         tiled_mma_pv = hopper_mma.make_tiled_mma(
-            self.dtype, self.num_mma_warpgroups, d, b_mn_major=True,
+            self.dtype,
+            self.num_mma_warpgroups,
+            d,
+            b_mn_major=True,
             a_from_registers=self.pv_from_registers,
         )
         sQ_layout = hopper_mma.make_row_major_smem_layout(self.dtype, self.tile_m, d)
@@ -315,9 +324,13 @@ class FlashAttentionForwardSm90:
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         ratio = self.pack_gqa_ratio
         if const_expr(ratio > 1):
-            tma_atom_Q, tma_Q = _make_packed_gqa_tma_atom(tma_load, mQ, sQ_layout, self.tile_m, d, ratio)
+            tma_atom_Q, tma_Q = _make_packed_gqa_tma_atom(
+                tma_load, mQ, sQ_layout, self.tile_m, d, ratio
+            )
         else:
-            tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_layout, (self.tile_m, d))
+            tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+                tma_load, mQ, sQ_layout, (self.tile_m, d)
+            )
         kv_box = (self.tile_n, d)
         kv_box_layout = sKV_stage_layout
         if const_expr(self.kv_layout == "paged"):
@@ -330,9 +343,13 @@ class FlashAttentionForwardSm90:
             # O reuses Q's smem (same shape and swizzle), stored with one TMA per tile.
             tma_store = cpasync.CopyBulkTensorTileS2GOp()
             if const_expr(ratio > 1):
-                tma_atom_O, mO_kernel = _make_packed_gqa_tma_atom(tma_store, mO, sQ_layout, self.tile_m, d, ratio)
+                tma_atom_O, mO_kernel = _make_packed_gqa_tma_atom(
+                    tma_store, mO, sQ_layout, self.tile_m, d, ratio
+                )
             else:
-                tma_atom_O, mO_kernel = cpasync.make_tiled_tma_atom(tma_store, mO, sQ_layout, (self.tile_m, d))
+                tma_atom_O, mO_kernel = cpasync.make_tiled_tma_atom(
+                    tma_store, mO, sQ_layout, (self.tile_m, d)
+                )
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, sKV_stage_layout)
 
@@ -348,9 +365,15 @@ class FlashAttentionForwardSm90:
             mbar_sched: cute.struct.MemRange[cutlass.Int64, 2 * 2]
             next_tile: cute.struct.MemRange[Int32, 2]
             split_last: cute.struct.MemRange[Int32, 1]  # split kernels: this CTA merges the tile
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], self.smem_align]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], self.smem_align]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], self.smem_align]
+            sQ: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], self.smem_align
+            ]
+            sK: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], self.smem_align
+            ]
+            sV: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], self.smem_align
+            ]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, sP_size], self.smem_align]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, sO_size], self.smem_align]
 
@@ -370,12 +393,33 @@ class FlashAttentionForwardSm90:
         else:
             grid = (num_m, grid_heads, mQ.shape[3])
         self.kernel(
-            tma_Q, tma_K, tma_V, mO_kernel, mLSE, mOPartial, mLSEPartial, mQ, mK,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mTileCounter, num_splits, max_ctas, kv_length,
-            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            tma_Q,
+            tma_K,
+            tma_V,
+            mO_kernel,
+            mLSE,
+            mOPartial,
+            mLSEPartial,
+            mQ,
+            mK,
+            mCuSeqlensQ,
+            mCuSeqlensK,
+            mSeqUsedK,
+            mPageTable,
+            mTileCounter,
+            num_splits,
+            max_ctas,
+            kv_length,
+            tma_atom_Q,
+            tma_atom_K,
+            tma_atom_V,
+            tma_atom_O,
             softmax_scale_log2,
-            sQ_layout, sKV_layout, sP_layout,
-            tiled_mma_qk, tiled_mma_pv,
+            sQ_layout,
+            sKV_layout,
+            sP_layout,
+            tiled_mma_qk,
+            tiled_mma_pv,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -403,8 +447,23 @@ class FlashAttentionForwardSm90:
         varlen offsets, seqused_k, page table, tile counter): compiled with this signature, a
         call passes nine arguments fewer through TVM-FFI, which converts each on the host."""
         self.__call__(
-            mQ, mK, mV, mO, None, None, None, softmax_scale_log2, None, None, None, None, None,
-            max_ctas, Int32(1), kv_length, stream,
+            mQ,
+            mK,
+            mV,
+            mO,
+            None,
+            None,
+            None,
+            softmax_scale_log2,
+            None,
+            None,
+            None,
+            None,
+            None,
+            max_ctas,
+            Int32(1),
+            kv_length,
+            stream,
         )
 
     @cute.jit
@@ -444,8 +503,23 @@ class FlashAttentionForwardSm90:
         # Indexed by tile only; the size is never read.
         mArrivals = cute.make_tensor(arrivals, cute.make_layout(1 << 30))
         self.__call__(
-            mQ, mK, mV, mO, mLSE, mOPartial, mLSEPartial, softmax_scale_log2, mCuSeqlensQ, mCuSeqlensK,
-            mSeqUsedK, mPageTable, mArrivals, max_ctas, num_splits, kv_length, stream,
+            mQ,
+            mK,
+            mV,
+            mO,
+            mLSE,
+            mOPartial,
+            mLSEPartial,
+            softmax_scale_log2,
+            mCuSeqlensQ,
+            mCuSeqlensK,
+            mSeqUsedK,
+            mPageTable,
+            mArrivals,
+            max_ctas,
+            num_splits,
+            kv_length,
+            stream,
         )
 
     # ------------------------------------------------------------------------------------
@@ -500,24 +574,37 @@ class FlashAttentionForwardSm90:
         if const_expr(self.o_overwrites_q):
             q_releasers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         pipeline_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=tma_warp,
-            consumer_group=q_releasers, tx_count=self.tma_bytes_q, defer_sync=True,
+            barrier_storage=storage.mbar_q.data_ptr(),
+            num_stages=1,
+            producer_group=tma_warp,
+            consumer_group=q_releasers,
+            tx_count=self.tma_bytes_q,
+            defer_sync=True,
         )
         pipeline_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages,
-            producer_group=tma_warp, consumer_group=mma_warps, tx_count=self.tma_bytes_kv,
+            barrier_storage=storage.mbar_k.data_ptr(),
+            num_stages=self.num_stages,
+            producer_group=tma_warp,
+            consumer_group=mma_warps,
+            tx_count=self.tma_bytes_kv,
             defer_sync=True,
         )
         pipeline_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages,
-            producer_group=tma_warp, consumer_group=mma_warps, tx_count=self.tma_bytes_kv,
+            barrier_storage=storage.mbar_v.data_ptr(),
+            num_stages=self.num_stages,
+            producer_group=tma_warp,
+            consumer_group=mma_warps,
+            tx_count=self.tma_bytes_kv,
             defer_sync=True,
         )
         scheduler = None
         if const_expr(self.persistent):
             scheduler = PersistentTileScheduler.create(
-                self._num_tiles(mQ_shape, mCuSeqlensQ), self.dynamic_scheduler, mTileCounter,
-                storage.mbar_sched.data_ptr(), storage.next_tile.get_tensor(cute.make_layout(2)),
+                self._num_tiles(mQ_shape, mCuSeqlensQ),
+                self.dynamic_scheduler,
+                mTileCounter,
+                storage.mbar_sched.data_ptr(),
+                storage.next_tile.get_tensor(cute.make_layout(2)),
                 self.num_mma_threads,
             )
         pipeline.pipeline_init_arrive()
@@ -532,8 +619,14 @@ class FlashAttentionForwardSm90:
         if const_expr(self.separate_o_smem):
             sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         shapes = SimpleNamespace(
-            mQ=mQ_shape, mK=mK_shape, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK,
-            mSeqUsedK=mSeqUsedK, mPageTable=mPageTable, num_splits=num_splits, max_ctas=max_ctas,
+            mQ=mQ_shape,
+            mK=mK_shape,
+            mCuSeqlensQ=mCuSeqlensQ,
+            mCuSeqlensK=mCuSeqlensK,
+            mSeqUsedK=mSeqUsedK,
+            mPageTable=mPageTable,
+            num_splits=num_splits,
+            max_ctas=max_ctas,
             kv_length=kv_length if const_expr(self.scalar_kv_length) else None,
         )
         bidx, bidy, bidz = cute.arch.block_idx()
@@ -544,15 +637,32 @@ class FlashAttentionForwardSm90:
             cute.arch.setmaxregister_decrease(self.producer_registers)
             if warp_idx == 0:
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-                kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+                kv_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.num_stages
+                )
                 if const_expr(self.persistent):
                     sched_state = scheduler.producer_state()
                     tile_idx = scheduler.first_tile()
                     while tile_idx < scheduler.num_tiles:
                         tile = self._tile_coords(tile_idx, Int32(0), Int32(0), shapes)
                         kv_state = self.load(
-                            mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                            pipeline_q, pipeline_k, pipeline_v, tile, shapes, q_state, kv_state,
+                            mQ,
+                            mK,
+                            mV,
+                            mPageTable,
+                            sQ,
+                            sK,
+                            sV,
+                            tma_atom_Q,
+                            tma_atom_K,
+                            tma_atom_V,
+                            pipeline_q,
+                            pipeline_k,
+                            pipeline_v,
+                            tile,
+                            shapes,
+                            q_state,
+                            kv_state,
                         )
                         q_state.advance()
                         tile_idx = scheduler.fetch_next(tile_idx, sched_state)
@@ -561,8 +671,23 @@ class FlashAttentionForwardSm90:
                 else:
                     tile = self._tile_coords(bidx, bidy, bidz, shapes)
                     self.load(
-                        mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                        pipeline_q, pipeline_k, pipeline_v, tile, shapes, q_state, kv_state,
+                        mQ,
+                        mK,
+                        mV,
+                        mPageTable,
+                        sQ,
+                        sK,
+                        sV,
+                        tma_atom_Q,
+                        tma_atom_K,
+                        tma_atom_V,
+                        pipeline_q,
+                        pipeline_k,
+                        pipeline_v,
+                        tile,
+                        shapes,
+                        q_state,
+                        kv_state,
                     )
         else:
             cute.arch.setmaxregister_increase(self.mma_registers)
@@ -573,15 +698,32 @@ class FlashAttentionForwardSm90:
             if const_expr(self.pingpong):
                 if warpgroup_idx == 0:
                     cute.arch.barrier_arrive(
-                        barrier_id=int(NamedBarrier.WG_SCHEDULE_1), number_of_threads=2 * THREADS_PER_WARPGROUP
+                        barrier_id=int(NamedBarrier.WG_SCHEDULE_1),
+                        number_of_threads=2 * THREADS_PER_WARPGROUP,
                     )
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            kv_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.num_stages
+            )
             # A split CTA's epilogue writes its partials; the merge writes O and the LSE.
             tile_out, tile_lse = (mOPartial, mLSEPartial) if const_expr(self.split) else (mO, mLSE)
             mma_args = (
-                tile_out, tile_lse, sQ, sK, sV, sP, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                pipeline_q, pipeline_k, pipeline_v, softmax_scale_log2, tidx, warpgroup_idx,
+                tile_out,
+                tile_lse,
+                sQ,
+                sK,
+                sV,
+                sP,
+                sO,
+                tma_atom_O,
+                tiled_mma_qk,
+                tiled_mma_pv,
+                pipeline_q,
+                pipeline_k,
+                pipeline_v,
+                softmax_scale_log2,
+                tidx,
+                warpgroup_idx,
             )
             if const_expr(self.persistent):
                 sched_state = scheduler.consumer_state()
@@ -600,7 +742,17 @@ class FlashAttentionForwardSm90:
                 self.mma(*mma_args, tile, shapes, q_state, kv_state)
                 if const_expr(self.split):
                     split_last = storage.split_last.get_tensor(cute.make_layout(1))
-                    self._merge_splits(mO, mLSE, mOPartial, mLSEPartial, mTileCounter, split_last, tile, shapes, tidx)
+                    self._merge_splits(
+                        mO,
+                        mLSE,
+                        mOPartial,
+                        mLSEPartial,
+                        mTileCounter,
+                        split_last,
+                        tile,
+                        shapes,
+                        tidx,
+                    )
 
     def _kv_capacity(self, shapes: SimpleNamespace):
         """Keys a (batch, head) can hold: k's rows, or a paged cache's pages x page size (packed
@@ -613,14 +765,25 @@ class FlashAttentionForwardSm90:
     def _tile_problem(self, tile: SimpleNamespace, shapes: SimpleNamespace):
         """(seqlen info, key block range, n_block_min, n_block_max) of a tile."""
         seqlen = SeqlenInfo.create(
-            tile.batch_idx, shapes.mQ.shape[0], self._kv_capacity(shapes), shapes.mCuSeqlensQ,
-            shapes.mCuSeqlensK, shapes.mSeqUsedK, shapes.kv_length,
+            tile.batch_idx,
+            shapes.mQ.shape[0],
+            self._kv_capacity(shapes),
+            shapes.mCuSeqlensQ,
+            shapes.mCuSeqlensK,
+            shapes.mSeqUsedK,
+            shapes.kv_length,
         )
         block_range = KeyBlockRange(
-            self.tile_m, self.tile_n, self.causal, self.pack_gqa_ratio, seqlen.seqlen_q, seqlen.seqlen_k
+            self.tile_m,
+            self.tile_n,
+            self.causal,
+            self.pack_gqa_ratio,
+            seqlen.seqlen_q,
+            seqlen.seqlen_k,
         )
         n_block_min, n_block_max = block_range.bounds(
-            tile.m_block, tile.split_idx if const_expr(self.split) else None,
+            tile.m_block,
+            tile.split_idx if const_expr(self.split) else None,
             shapes.num_splits if const_expr(self.split) else None,
         )
         return seqlen, block_range, n_block_min, n_block_max
@@ -644,12 +807,16 @@ class FlashAttentionForwardSm90:
                 per_head = self._varlen_tiles_per_head(mQ_shape, shapes.mCuSeqlensQ)
                 bidy = bidx // per_head
                 bidx = bidx - bidy * per_head
-            batch_idx, m_block, num_tiles = varlen_tile(bidx, shapes.mCuSeqlensQ, self.pack_gqa_ratio, self.tile_m)
+            batch_idx, m_block, num_tiles = varlen_tile(
+                bidx, shapes.mCuSeqlensQ, self.pack_gqa_ratio, self.tile_m
+            )
             if const_expr(self.causal):  # longest causal tiles of a sequence first
                 if m_block < num_tiles:  # (not a spare CTA)
                     m_block = num_tiles - 1 - m_block
         elif const_expr(self.causal_lpt_grid):
-            m_block, bidy, batch_idx = self._causal_lpt_tile(bidx, mQ_shape, self._kv_capacity(shapes), shapes.max_ctas)
+            m_block, bidy, batch_idx = self._causal_lpt_tile(
+                bidx, mQ_shape, self._kv_capacity(shapes), shapes.max_ctas
+            )
         elif const_expr(self.persistent):
             # m_block fastest, then head, then batch: CTAs running together share K/V.
             num_m, heads = self._tile_grid(mQ_shape)
@@ -667,12 +834,17 @@ class FlashAttentionForwardSm90:
         if const_expr(self.pack_gqa_ratio == 1):
             head_kv_idx = head_idx // (mQ_shape.shape[2] // mK_shape.shape[2])
         return SimpleNamespace(
-            m_block=m_block, head_idx=head_idx, head_kv_idx=head_kv_idx, batch_idx=batch_idx,
+            m_block=m_block,
+            head_idx=head_idx,
+            head_kv_idx=head_kv_idx,
+            batch_idx=batch_idx,
             split_idx=split_idx,
         )
 
     @cute.jit
-    def _causal_lpt_tile(self, tile_idx: Int32, mQ_shape: cute.Tensor, kv_keys: Int32, max_ctas: Int32):
+    def _causal_lpt_tile(
+        self, tile_idx: Int32, mQ_shape: cute.Tensor, kv_keys: Int32, max_ctas: Int32
+    ):
         """(m_block, head, batch) of flat causal tile tile_idx.
 
         The (batch, head) pairs, batch-major, are cut into sections; a section's tiles run
@@ -692,7 +864,10 @@ class FlashAttentionForwardSm90:
         bytes_per_key = self.head_dim * self.dtype.width // 4  # K and V
         keys_per_section = (self.l2_section_mb << 20) // bytes_per_key
         section = cutlass.max(cutlass.min(keys_per_section // cutlass.max(kv_keys, 1), pairs), 1)
-        wanted = cutlass.min(cute.ceil_div(LPT_TAIL_TILES_PER_CTA * max_ctas, num_m), max_ctas // LPT_TAIL_CTAS_PER_PAIR)
+        wanted = cutlass.min(
+            cute.ceil_div(LPT_TAIL_TILES_PER_CTA * max_ctas, num_m),
+            max_ctas // LPT_TAIL_CTAS_PER_PAIR,
+        )
         tail = cutlass.min(cutlass.max(section, wanted), pairs)
         head_pairs = pairs - tail
         # The head pairs as n sections of q or q + 1 pairs (the first r get q + 1).
@@ -761,34 +936,62 @@ class FlashAttentionForwardSm90:
         d = self.head_dim
         q_head = tile.head_idx if const_expr(self.pack_gqa_ratio == 1) else tile.head_kv_idx
         gQ = cute.local_tile(
-            self._rows_of(mQ, q_head, tile.batch_idx, seqlen.offset_q), (self.tile_m, d), (tile.m_block, 0)
+            self._rows_of(mQ, q_head, tile.batch_idx, seqlen.offset_q),
+            (self.tile_m, d),
+            (tile.m_block, 0),
         )
         tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            tma_atom_Q,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(sQ, 0, 2),
+            cute.group_modes(gQ, 0, 2),
         )
         if const_expr(self.kv_layout == "paged"):
             page_table_row = mPageTable[tile.batch_idx, None]
             k_loader = TmaPagedBlockLoader.create(
-                tma_atom_K, mK[None, None, tile.head_kv_idx, None], sK, pipeline_k, page_table_row,
-                self.tile_n, self.page_box_rows,
+                tma_atom_K,
+                mK[None, None, tile.head_kv_idx, None],
+                sK,
+                pipeline_k,
+                page_table_row,
+                self.tile_n,
+                self.page_box_rows,
             )
             v_loader = TmaPagedBlockLoader.create(
-                tma_atom_V, mV[None, None, tile.head_kv_idx, None], sV, pipeline_v, page_table_row,
-                self.tile_n, self.page_box_rows,
+                tma_atom_V,
+                mV[None, None, tile.head_kv_idx, None],
+                sV,
+                pipeline_v,
+                page_table_row,
+                self.tile_n,
+                self.page_box_rows,
             )
         else:
             tile_kv = (self.tile_n, d)
             k_loader = TmaBlockLoader.create(
                 tma_atom_K,
-                cute.local_tile(self._rows_of(mK, tile.head_kv_idx, tile.batch_idx, seqlen.offset_k), tile_kv, (None, 0)),
-                sK, pipeline_k,
+                cute.local_tile(
+                    self._rows_of(mK, tile.head_kv_idx, tile.batch_idx, seqlen.offset_k),
+                    tile_kv,
+                    (None, 0),
+                ),
+                sK,
+                pipeline_k,
             )
             v_loader = TmaBlockLoader.create(
                 tma_atom_V,
-                cute.local_tile(self._rows_of(mV, tile.head_kv_idx, tile.batch_idx, seqlen.offset_k), tile_kv, (None, 0)),
-                sV, pipeline_v,
+                cute.local_tile(
+                    self._rows_of(mV, tile.head_kv_idx, tile.batch_idx, seqlen.offset_k),
+                    tile_kv,
+                    (None, 0),
+                ),
+                sV,
+                pipeline_v,
             )
-        q_load = SimpleNamespace(atom=tma_atom_Q, src=tQgQ, dst=tQsQ, ring=pipeline_q, state=q_state)
+        q_load = SimpleNamespace(
+            atom=tma_atom_Q, src=tQgQ, dst=tQsQ, ring=pipeline_q, state=q_state
+        )
 
         if n_block_max > n_block_min:
             k_loader.load(n_block_max - 1, kv_state)
@@ -801,11 +1004,22 @@ class FlashAttentionForwardSm90:
 
     def _load_q(self, q_load: SimpleNamespace):
         q_load.ring.producer_acquire(q_load.state)
-        cute.copy(q_load.atom, q_load.src, q_load.dst, tma_bar_ptr=q_load.ring.producer_get_barrier(q_load.state))
+        cute.copy(
+            q_load.atom,
+            q_load.src,
+            q_load.dst,
+            tma_bar_ptr=q_load.ring.producer_get_barrier(q_load.state),
+        )
 
     @cute.jit
-    def _load_kv_blocks(self, k_loader, v_loader, kv_state: pipeline.PipelineState,
-                        n_block_min: Int32, n_block_max: Int32):
+    def _load_kv_blocks(
+        self,
+        k_loader,
+        v_loader,
+        kv_state: pipeline.PipelineState,
+        n_block_min: Int32,
+        n_block_max: Int32,
+    ):
         """Everything after the first K block (already issued at kv_state)."""
         if const_expr(self.intra_wg_overlap):
             for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
@@ -853,21 +1067,31 @@ class FlashAttentionForwardSm90:
         """Consumer warpgroups, one tile: the attention mainloop over key blocks, then the
         epilogue; returns the K/V ring state after the tile."""
         seqlen, block_range, n_block_min, n_block_max = self._tile_problem(tile, shapes)
-        mask = AttentionMask(self.tile_m, self.tile_n, self.pack_gqa_ratio, seqlen.seqlen_q, seqlen.seqlen_k)
+        mask = AttentionMask(
+            self.tile_m, self.tile_n, self.pack_gqa_ratio, seqlen.seqlen_q, seqlen.seqlen_k
+        )
         m_block = tile.m_block
         # WGMMA operands are per warpgroup: slice at the warpgroup's first thread.
         wg_mma_qk = tiled_mma_qk.get_slice(warpgroup_idx * THREADS_PER_WARPGROUP)
         wg_mma_pv = tiled_mma_pv.get_slice(warpgroup_idx * THREADS_PER_WARPGROUP)
-        acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        acc_O = cute.make_rmem_tensor(
+            wg_mma_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32
+        )
         smem_copy_P, tPsP = None, None
         if const_expr(self.pv_from_registers):
-            tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
+            tOrP = wg_mma_pv.make_fragment_A(
+                wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n))
+            )
         else:
             tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_A(sP))
-            smem_copy_P = cute.make_tiled_copy_C(self._stmatrix_atom(), tiled_mma_qk).get_slice(tidx)
+            smem_copy_P = cute.make_tiled_copy_C(self._stmatrix_atom(), tiled_mma_qk).get_slice(
+                tidx
+            )
             tPsP = smem_copy_P.partition_D(sP)
         softmax = OnlineSoftmax.create(
-            softmax_scale_log2, cute.size(hopper_mma.acc_as_rows_cols(acc_O), mode=[0]), self.exp2_on_fma,
+            softmax_scale_log2,
+            cute.size(hopper_mma.acc_as_rows_cols(acc_O), mode=[0]),
+            self.exp2_on_fma,
             self.rescale_threshold,
         )
         ctx = MainloopOperands(
@@ -876,7 +1100,9 @@ class FlashAttentionForwardSm90:
             thr_mma_qk=tiled_mma_qk.get_slice(tidx),
             tSrQ=wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ)),
             tSrK=wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK)),
-            tOrVt=wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(hopper_mma.transpose_smem_view(sV))),
+            tOrVt=wg_mma_pv.make_fragment_B(
+                wg_mma_pv.partition_B(hopper_mma.transpose_smem_view(sV))
+            ),
             tOrP=tOrP,
             smem_copy_P=smem_copy_P,
             tPsP=tPsP,
@@ -885,7 +1111,8 @@ class FlashAttentionForwardSm90:
             softmax=softmax,
             # With rescale_o_before_pv, the O rescale owed by the last softmax step.
             pending_scale=cute.make_rmem_tensor(softmax.num_rows, Float32)
-            if const_expr(self.rescale_o_before_pv) else None,
+            if const_expr(self.rescale_o_before_pv)
+            else None,
             mask=mask,
             m_block=m_block,
             pipeline_k=pipeline_k,
@@ -913,14 +1140,23 @@ class FlashAttentionForwardSm90:
                 self._wait_full(pipeline_k, kv_state)
                 acc_S = self._qk_gemm(ctx, kv_state.index, 0)
                 pipeline_k.consumer_release(kv_state)
-                mask.apply(acc_S, ctx.thr_mma_qk, m_block, n_block_max - 1, mask_seqlen=True, mask_causal=self.causal)
+                mask.apply(
+                    acc_S,
+                    ctx.thr_mma_qk,
+                    m_block,
+                    n_block_max - 1,
+                    mask_seqlen=True,
+                    mask_causal=self.causal,
+                )
                 softmax.step(acc_S, is_first=True)
                 self._scores_to_p(ctx, acc_S)
                 if const_expr(self.rescale_o_before_pv):
                     ctx.pending_scale.fill(1.0)
             else:
                 self._schedule_wait(warpgroup_idx)
-                kv_state = self._block_no_overlap(ctx, kv_state, n_block_max - 1, self.causal, is_first=True)
+                kv_state = self._block_no_overlap(
+                    ctx, kv_state, n_block_max - 1, self.causal, is_first=True
+                )
             kv_state = self._mainloop_rest(ctx, block_range, kv_state, n_block_min, n_block_max - 1)
             if const_expr(release_q_after_mainloop):
                 pipeline_q.consumer_release(q_state)
@@ -950,16 +1186,22 @@ class FlashAttentionForwardSm90:
         q_release = None
         if const_expr(not release_q_after_mainloop):
             q_release = SimpleNamespace(ring=pipeline_q, state=q_state)
-        self.epilogue(acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, tile, seqlen, q_release)
+        self.epilogue(
+            acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, tile, seqlen, q_release
+        )
         return kv_state
 
     @cute.jit
     def _mainloop_rest(self, ctx, block_range, kv_state, n_block_min: Int32, n_block_next: Int32):
         """Key blocks n_block_next - 1 down to n_block_min: the causally masked ones first."""
         m_block = ctx.m_block
-        block_step = self._block_overlap if const_expr(self.intra_wg_overlap) else self._block_no_overlap
+        block_step = (
+            self._block_overlap if const_expr(self.intra_wg_overlap) else self._block_no_overlap
+        )
         if const_expr(self.causal):
-            n_block_masked_min = cutlass.max(block_range.first_causal_masked_block(m_block), n_block_min)
+            n_block_masked_min = cutlass.max(
+                block_range.first_causal_masked_block(m_block), n_block_min
+            )
             for i in cutlass.range(n_block_next - n_block_masked_min, unroll=1):
                 kv_state = block_step(ctx, kv_state, n_block_next - 1 - i, True)
             n_block_next = cutlass.min(n_block_next, n_block_masked_min)
@@ -970,14 +1212,22 @@ class FlashAttentionForwardSm90:
     def _qk_gemm(self, ctx, stage, wait_groups):
         acc_S = cute.make_rmem_tensor(ctx.acc_S_shape, Float32)
         hopper_mma.warpgroup_gemm(
-            ctx.tiled_mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, stage], zero_init=True,
+            ctx.tiled_mma_qk,
+            acc_S,
+            ctx.tSrQ,
+            ctx.tSrK[None, None, None, stage],
+            zero_init=True,
             wait_groups=wait_groups,
         )
         return acc_S
 
     def _pv_gemm(self, ctx, stage, wait_groups):
         hopper_mma.warpgroup_gemm(
-            ctx.tiled_mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt[None, None, None, stage], zero_init=False,
+            ctx.tiled_mma_pv,
+            ctx.acc_O,
+            ctx.tOrP,
+            ctx.tOrVt[None, None, None, stage],
+            zero_init=False,
             wait_groups=wait_groups,
         )
 
@@ -1017,7 +1267,9 @@ class FlashAttentionForwardSm90:
         self._schedule_signal_next(ctx.warpgroup_idx)
         warpgroup.wait_group(1)
         ctx.pipeline_k.consumer_release(kv_state)
-        ctx.mask.apply(acc_S, ctx.thr_mma_qk, ctx.m_block, n_block, mask_seqlen=False, mask_causal=mask_causal)
+        ctx.mask.apply(
+            acc_S, ctx.thr_mma_qk, ctx.m_block, n_block, mask_seqlen=False, mask_causal=mask_causal
+        )
         row_scale = ctx.softmax.step(acc_S, is_first=False)
         warpgroup.wait_group(0)
         ctx.pipeline_v.consumer_release(v_state)
@@ -1037,7 +1289,14 @@ class FlashAttentionForwardSm90:
         self._schedule_signal_next(ctx.warpgroup_idx)
         warpgroup.wait_group(0)
         ctx.pipeline_k.consumer_release(kv_state)
-        ctx.mask.apply(acc_S, ctx.thr_mma_qk, ctx.m_block, n_block, mask_seqlen=is_first, mask_causal=mask_causal)
+        ctx.mask.apply(
+            acc_S,
+            ctx.thr_mma_qk,
+            ctx.m_block,
+            n_block,
+            mask_seqlen=is_first,
+            mask_causal=mask_causal,
+        )
         row_scale = ctx.softmax.step(acc_S, is_first=is_first)
         self._scores_to_p(ctx, acc_S)
         self._rescale_o(ctx.acc_O, row_scale)
@@ -1062,17 +1321,22 @@ class FlashAttentionForwardSm90:
         valid = ctx.last_block_keys
         if v_block == ctx.last_block and valid < self.tile_n:
             pieces_per_row = self.head_dim // 8
-            pieces = cute.zipped_divide(ctx.sV[None, None, stage], (1, 8))  # ((1, 8), (rows, d / 8))
+            pieces = cute.zipped_divide(
+                ctx.sV[None, None, stage], (1, 8)
+            )  # ((1, 8), (rows, d / 8))
             zeros = cute.make_rmem_tensor((1, 8), self.dtype)
             zeros.fill(0.0)
             wg_thread = cute.arch.thread_idx()[0] % THREADS_PER_WARPGROUP
             first = cutlass.max(valid, 0) * pieces_per_row
-            for j in cutlass.range(first + wg_thread, self.tile_n * pieces_per_row, THREADS_PER_WARPGROUP, unroll=1):
+            for j in cutlass.range(
+                first + wg_thread, self.tile_n * pieces_per_row, THREADS_PER_WARPGROUP, unroll=1
+            ):
                 row = j // pieces_per_row
                 cute.autovec_copy(zeros, pieces[None, (row, j - row * pieces_per_row)])
             cute.arch.fence_view_async_shared()  # generic-proxy stores -> the WGMMA's reads
             cute.arch.barrier(
-                barrier_id=int(NamedBarrier.V_TAIL_1) + ctx.warpgroup_idx, number_of_threads=THREADS_PER_WARPGROUP
+                barrier_id=int(NamedBarrier.V_TAIL_1) + ctx.warpgroup_idx,
+                number_of_threads=THREADS_PER_WARPGROUP,
             )
 
     def _wait_full(self, ring, state):
@@ -1103,9 +1367,18 @@ class FlashAttentionForwardSm90:
             )
 
     @cute.jit
-    def _merge_splits(self, mO: cute.Tensor, mLSE: Optional[cute.Tensor], mOPartial: cute.Tensor,
-                      mLSEPartial: cute.Tensor, mArrivals: cute.Tensor, split_last: cute.Tensor,
-                      tile: SimpleNamespace, shapes: SimpleNamespace, tidx: Int32):
+    def _merge_splits(
+        self,
+        mO: cute.Tensor,
+        mLSE: Optional[cute.Tensor],
+        mOPartial: cute.Tensor,
+        mLSEPartial: cute.Tensor,
+        mArrivals: cute.Tensor,
+        split_last: cute.Tensor,
+        tile: SimpleNamespace,
+        shapes: SimpleNamespace,
+        tidx: Int32,
+    ):
         """MMA warps of a split CTA, after its partials are stored: count this split in; the
         last of the tile's splits to arrive merges all of them into O and the LSE and resets
         the tile's counter (every split has arrived, so none touches it again this launch)."""
@@ -1113,24 +1386,36 @@ class FlashAttentionForwardSm90:
         # The CTA's partial stores happen before the arrival: the barrier orders them before
         # thread 0's release (fence + atomic); its acquire orders the other splits' partials
         # before the merge's loads, which the second barrier passes on to every thread.
-        cute.arch.barrier(barrier_id=int(NamedBarrier.SPLIT_MERGE), number_of_threads=self.num_mma_threads)
+        cute.arch.barrier(
+            barrier_id=int(NamedBarrier.SPLIT_MERGE), number_of_threads=self.num_mma_threads
+        )
         if tidx == 0:
             bidx, bidy, bidz = cute.arch.block_idx()
             grid_x, grid_y, _ = cute.arch.grid_dim()
             slot = (bidz * (grid_y // num_splits) + bidy // num_splits) * grid_x + bidx
             cute.arch.fence_acq_rel_gpu()
-            arrived = cute.arch.atomic_add((mArrivals.iterator + slot).llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
+            arrived = cute.arch.atomic_add(
+                (mArrivals.iterator + slot).llvm_ptr, Int32(1), sem="acq_rel", scope="gpu"
+            )
             is_last = arrived == num_splits - 1
             if is_last:
                 mArrivals[slot] = Int32(0)
             split_last[0] = Int32(1) if is_last else Int32(0)
-        cute.arch.barrier(barrier_id=int(NamedBarrier.SPLIT_MERGE), number_of_threads=self.num_mma_threads)
+        cute.arch.barrier(
+            barrier_id=int(NamedBarrier.SPLIT_MERGE), number_of_threads=self.num_mma_threads
+        )
         seqlen = SeqlenInfo.create(
-            tile.batch_idx, shapes.mQ.shape[0], Int32(0), shapes.mCuSeqlensQ, None, None,
+            tile.batch_idx,
+            shapes.mQ.shape[0],
+            Int32(0),
+            shapes.mCuSeqlensQ,
+            None,
+            None,
         )
         # The tile's rows that hold a token (a prefix of the tile).
         valid_rows = cutlass.min(
-            cutlass.max(seqlen.seqlen_q * self.pack_gqa_ratio - tile.m_block * self.tile_m, 0), self.tile_m
+            cutlass.max(seqlen.seqlen_q * self.pack_gqa_ratio - tile.m_block * self.tile_m, 0),
+            self.tile_m,
         )
         # (Uniform over the CTA: the counter's verdict, and whether the tile has rows at all.)
         if split_last[0] != 0 and valid_rows > 0:
@@ -1142,17 +1427,24 @@ class FlashAttentionForwardSm90:
             for i in cutlass.range(cute.ceil_div(valid_rows, rows_per_pass), unroll=1):
                 token, head = self._row_of_tile(i * rows_per_pass + tidx // group, tile)
                 valid = token < seqlen.seqlen_q
-                if not valid:  # merge the tile's first row (no stores): every lane reaches the shuffles
+                if (
+                    not valid
+                ):  # merge the tile's first row (no stores): every lane reaches the shuffles
                     token, head = self._row_of_tile(Int32(0), tile)
                 idx = self._out_index(token, head, tile, seqlen, with_split=False)
                 o_splits = mOPartial[(idx[0], None, *idx[1:], None)]  # (d, S)
                 lse = merge_row(
-                    mLSEPartial[(*idx, None)], cute.make_tensor(o_splits.iterator, cute.select(o_splits.layout, mode=[1, 0])),
-                    sub, group, acc,
+                    mLSEPartial[(*idx, None)],
+                    cute.make_tensor(o_splits.iterator, cute.select(o_splits.layout, mode=[1, 0])),
+                    sub,
+                    group,
+                    acc,
                 )
                 if valid:
                     hopper_mma.convert_to_16bit(acc, out)
-                    dst = cute.local_tile(mO[(idx[0], None, *idx[1:])], (self.head_dim // group,), (sub,))
+                    dst = cute.local_tile(
+                        mO[(idx[0], None, *idx[1:])], (self.head_dim // group,), (sub,)
+                    )
                     dst.store(out.load())
                     if const_expr(mLSE is not None):
                         if sub == 0:
@@ -1169,11 +1461,19 @@ class FlashAttentionForwardSm90:
         row = tile.m_block * self.tile_m + local_row
         if const_expr(self.pack_gqa_ratio > 1):
             token = row // self.pack_gqa_ratio
-            return token, tile.head_kv_idx * self.pack_gqa_ratio + (row - token * self.pack_gqa_ratio)
+            return token, tile.head_kv_idx * self.pack_gqa_ratio + (
+                row - token * self.pack_gqa_ratio
+            )
         return row, tile.head_idx
 
-    def _out_index(self, token: Int32, head: Int32, tile: SimpleNamespace, seqlen: SeqlenInfo,
-                   with_split: bool = True):
+    def _out_index(
+        self,
+        token: Int32,
+        head: Int32,
+        tile: SimpleNamespace,
+        seqlen: SeqlenInfo,
+        with_split: bool = True,
+    ):
         """Coordinates of (row, head[, batch][, split]) in out/lse (kernel mode order; the split
         in split kernels' partials), without the head_dim mode."""
         if const_expr(self.varlen_q):
@@ -1225,8 +1525,12 @@ class FlashAttentionForwardSm90:
                 # sO is reused tile after tile: the previous tile's store must have read it.
                 if warp_idx == 4:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.barrier(barrier_id=int(NamedBarrier.O_SMEM_FREE), number_of_threads=self.num_mma_threads)
-            smem_copy_O = cute.make_tiled_copy_C(self._stmatrix_atom(), tiled_mma_pv).get_slice(tidx)
+                cute.arch.barrier(
+                    barrier_id=int(NamedBarrier.O_SMEM_FREE), number_of_threads=self.num_mma_threads
+                )
+            smem_copy_O = cute.make_tiled_copy_C(self._stmatrix_atom(), tiled_mma_pv).get_slice(
+                tidx
+            )
             cute.copy(smem_copy_O, smem_copy_O.retile(rO), smem_copy_O.partition_D(sO))
             cute.arch.fence_view_async_shared()  # smem writes -> visible to the TMA (async proxy)
             cute.arch.barrier_arrive(
@@ -1234,14 +1538,21 @@ class FlashAttentionForwardSm90:
             )
             if warp_idx == 4:
                 cute.arch.barrier(
-                    barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_mma_threads + 32
+                    barrier_id=int(NamedBarrier.EPILOGUE),
+                    number_of_threads=self.num_mma_threads + 32,
                 )
                 o_head = tile.head_idx if const_expr(self.pack_gqa_ratio == 1) else tile.head_kv_idx
                 gO = cute.local_tile(
-                    mO[None, None, o_head, tile.batch_idx], (self.tile_m, self.head_dim), (tile.m_block, 0)
+                    mO[None, None, o_head, tile.batch_idx],
+                    (self.tile_m, self.head_dim),
+                    (tile.m_block, 0),
                 )
                 tOsO, tOgO = cpasync.tma_partition(
-                    tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+                    tma_atom_O,
+                    0,
+                    cute.make_layout(1),
+                    cute.group_modes(sO, 0, 2),
+                    cute.group_modes(gO, 0, 2),
                 )
                 cute.copy(tma_atom_O, tOsO, tOgO)
                 cute.arch.cp_async_bulk_commit_group()
@@ -1264,4 +1575,6 @@ class FlashAttentionForwardSm90:
                     for c in cutlass.range_constexpr(0, cute.size(out_rc, mode=[1]), 2):
                         pair[0] = out_rc[r, c]
                         pair[1] = out_rc[r, c + 1]
-                        cute.autovec_copy(pair, cute.local_tile(o_row, (2,), (coords[r, c][1] // 2,)))
+                        cute.autovec_copy(
+                            pair, cute.local_tile(o_row, (2,), (coords[r, c][1] // 2,))
+                        )

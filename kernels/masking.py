@@ -48,7 +48,12 @@ class AttentionMask:
                 if const_expr(mask_causal):
                     row = (m_block * self.tile_m + thr_coords[r, 0][0]) // self.rows_per_token
                     causal_limit = (
-                        row + 1 + self.seqlen_k - self.seqlen_q - n_block * self.tile_n - thr_col_offset
+                        row
+                        + 1
+                        + self.seqlen_k
+                        - self.seqlen_q
+                        - n_block * self.tile_n
+                        - thr_col_offset
                     )
                     if const_expr(mask_seqlen):
                         col_limit = cutlass.min(causal_limit, seqlen_limit)

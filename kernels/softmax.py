@@ -82,7 +82,9 @@ def exp2_on_fma(x: Float32, *, loc=None, ip=None) -> Float32:
 def fma_exp2_columns(ncols: int, per_16: int) -> frozenset:
     """Which of a thread's ncols row columns use exp2_on_fma: per_16 of every 16, spread
     evenly (Bresenham), so the polynomial work interleaves with the MUFU's."""
-    return frozenset(c for c in range(ncols) if ((c % 16) + 1) * per_16 // 16 > (c % 16) * per_16 // 16)
+    return frozenset(
+        c for c in range(ncols) if ((c % 16) + 1) * per_16 // 16 > (c % 16) * per_16 // 16
+    )
 
 
 @cute.jit
@@ -136,12 +138,22 @@ class OnlineSoftmax:
     rescale_threshold: cutlass.Constexpr[int] = 0
 
     @staticmethod
-    def create(scale_log2: Float32, num_rows: int, fma_exp2_per_16: int = 0,
-               rescale_threshold: int = 0) -> "OnlineSoftmax":
-        max_lag = Float32(rescale_threshold) / scale_log2 if const_expr(rescale_threshold > 0) else Float32(0.0)
+    def create(
+        scale_log2: Float32, num_rows: int, fma_exp2_per_16: int = 0, rescale_threshold: int = 0
+    ) -> "OnlineSoftmax":
+        max_lag = (
+            Float32(rescale_threshold) / scale_log2
+            if const_expr(rescale_threshold > 0)
+            else Float32(0.0)
+        )
         return OnlineSoftmax(
-            scale_log2, num_rows, cute.make_rmem_tensor(num_rows, Float32),
-            cute.make_rmem_tensor(num_rows, Float32), max_lag, fma_exp2_per_16, rescale_threshold,
+            scale_log2,
+            num_rows,
+            cute.make_rmem_tensor(num_rows, Float32),
+            cute.make_rmem_tensor(num_rows, Float32),
+            max_lag,
+            fma_exp2_per_16,
+            rescale_threshold,
         )
 
     @cute.jit
@@ -179,7 +191,9 @@ class OnlineSoftmax:
                 row_scale[r] = Float32(1.0)
                 self.row_sum[r] = row_sum
             else:
-                scale = cute.math.exp2((row_max_prev - row_max_safe) * self.scale_log2, fastmath=True)
+                scale = cute.math.exp2(
+                    (row_max_prev - row_max_safe) * self.scale_log2, fastmath=True
+                )
                 row_scale[r] = scale
                 self.row_sum[r] = self.row_sum[r] * scale + row_sum
             scores[r, None].store(row.load())

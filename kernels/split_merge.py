@@ -33,7 +33,9 @@ def lanes_per_row(head_dim: int) -> int:
 
 
 @cute.jit
-def group_allreduce(x: Float32, group: cutlass.Constexpr[int], is_max: cutlass.Constexpr[bool]) -> Float32:
+def group_allreduce(
+    x: Float32, group: cutlass.Constexpr[int], is_max: cutlass.Constexpr[bool]
+) -> Float32:
     """Max or sum of x over the `group` consecutive lanes sharing a row (all 32 lanes of the
     warp must call it)."""
     offset = group // 2
@@ -45,8 +47,13 @@ def group_allreduce(x: Float32, group: cutlass.Constexpr[int], is_max: cutlass.C
 
 
 @cute.jit
-def merge_row(lse_splits: cute.Tensor, o_splits: cute.Tensor, sub: Int32, group: cutlass.Constexpr[int],
-              acc: cute.Tensor) -> Float32:
+def merge_row(
+    lse_splits: cute.Tensor,
+    o_splits: cute.Tensor,
+    sub: Int32,
+    group: cutlass.Constexpr[int],
+    acc: cute.Tensor,
+) -> Float32:
     """Merge one row's splits; every lane of the warp must call it (rows of no interest merge
     some valid row and skip their stores). An empty split's out_k is loaded but not used.
 

@@ -28,19 +28,30 @@ class PersistentTileScheduler:
     next_tile: Optional[cute.Tensor]  # (2,) int32 in smem, one per handoff slot
 
     @staticmethod
-    def create(num_tiles: Int32, dynamic: bool, counter, handoff_barriers, next_tile_smem,
-               num_consumer_threads: int) -> "PersistentTileScheduler":
+    def create(
+        num_tiles: Int32,
+        dynamic: bool,
+        counter,
+        handoff_barriers,
+        next_tile_smem,
+        num_consumer_threads: int,
+    ) -> "PersistentTileScheduler":
         """handoff_barriers: smem for 4 mbarriers; next_tile_smem: smem for 2 int32."""
         handoff, next_tile = None, None
         if const_expr(dynamic):
             handoff = pipeline.PipelineAsync.create(
-                barrier_storage=handoff_barriers, num_stages=2,
+                barrier_storage=handoff_barriers,
+                num_stages=2,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_consumer_threads),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, num_consumer_threads
+                ),
                 defer_sync=True,
             )
             next_tile = next_tile_smem
-        return PersistentTileScheduler(num_tiles, cute.arch.grid_dim()[0], dynamic, counter, handoff, next_tile)
+        return PersistentTileScheduler(
+            num_tiles, cute.arch.grid_dim()[0], dynamic, counter, handoff, next_tile
+        )
 
     def first_tile(self) -> Int32:
         return cute.arch.block_idx()[0]
@@ -58,7 +69,9 @@ class PersistentTileScheduler:
         if const_expr(self.dynamic):
             drawn = Int32(0)
             if cute.arch.lane_idx() == 0:
-                drawn = cute.arch.atomic_add(self.counter.iterator.llvm_ptr, Int32(1), sem="relaxed", scope="gpu")
+                drawn = cute.arch.atomic_add(
+                    self.counter.iterator.llvm_ptr, Int32(1), sem="relaxed", scope="gpu"
+                )
             next_idx = cute.arch.shuffle_sync(drawn, 0) + self.grid_size
             self.handoff.producer_acquire(state)
             if cute.arch.lane_idx() == 0:

@@ -22,8 +22,11 @@ class TmaBlockLoader:
     def create(atom, gmem_blocks: cute.Tensor, smem_stages: cute.Tensor, ring) -> "TmaBlockLoader":
         """gmem_blocks: (rows, cols, num_blocks); smem_stages: (rows, cols, num_stages)."""
         dst, src = cpasync.tma_partition(
-            atom, 0, cute.make_layout(1),
-            cute.group_modes(smem_stages, 0, 2), cute.group_modes(gmem_blocks, 0, 2),
+            atom,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(smem_stages, 0, 2),
+            cute.group_modes(gmem_blocks, 0, 2),
         )
         return TmaBlockLoader(atom, src, dst, ring)
 
@@ -32,7 +35,9 @@ class TmaBlockLoader:
         full barrier (the pipeline's tx_count is the bytes of one block)."""
         self.ring.producer_acquire(state)
         cute.copy(
-            self.atom, self.src_blocks[None, n_block], self.dst_stages[None, state.index],
+            self.atom,
+            self.src_blocks[None, n_block],
+            self.dst_stages[None, state.index],
             tma_bar_ptr=self.ring.producer_get_barrier(state),
         )
 
@@ -56,17 +61,27 @@ class TmaPagedBlockLoader:
     box_rows: int
 
     @staticmethod
-    def create(atom, gmem_pages: cute.Tensor, smem_stages: cute.Tensor, ring, page_table_row,
-               tile_n: int, box_rows: int) -> "TmaPagedBlockLoader":
+    def create(
+        atom,
+        gmem_pages: cute.Tensor,
+        smem_stages: cute.Tensor,
+        ring,
+        page_table_row,
+        tile_n: int,
+        box_rows: int,
+    ) -> "TmaPagedBlockLoader":
         """gmem_pages: (page_size, cols, num_pages); smem_stages: (tile_n, cols, num_stages)."""
         cols = cute.size(smem_stages, mode=[1])
         dst, src = cpasync.tma_partition(
-            atom, 0, cute.make_layout(1),
+            atom,
+            0,
+            cute.make_layout(1),
             cute.group_modes(cute.flat_divide(smem_stages, (box_rows, cols)), 0, 2),
             cute.group_modes(cute.flat_divide(gmem_pages, (box_rows, cols)), 0, 2),
         )
-        return TmaPagedBlockLoader(atom, src, dst, ring, page_table_row, gmem_pages.shape[0],
-                                   tile_n, box_rows)
+        return TmaPagedBlockLoader(
+            atom, src, dst, ring, page_table_row, gmem_pages.shape[0], tile_n, box_rows
+        )
 
     @cute.jit
     def load(self, n_block: Int32, state: pipeline.PipelineState):
@@ -77,6 +92,8 @@ class TmaPagedBlockLoader:
             page = self.page_table_row[cutlass.min(key // self.page_size, last_page)]
             box_in_page = (key % self.page_size) // self.box_rows
             cute.copy(
-                self.atom, self.src_boxes[None, box_in_page, 0, page], self.dst_boxes[None, j, 0, state.index],
+                self.atom,
+                self.src_boxes[None, box_in_page, 0, page],
+                self.dst_boxes[None, j, 0, state.index],
                 tma_bar_ptr=self.ring.producer_get_barrier(state),
             )

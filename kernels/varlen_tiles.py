@@ -24,8 +24,12 @@ def _warp_inclusive_sum(value: Int32, lane: Int32) -> Int32:
 
 
 @cute.jit
-def varlen_tile(tile_idx: Int32, mCuSeqlensQ: cute.Tensor, rows_per_token: cutlass.Constexpr[int],
-                tile_m: cutlass.Constexpr[int]):
+def varlen_tile(
+    tile_idx: Int32,
+    mCuSeqlensQ: cute.Tensor,
+    rows_per_token: cutlass.Constexpr[int],
+    tile_m: cutlass.Constexpr[int],
+):
     """(batch, m_block, tiles of that batch) of flat tile tile_idx. A spare index (past every
     sequence's tiles) maps to batch 0 at m_block = its tile count: the tile just past its end,
     which is empty."""

@@ -19,9 +19,32 @@ def _listed_labels(capsys, argv, count, head_dim):
 
 
 def test_sweep_list_covers_scheduler_knobs(capsys):
-    argv = ["sweep", "--hdim", "128", "--causal", "--tile-m", "128", "--tile-n", "128", "--pv", "regs",
-            "--pingpong", "on", "--rescale-before-pv", "off", "--scheduler", "single_tile", "dynamic_persistent",
-            "--l2-section-mb", "8", "24", "--mbarrier-probe", "off", "on", "--list"]
+    argv = [
+        "sweep",
+        "--hdim",
+        "128",
+        "--causal",
+        "--tile-m",
+        "128",
+        "--tile-n",
+        "128",
+        "--pv",
+        "regs",
+        "--pingpong",
+        "on",
+        "--rescale-before-pv",
+        "off",
+        "--scheduler",
+        "single_tile",
+        "dynamic_persistent",
+        "--l2-section-mb",
+        "8",
+        "24",
+        "--mbarrier-probe",
+        "off",
+        "on",
+        "--list",
+    ]
     labels = _listed_labels(capsys, argv, 8, 128)
     assert sum("dynamic" in label for label in labels) == 4
     assert sum("l2:24MB" in label for label in labels) == 4  # 8 MB is the default
@@ -29,9 +52,33 @@ def test_sweep_list_covers_scheduler_knobs(capsys):
 
 
 def test_sweep_list_covers_softmax_knobs(capsys):
-    argv = ["sweep", "--hdim", "64", "--tile-m", "192", "--tile-n", "128", "--pv", "regs", "--pingpong", "on",
-            "--rescale-before-pv", "off", "--scheduler", "single_tile", "--exp2-on-fma", "0", "2",
-            "--lazy-rescale", "off", "on", "--rescale-threshold", "0", "8", "--list"]
+    argv = [
+        "sweep",
+        "--hdim",
+        "64",
+        "--tile-m",
+        "192",
+        "--tile-n",
+        "128",
+        "--pv",
+        "regs",
+        "--pingpong",
+        "on",
+        "--rescale-before-pv",
+        "off",
+        "--scheduler",
+        "single_tile",
+        "--exp2-on-fma",
+        "0",
+        "2",
+        "--lazy-rescale",
+        "off",
+        "on",
+        "--rescale-threshold",
+        "0",
+        "8",
+        "--list",
+    ]
     labels = _listed_labels(capsys, argv, 8, 64)
     assert sum("fma-exp2:2/16" in label for label in labels) == 4
     assert sum(" lazy" in label for label in labels) == 4
@@ -41,9 +88,28 @@ def test_sweep_list_covers_softmax_knobs(capsys):
 
 
 def test_sweep_list_covers_the_o_store(capsys):
-    argv = ["sweep", "--hdim", "64", "--tile-m", "192", "--tile-n", "128", "--pv", "regs", "--pingpong", "on",
-            "--rescale-before-pv", "off", "--scheduler", "single_tile", "static_persistent",
-            "--store-o-from-registers", "off", "on", "--list"]
+    argv = [
+        "sweep",
+        "--hdim",
+        "64",
+        "--tile-m",
+        "192",
+        "--tile-n",
+        "128",
+        "--pv",
+        "regs",
+        "--pingpong",
+        "on",
+        "--rescale-before-pv",
+        "off",
+        "--scheduler",
+        "single_tile",
+        "static_persistent",
+        "--store-o-from-registers",
+        "off",
+        "on",
+        "--list",
+    ]
     labels = _listed_labels(capsys, argv, 4, 64)
     assert sum("O-regs" in label for label in labels) == 2
 
@@ -55,8 +121,10 @@ def test_sweep_rejects_unknown_scheduler():
 
 def test_plot_redraws_sweep_json(tmp_path):
     pytest.importorskip("matplotlib")
-    rows = [bench.SweepRow({"tile_m": 128}, "128x128 a", {512: 400.0, 1024: 500.0}),
-            bench.SweepRow({"tile_m": 192}, "192x128 b", {512: 380.0, 1024: 520.0})]
+    rows = [
+        bench.SweepRow({"tile_m": 128}, "128x128 a", {512: 400.0, 1024: 500.0}),
+        bench.SweepRow({"tile_m": 192}, "192x128 b", {512: 380.0, 1024: 520.0}),
+    ]
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps({"title": "t", "rows": [bench.asdict(r) for r in rows]}))
     png = tmp_path / "sweep.png"
@@ -85,12 +153,17 @@ def test_varlen_cases_list_without_gpu(capsys):
         _, count, (lo, hi), *_ = case
         assert len(lengths) == count and all(lo <= n <= hi for n in lengths)
     assert bench.varlen_case_lengths(bench.VARLEN_PREFILL_CASES[0], 3) == bench.varlen_case_lengths(
-        bench.VARLEN_PREFILL_CASES[0], 3), "lengths must follow the seed"
+        bench.VARLEN_PREFILL_CASES[0], 3
+    ), "lengths must follow the seed"
 
 
 def test_varlen_table_formats_ratios():
-    row = bench.VarlenPrefillRow("case", "128x128", 100, {"flash_cute": 110.0, "flash_cute one CTA per tile": 100.0,
-                                                          "fa4": 55.0})
+    row = bench.VarlenPrefillRow(
+        "case",
+        "128x128",
+        100,
+        {"flash_cute": 110.0, "flash_cute one CTA per tile": 100.0, "fa4": 55.0},
+    )
     table = bench.varlen_prefill_table([row])
     assert table.splitlines()[-1] == "| case | 128x128 | 100 | 110 | 100 | 55 | 1.10 | 2.00 |"
 
@@ -98,6 +171,7 @@ def test_varlen_table_formats_ratios():
 def test_prefill_passes_merge_to_median_times():
     """Repeated grid passes: each peer's time is its median over the passes; the table gives
     the median and the range of the passes' own ratios."""
+
     def row(ms_fc, ms_fa4):
         r = bench.PrefillRow("bf16", 64, False, 1024, 16, 32)
         r.ms = {"flash_cute": ms_fc, "fa4": ms_fa4}

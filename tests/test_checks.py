@@ -8,8 +8,11 @@ from flash_cute import AttentionConfig, checks
 
 
 def qkv(b=2, sq=8, sk=8, h=4, hk=2, d=64, dtype=torch.bfloat16):
-    return (torch.randn(b, sq, h, d, dtype=dtype), torch.randn(b, sk, hk, d, dtype=dtype),
-            torch.randn(b, sk, hk, d, dtype=dtype))
+    return (
+        torch.randn(b, sq, h, d, dtype=dtype),
+        torch.randn(b, sk, hk, d, dtype=dtype),
+        torch.randn(b, sk, hk, d, dtype=dtype),
+    )
 
 
 @pytest.mark.parametrize(
@@ -24,7 +27,11 @@ def qkv(b=2, sq=8, sk=8, h=4, hk=2, d=64, dtype=torch.bfloat16):
         (lambda q, k, v: (q.transpose(1, 3), k, v), ValueError, "contiguous last dimension"),
         (lambda q, k, v: (q, k[:1], v[:1]), ValueError, "batch size 2"),
         (lambda q, k, v: (q, k, v[:, :5]), ValueError, "v must have the shape of k"),
-        (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), ValueError, "head dimension must be one of"),
+        (
+            lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]),
+            ValueError,
+            "head dimension must be one of",
+        ),
         (lambda q, k, v: (q, k[..., :32], v[..., :32]), ValueError, "k must have headdim 64"),
         (lambda q, k, v: (q[:, :, :3], k, v), ValueError, "multiple of nheads of k"),
         (lambda q, k, v: (q, k, v), ValueError, "q must be a CUDA tensor"),
@@ -46,8 +53,16 @@ def test_bad_flags():
         flash_cute.flash_attn_func(q, k, v, config=(128, 128))
 
 
-@pytest.mark.parametrize("scale, exc", [("0.1", TypeError), (float("nan"), ValueError), (float("inf"), ValueError), (True, TypeError),
-                                        (-0.125, ValueError)])
+@pytest.mark.parametrize(
+    "scale, exc",
+    [
+        ("0.1", TypeError),
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+        (True, TypeError),
+        (-0.125, ValueError),
+    ],
+)
 def test_bad_softmax_scale(scale, exc):
     with pytest.raises(exc, match="softmax_scale"):
         checks.softmax_scale_log2(scale, 64)
@@ -55,6 +70,7 @@ def test_bad_softmax_scale(scale, exc):
 
 def test_softmax_scale_default():
     import math
+
     assert checks.softmax_scale_log2(None, 64) == pytest.approx(math.log2(math.e) / 8)
 
 
@@ -76,7 +92,9 @@ def test_out_checks():
     with pytest.raises(TypeError, match="out must have dtype"):
         checks.check_out(torch.empty(shape, dtype=torch.float16), shape, q, (q, k, v))
     with pytest.raises(ValueError, match="contiguous last dimension"):
-        checks.check_out(torch.empty(shape[::-1], dtype=q.dtype).permute(3, 2, 1, 0), shape, q, (q, k, v))
+        checks.check_out(
+            torch.empty(shape[::-1], dtype=q.dtype).permute(3, 2, 1, 0), shape, q, (q, k, v)
+        )
     with pytest.raises(ValueError, match="broadcast"):
         checks.check_out(torch.empty(1, 1, 1, 64, dtype=q.dtype).expand(shape), shape, q, (q, k, v))
     with pytest.raises(ValueError, match="overlap q"):
@@ -124,6 +142,7 @@ def test_tma_layout_fixups():
 
 # ---- varlen, KV cache and combine entry points ----
 
+
 def varlen_args(total_q=10, batch=3, h=4, hk=2, d=64):
     q = torch.randn(total_q, h, d, dtype=torch.bfloat16)
     k = torch.randn(20, hk, d, dtype=torch.bfloat16)
@@ -135,12 +154,26 @@ def varlen_args(total_q=10, batch=3, h=4, hk=2, d=64):
     "kwargs, exc, message",
     [
         (dict(cu_seqlens_q=torch.tensor([0, 3, 10])), TypeError, "cu_seqlens_q must be int32"),
-        (dict(cu_seqlens_q=torch.zeros(2, 2, dtype=torch.int32)), ValueError, "cu_seqlens_q must have shape"),
+        (
+            dict(cu_seqlens_q=torch.zeros(2, 2, dtype=torch.int32)),
+            ValueError,
+            "cu_seqlens_q must have shape",
+        ),
         (dict(max_seqlen_q=torch.tensor(5)), TypeError, "max_seqlen_q must be a Python int"),
         (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q must be >= 0"),
-        (dict(cu_seqlens_k=torch.tensor([0, 5, 9, 20], dtype=torch.int32),
-              seqused_k=torch.tensor([5, 4, 11], dtype=torch.int32)), ValueError, "either cu_seqlens_k or seqused_k"),
-        (dict(cu_seqlens_k=torch.tensor([0, 5, 20], dtype=torch.int32)), ValueError, r"cu_seqlens_k must have shape \(4,\)"),
+        (
+            dict(
+                cu_seqlens_k=torch.tensor([0, 5, 9, 20], dtype=torch.int32),
+                seqused_k=torch.tensor([5, 4, 11], dtype=torch.int32),
+            ),
+            ValueError,
+            "either cu_seqlens_k or seqused_k",
+        ),
+        (
+            dict(cu_seqlens_k=torch.tensor([0, 5, 20], dtype=torch.int32)),
+            ValueError,
+            r"cu_seqlens_k must have shape \(4,\)",
+        ),
         (dict(num_splits=-1), ValueError, "num_splits must be >= 0"),
         (dict(num_splits=129), ValueError, "num_splits must be at most 128"),
         (dict(pack_gqa="yes"), TypeError, "pack_gqa must be a bool"),
@@ -151,7 +184,9 @@ def varlen_args(total_q=10, batch=3, h=4, hk=2, d=64):
 )
 def test_varlen_bad_inputs(kwargs, exc, message):
     q, k, v, cu = varlen_args()
-    args = dict(cu_seqlens_q=cu, max_seqlen_q=4, cu_seqlens_k=torch.tensor([0, 5, 9, 20], dtype=torch.int32))
+    args = dict(
+        cu_seqlens_q=cu, max_seqlen_q=4, cu_seqlens_k=torch.tensor([0, 5, 9, 20], dtype=torch.int32)
+    )
     args.update(kwargs)
     if "seqused_k" in kwargs and "cu_seqlens_k" not in kwargs:
         args.pop("cu_seqlens_k")
@@ -180,22 +215,60 @@ def kvcache_args(batch=2, h=8, hk=2, d=128, page_size=16, pages=4):
     "mutate, exc, message",
     [
         (lambda q, k, v, t: dict(page_table=t.long()), TypeError, "page_table must be int32"),
-        (lambda q, k, v, t: dict(page_table=t[:1]), ValueError, r"page_table must have shape \(batch=2"),
-        (lambda q, k, v, t: dict(k_cache=k[:, :8], v_cache=v[:, :8]), ValueError, "positive multiple of 16"),
-        (lambda q, k, v, t: dict(cache_seqlens=65), ValueError, "exceeds the cache's capacity of 64"),
-        (lambda q, k, v, t: dict(cache_seqlens=torch.tensor([3, 4])), TypeError, "cache_seqlens must be int32"),
-        (lambda q, k, v, t: dict(cache_seqlens=torch.tensor([3], dtype=torch.int32)), ValueError, r"cache_seqlens must have shape \(2,\)"),
-        (lambda q, k, v, t: dict(cache_seqlens=3.0), TypeError, "cache_seqlens must be a Python int"),
-        (lambda q, k, v, t: dict(v_cache=v[:, :, :1]), ValueError, "v_cache must have the shape of k_cache"),
+        (
+            lambda q, k, v, t: dict(page_table=t[:1]),
+            ValueError,
+            r"page_table must have shape \(batch=2",
+        ),
+        (
+            lambda q, k, v, t: dict(k_cache=k[:, :8], v_cache=v[:, :8]),
+            ValueError,
+            "positive multiple of 16",
+        ),
+        (
+            lambda q, k, v, t: dict(cache_seqlens=65),
+            ValueError,
+            "exceeds the cache's capacity of 64",
+        ),
+        (
+            lambda q, k, v, t: dict(cache_seqlens=torch.tensor([3, 4])),
+            TypeError,
+            "cache_seqlens must be int32",
+        ),
+        (
+            lambda q, k, v, t: dict(cache_seqlens=torch.tensor([3], dtype=torch.int32)),
+            ValueError,
+            r"cache_seqlens must have shape \(2,\)",
+        ),
+        (
+            lambda q, k, v, t: dict(cache_seqlens=3.0),
+            TypeError,
+            "cache_seqlens must be a Python int",
+        ),
+        (
+            lambda q, k, v, t: dict(v_cache=v[:, :, :1]),
+            ValueError,
+            "v_cache must have the shape of k_cache",
+        ),
         (lambda q, k, v, t: dict(num_splits=1.5), TypeError, "num_splits must be a Python int"),
-        (lambda q, k, v, t: dict(config="64x128"), TypeError, "config must be a flash_cute.AttentionConfig"),
-        (lambda q, k, v, t: dict(config=AttentionConfig(192, 256)), ValueError, "invalid AttentionConfig"),
+        (
+            lambda q, k, v, t: dict(config="64x128"),
+            TypeError,
+            "config must be a flash_cute.AttentionConfig",
+        ),
+        (
+            lambda q, k, v, t: dict(config=AttentionConfig(192, 256)),
+            ValueError,
+            "invalid AttentionConfig",
+        ),
         (lambda q, k, v, t: dict(), ValueError, "q must be a CUDA tensor"),
     ],
 )
 def test_kvcache_bad_inputs(mutate, exc, message):
     q, k, v, t = kvcache_args()
-    args = dict(k_cache=k, v_cache=v, page_table=t, cache_seqlens=torch.tensor([3, 4], dtype=torch.int32))
+    args = dict(
+        k_cache=k, v_cache=v, page_table=t, cache_seqlens=torch.tensor([3, 4], dtype=torch.int32)
+    )
     args.update(mutate(q, k, v, t))
     with pytest.raises(exc, match=message):
         flash_cute.flash_attn_with_kvcache(q, **args)
@@ -211,13 +284,43 @@ def test_kvcache_contiguous_batch_mismatch():
 @pytest.mark.parametrize(
     "out_p, lse_p, kwargs, exc, message",
     [
-        (torch.randn(2, 3, 4, 64).half(), torch.randn(2, 3, 4), {}, TypeError, "out_partial must be float32"),
-        (torch.randn(2, 3, 4, 64), torch.randn(2, 3, 4).double(), {}, TypeError, "lse_partial must be float32"),
-        (torch.randn(2, 3, 4, 64), torch.randn(2, 3, 5), {}, ValueError, "lse_partial must have shape"),
+        (
+            torch.randn(2, 3, 4, 64).half(),
+            torch.randn(2, 3, 4),
+            {},
+            TypeError,
+            "out_partial must be float32",
+        ),
+        (
+            torch.randn(2, 3, 4, 64),
+            torch.randn(2, 3, 4).double(),
+            {},
+            TypeError,
+            "lse_partial must be float32",
+        ),
+        (
+            torch.randn(2, 3, 4, 64),
+            torch.randn(2, 3, 5),
+            {},
+            ValueError,
+            "lse_partial must have shape",
+        ),
         (torch.randn(2, 3, 64), torch.randn(2, 3), {}, ValueError, "out_partial must be"),
         (torch.randn(2, 3, 4, 12), torch.randn(2, 3, 4), {}, ValueError, "multiple of 8"),
-        (torch.randn(2, 3, 4, 64), torch.randn(2, 3, 4), dict(out_dtype=torch.int8), TypeError, "out_dtype"),
-        (torch.randn(2, 3, 4, 64), torch.randn(2, 3, 4), {}, ValueError, "out_partial must be a CUDA tensor"),
+        (
+            torch.randn(2, 3, 4, 64),
+            torch.randn(2, 3, 4),
+            dict(out_dtype=torch.int8),
+            TypeError,
+            "out_dtype",
+        ),
+        (
+            torch.randn(2, 3, 4, 64),
+            torch.randn(2, 3, 4),
+            {},
+            ValueError,
+            "out_partial must be a CUDA tensor",
+        ),
     ],
 )
 def test_combine_bad_inputs(out_p, lse_p, kwargs, exc, message):

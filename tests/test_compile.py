@@ -18,88 +18,252 @@ pytestmark = pytest.mark.compile
 # variant), and every decode row as the KV-cache path launches it (split, GQA packed by 8).
 # The static twins of dynamic rows (what single-wave problems launch) in bf16 only: the same
 # code as the fp16 rows' and the static hdim-64 row.
-TABLE_KEYS = [k for k in table_keys(writes_lse=(True,))
-              if k.dtype == "bfloat16" or k.config.scheduler != "static_persistent"
-              or k.config == FORWARD_CONFIGS[(k.head_dim, k.dtype, k.causal)]] + \
-    [k for k in decode_keys(gqa_ratios=(8,), int_lengths=(False,)) if k.split and k.causal]
+TABLE_KEYS = [
+    k
+    for k in table_keys(writes_lse=(True,))
+    if k.dtype == "bfloat16"
+    or k.config.scheduler != "static_persistent"
+    or k.config == FORWARD_CONFIGS[(k.head_dim, k.dtype, k.causal)]
+] + [k for k in decode_keys(gqa_ratios=(8,), int_lengths=(False,)) if k.split and k.causal]
 
 # Knobs off the table's path, and the no-LSE variant.
 KNOB_KEYS = [
     ForwardKernelKey("bfloat16", 128, False, AttentionConfig(128, 128), False),
-    ForwardKernelKey("bfloat16", 128, True, AttentionConfig(128, 128, intra_wg_overlap=False), True),
-    ForwardKernelKey("float16", 128, False, AttentionConfig(128, 128, pv_from_registers=False, pingpong=False), True),
+    ForwardKernelKey(
+        "bfloat16", 128, True, AttentionConfig(128, 128, intra_wg_overlap=False), True
+    ),
+    ForwardKernelKey(
+        "float16",
+        128,
+        False,
+        AttentionConfig(128, 128, pv_from_registers=False, pingpong=False),
+        True,
+    ),
     ForwardKernelKey("bfloat16", 128, True, AttentionConfig(128, 64, num_stages=3), True),
     ForwardKernelKey("bfloat16", 64, False, AttentionConfig(64, 128, pingpong=False), True),
     ForwardKernelKey("bfloat16", 64, True, AttentionConfig(192, 96, intra_wg_overlap=False), True),
-    ForwardKernelKey("bfloat16", 128, False, AttentionConfig(64, 64, num_stages=3, pingpong=False, ctas_per_sm=2),
-                     True, seqused_k=True, split=True, pack_gqa_ratio=4),
+    ForwardKernelKey(
+        "bfloat16",
+        128,
+        False,
+        AttentionConfig(64, 64, num_stages=3, pingpong=False, ctas_per_sm=2),
+        True,
+        seqused_k=True,
+        split=True,
+        pack_gqa_ratio=4,
+    ),
     # Persistent scheduler: O in its own smem, O over Q's tile, packed GQA on a paged cache.
-    ForwardKernelKey("bfloat16", 128, True, AttentionConfig(128, 128, scheduler="dynamic_persistent"), True),
-    ForwardKernelKey("float16", 256, False, AttentionConfig(128, 80, pingpong=False, rescale_o_before_pv=True,
-                                                            scheduler="static_persistent"), False),
-    ForwardKernelKey("bfloat16", 64, True, AttentionConfig(192, 128, intra_wg_overlap=False,
-                                                           scheduler="dynamic_persistent"),
-                     True, kv_layout="paged", seqused_k=True, page_box_rows=64, pack_gqa_ratio=4),
-    ForwardKernelKey("bfloat16", 128, False, AttentionConfig(64, 64, num_stages=3, pingpong=False, ctas_per_sm=2,
-                                                             scheduler="dynamic_persistent", mbarrier_probe=True),
-                     True),
+    ForwardKernelKey(
+        "bfloat16", 128, True, AttentionConfig(128, 128, scheduler="dynamic_persistent"), True
+    ),
+    ForwardKernelKey(
+        "float16",
+        256,
+        False,
+        AttentionConfig(
+            128, 80, pingpong=False, rescale_o_before_pv=True, scheduler="static_persistent"
+        ),
+        False,
+    ),
+    ForwardKernelKey(
+        "bfloat16",
+        64,
+        True,
+        AttentionConfig(192, 128, intra_wg_overlap=False, scheduler="dynamic_persistent"),
+        True,
+        kv_layout="paged",
+        seqused_k=True,
+        page_box_rows=64,
+        pack_gqa_ratio=4,
+    ),
+    ForwardKernelKey(
+        "bfloat16",
+        128,
+        False,
+        AttentionConfig(
+            64,
+            64,
+            num_stages=3,
+            pingpong=False,
+            ctas_per_sm=2,
+            scheduler="dynamic_persistent",
+            mbarrier_probe=True,
+        ),
+        True,
+    ),
     # An int cache_seqlens (the kernel's kv_length scalar): the decode row split on a paged cache,
     # and a padded prefill-like call on persistent CTAs.
-    ForwardKernelKey("bfloat16", 128, True, decode_config(128, "bfloat16"), False, kv_layout="paged",
-                     scalar_kv_length=True, page_box_rows=64, split=True, pack_gqa_ratio=4),
-    ForwardKernelKey("float16", 64, True, AttentionConfig(192, 128, scheduler="static_persistent"), True,
-                     scalar_kv_length=True),
+    ForwardKernelKey(
+        "bfloat16",
+        128,
+        True,
+        decode_config(128, "bfloat16"),
+        False,
+        kv_layout="paged",
+        scalar_kv_length=True,
+        page_box_rows=64,
+        split=True,
+        pack_gqa_ratio=4,
+    ),
+    ForwardKernelKey(
+        "float16",
+        64,
+        True,
+        AttentionConfig(192, 128, scheduler="static_persistent"),
+        True,
+        scalar_kv_length=True,
+    ),
     # Exponentials on the FMA pipe: a few (hdim 64 row) and all of them.
-    ForwardKernelKey("bfloat16", 64, False, AttentionConfig(192, 128, mbarrier_probe=True, exp2_on_fma=2), False),
-    ForwardKernelKey("float16", 128, True, AttentionConfig(128, 128, scheduler="dynamic_persistent", exp2_on_fma=16),
-                     True),
+    ForwardKernelKey(
+        "bfloat16", 64, False, AttentionConfig(192, 128, mbarrier_probe=True, exp2_on_fma=2), False
+    ),
+    ForwardKernelKey(
+        "float16",
+        128,
+        True,
+        AttentionConfig(128, 128, scheduler="dynamic_persistent", exp2_on_fma=16),
+        True,
+    ),
     # O stored from registers on a padded problem, one CTA per tile (the table's hdim-64 row is
     # static persistent).
-    ForwardKernelKey("float16", 128, True, AttentionConfig(128, 128, store_o_from_registers=True), False),
+    ForwardKernelKey(
+        "float16", 128, True, AttentionConfig(128, 128, store_o_from_registers=True), False
+    ),
     # Persistent varlen: packed, paged (GQA packed) and padded K/V; O from registers.
-    ForwardKernelKey("bfloat16", 128, True, AttentionConfig(128, 128, scheduler="dynamic_persistent"), True,
-                     varlen_q=True, kv_layout="packed"),
-    ForwardKernelKey("bfloat16", 64, False, AttentionConfig(192, 128, scheduler="static_persistent"), True,
-                     varlen_q=True, kv_layout="paged", seqused_k=True, page_box_rows=64, pack_gqa_ratio=4),
-    ForwardKernelKey("float16", 256, True, AttentionConfig(128, 80, pingpong=False, rescale_o_before_pv=True,
-                                                           scheduler="dynamic_persistent"), True,
-                     varlen_q=True, kv_layout="padded", seqused_k=True),
+    ForwardKernelKey(
+        "bfloat16",
+        128,
+        True,
+        AttentionConfig(128, 128, scheduler="dynamic_persistent"),
+        True,
+        varlen_q=True,
+        kv_layout="packed",
+    ),
+    ForwardKernelKey(
+        "bfloat16",
+        64,
+        False,
+        AttentionConfig(192, 128, scheduler="static_persistent"),
+        True,
+        varlen_q=True,
+        kv_layout="paged",
+        seqused_k=True,
+        page_box_rows=64,
+        pack_gqa_ratio=4,
+    ),
+    ForwardKernelKey(
+        "float16",
+        256,
+        True,
+        AttentionConfig(
+            128, 80, pingpong=False, rescale_o_before_pv=True, scheduler="dynamic_persistent"
+        ),
+        True,
+        varlen_q=True,
+        kv_layout="padded",
+        seqused_k=True,
+    ),
 ]
 
 
 # The split-KV, paged, varlen and packed-GQA variants (decode configs and prefill configs).
 _DECODE_128 = decode_config(128, "bfloat16")
 SPLITKV_KEYS = [
-    ForwardKernelKey("bfloat16", 128, False, _DECODE_128, True, seqused_k=True, split=True, pack_gqa_ratio=4),
-    ForwardKernelKey("bfloat16", 128, True, _DECODE_128, True, kv_layout="paged", seqused_k=True,
-                     page_box_rows=16, split=True, pack_gqa_ratio=8),
-    ForwardKernelKey("float16", 64, True, decode_config(64, "float16"), True, kv_layout="paged", seqused_k=True,
-                     page_box_rows=64, pack_gqa_ratio=16),
-    ForwardKernelKey("bfloat16", 256, False, decode_config(256, "bfloat16"), True, seqused_k=True, split=True),
-    ForwardKernelKey("bfloat16", 128, True, AttentionConfig(128, 128), True, varlen_q=True, kv_layout="packed"),
-    ForwardKernelKey("bfloat16", 128, True, AttentionConfig(128, 128), True, varlen_q=True, kv_layout="paged",
-                     seqused_k=True, page_box_rows=32, split=True),
+    ForwardKernelKey(
+        "bfloat16", 128, False, _DECODE_128, True, seqused_k=True, split=True, pack_gqa_ratio=4
+    ),
+    ForwardKernelKey(
+        "bfloat16",
+        128,
+        True,
+        _DECODE_128,
+        True,
+        kv_layout="paged",
+        seqused_k=True,
+        page_box_rows=16,
+        split=True,
+        pack_gqa_ratio=8,
+    ),
+    ForwardKernelKey(
+        "float16",
+        64,
+        True,
+        decode_config(64, "float16"),
+        True,
+        kv_layout="paged",
+        seqused_k=True,
+        page_box_rows=64,
+        pack_gqa_ratio=16,
+    ),
+    ForwardKernelKey(
+        "bfloat16", 256, False, decode_config(256, "bfloat16"), True, seqused_k=True, split=True
+    ),
+    ForwardKernelKey(
+        "bfloat16", 128, True, AttentionConfig(128, 128), True, varlen_q=True, kv_layout="packed"
+    ),
+    ForwardKernelKey(
+        "bfloat16",
+        128,
+        True,
+        AttentionConfig(128, 128),
+        True,
+        varlen_q=True,
+        kv_layout="paged",
+        seqused_k=True,
+        page_box_rows=32,
+        split=True,
+    ),
     # The table's rows as varlen and KV-cache prefill calls run them (persistent schedulers).
-    ForwardKernelKey("bfloat16", 96, False, FORWARD_CONFIGS[(96, "bfloat16", False)], False,
-                     varlen_q=True, kv_layout="padded", seqused_k=True, pack_gqa_ratio=4),
-    ForwardKernelKey("float16", 192, False, FORWARD_CONFIGS[(192, "float16", False)], True,
-                     varlen_q=True, kv_layout="packed"),
-    ForwardKernelKey("bfloat16", 64, False, FORWARD_CONFIGS[(64, "bfloat16", False)], False,
-                     kv_layout="paged", seqused_k=True, page_box_rows=64, pack_gqa_ratio=4),
+    ForwardKernelKey(
+        "bfloat16",
+        96,
+        False,
+        FORWARD_CONFIGS[(96, "bfloat16", False)],
+        False,
+        varlen_q=True,
+        kv_layout="padded",
+        seqused_k=True,
+        pack_gqa_ratio=4,
+    ),
+    ForwardKernelKey(
+        "float16",
+        192,
+        False,
+        FORWARD_CONFIGS[(192, "float16", False)],
+        True,
+        varlen_q=True,
+        kv_layout="packed",
+    ),
+    ForwardKernelKey(
+        "bfloat16",
+        64,
+        False,
+        FORWARD_CONFIGS[(64, "bfloat16", False)],
+        False,
+        kv_layout="paged",
+        seqused_k=True,
+        page_box_rows=64,
+        pack_gqa_ratio=4,
+    ),
 ]
 
 
 def _id(key):
     c = key.config
-    return (f"d{key.head_dim}-{key.dtype}-{'causal' if key.causal else 'full'}-{c.tile_m}x{c.tile_n}"
-            f"-st{c.num_stages}-rs{int(c.pv_from_registers)}-ov{int(c.intra_wg_overlap)}"
-            f"-pp{int(c.pingpong)}-lse{int(key.writes_lse)}" + ("" if c.scheduler == "single_tile" else f"-{c.scheduler}")
-            + ("-varlen" if key.varlen_q else "") + (f"-{key.kv_layout}{key.page_box_rows or ''}")
-            + ("-seqused" if key.seqused_k else "") + ("-kvlength" if key.scalar_kv_length else "")
-            + ("-split" if key.split else "")
-            + (f"-pack{key.pack_gqa_ratio}" if key.pack_gqa_ratio > 1 else "")
-            + (f"-fmaexp{c.exp2_on_fma}" if c.exp2_on_fma else "")
-            + ("-oregs" if c.store_o_from_registers else ""))
+    return (
+        f"d{key.head_dim}-{key.dtype}-{'causal' if key.causal else 'full'}-{c.tile_m}x{c.tile_n}"
+        f"-st{c.num_stages}-rs{int(c.pv_from_registers)}-ov{int(c.intra_wg_overlap)}"
+        f"-pp{int(c.pingpong)}-lse{int(key.writes_lse)}"
+        + ("" if c.scheduler == "single_tile" else f"-{c.scheduler}")
+        + ("-varlen" if key.varlen_q else "")
+        + (f"-{key.kv_layout}{key.page_box_rows or ''}")
+        + ("-seqused" if key.seqused_k else "")
+        + ("-kvlength" if key.scalar_kv_length else "")
+        + ("-split" if key.split else "")
+        + (f"-pack{key.pack_gqa_ratio}" if key.pack_gqa_ratio > 1 else "")
+        + (f"-fmaexp{c.exp2_on_fma}" if c.exp2_on_fma else "")
+        + ("-oregs" if c.store_o_from_registers else "")
+    )
 
 
 @pytest.mark.parametrize("key", TABLE_KEYS + KNOB_KEYS + SPLITKV_KEYS, ids=_id)
@@ -109,8 +273,15 @@ def test_variant_compiles_clean(key):
     assert report.instruction_counts["wgmma.mma_async"] > 0
 
 
-@pytest.mark.parametrize("key", [CombineKernelKey("bfloat16", 128, True), CombineKernelKey("float32", 96, False),
-                                 CombineKernelKey("float16", 256, True)], ids=str)
+@pytest.mark.parametrize(
+    "key",
+    [
+        CombineKernelKey("bfloat16", 128, True),
+        CombineKernelKey("float32", 96, False),
+        CombineKernelKey("float16", 256, True),
+    ],
+    ids=str,
+)
 def test_combine_compiles(key, tmp_path):
     compile_combine(key, options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))

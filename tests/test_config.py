@@ -2,7 +2,13 @@
 
 import pytest
 
-from flash_cute import DECODE_CONFIGS, FORWARD_CONFIGS, SHORT_SEQUENCE_CONFIGS, AttentionConfig, default_config
+from flash_cute import (
+    DECODE_CONFIGS,
+    FORWARD_CONFIGS,
+    SHORT_SEQUENCE_CONFIGS,
+    AttentionConfig,
+    default_config,
+)
 from flash_cute.config import MAX_SMEM_BYTES_PER_BLOCK, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 
 
@@ -23,9 +29,18 @@ def test_table_entries_are_valid(key):
 
 
 def test_register_split_defaults_follow_warpgroups():
-    assert (AttentionConfig(64, 128).producer_registers, AttentionConfig(64, 128).mma_registers) == (56, 256)
-    assert (AttentionConfig(128, 128).producer_registers, AttentionConfig(128, 128).mma_registers) == (24, 240)
-    assert (AttentionConfig(192, 128).producer_registers, AttentionConfig(192, 128).mma_registers) == (32, 160)
+    assert (
+        AttentionConfig(64, 128).producer_registers,
+        AttentionConfig(64, 128).mma_registers,
+    ) == (56, 256)
+    assert (
+        AttentionConfig(128, 128).producer_registers,
+        AttentionConfig(128, 128).mma_registers,
+    ) == (24, 240)
+    assert (
+        AttentionConfig(192, 128).producer_registers,
+        AttentionConfig(192, 128).mma_registers,
+    ) == (32, 160)
     assert AttentionConfig(128, 128).num_threads == 384
     changed = AttentionConfig(128, 128).replace(tile_m=192)
     assert (changed.producer_registers, changed.mma_registers) == (32, 160)
@@ -35,12 +50,21 @@ def test_smem_estimate_matches_layout():
     # hdim 128, 128 x 128, 2 stages: Q 32 KB + K 64 KB + V 64 KB + one 1 KB barrier block.
     assert AttentionConfig(128, 128).smem_bytes(128) == (32 + 64 + 64 + 1) * 1024
     # P through smem adds tile_m x tile_n x 2 bytes.
-    assert AttentionConfig(128, 128, pv_from_registers=False).smem_bytes(128) == (32 + 64 + 64 + 32 + 1) * 1024
+    assert (
+        AttentionConfig(128, 128, pv_from_registers=False).smem_bytes(128)
+        == (32 + 64 + 64 + 32 + 1) * 1024
+    )
     # Persistent CTAs give O its own tile when it fits, unless O is stored from registers.
     persistent = AttentionConfig(128, 128, scheduler="static_persistent")
-    assert persistent.separate_o_smem(128) and persistent.smem_bytes(128) == (32 + 32 + 64 + 64 + 1) * 1024
+    assert (
+        persistent.separate_o_smem(128)
+        and persistent.smem_bytes(128) == (32 + 32 + 64 + 64 + 1) * 1024
+    )
     from_registers = persistent.replace(store_o_from_registers=True)
-    assert not from_registers.separate_o_smem(128) and from_registers.smem_bytes(128) == (32 + 64 + 64 + 1) * 1024
+    assert (
+        not from_registers.separate_o_smem(128)
+        and from_registers.smem_bytes(128) == (32 + 64 + 64 + 1) * 1024
+    )
 
 
 @pytest.mark.parametrize(
@@ -53,9 +77,17 @@ def test_smem_estimate_matches_layout():
         (dict(tile_m=128, tile_n=128), 256, "shared memory"),
         (dict(tile_m=128, tile_n=256), 128, "accumulators"),
         (dict(tile_m=64, tile_n=128), 128, "pingpong"),
-        (dict(tile_m=128, tile_n=128, intra_wg_overlap=False, rescale_o_before_pv=True), 128, "rescale_o_before_pv"),
+        (
+            dict(tile_m=128, tile_n=128, intra_wg_overlap=False, rescale_o_before_pv=True),
+            128,
+            "rescale_o_before_pv",
+        ),
         (dict(tile_m=128, tile_n=128, mma_registers=244), 128, "multiple of 8"),
-        (dict(tile_m=128, tile_n=128, mma_registers=256, producer_registers=40), 128, "registers per CTA"),
+        (
+            dict(tile_m=128, tile_n=128, mma_registers=256, producer_registers=40),
+            128,
+            "registers per CTA",
+        ),
     ],
 )
 def test_invalid_configs_are_refused(kwargs, head_dim, message):
@@ -87,7 +119,11 @@ def test_scheduler_applies_to_unsplit_kernels():
 
     cfg = AttentionConfig(128, 128, scheduler="dynamic_persistent")
     assert cfg.persistent and not AttentionConfig(128, 128).persistent
-    for variant in (dict(), dict(varlen_q=True), dict(kv_layout="paged", seqused_k=True, page_box_rows=64)):
+    for variant in (
+        dict(),
+        dict(varlen_q=True),
+        dict(kv_layout="paged", seqused_k=True, page_box_rows=64),
+    ):
         key = ForwardKernelKey("bfloat16", 128, True, cfg, True, **variant)
         assert key.tile_scheduler == "dynamic_persistent" and key.uses_tile_counter
     for variant in (dict(split=True), dict(varlen_q=True, split=True)):
@@ -138,13 +174,28 @@ def test_split_tile_counts_for_hand_counted_shapes():
     from flash_cute.interface import _Problem, _split_tiles
 
     cfg = AttentionConfig(64, 128)
-    padded = _Problem(batch=3, nheads=32, nheads_kv=8, head_dim=128, dtype=torch.bfloat16,
-                      max_seqlen_q=17, max_seqlen_k=900)
+    padded = _Problem(
+        batch=3,
+        nheads=32,
+        nheads_kv=8,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        max_seqlen_q=17,
+        max_seqlen_k=900,
+    )
     q = torch.empty(3, 17, 32, 128, device="meta")
     assert _split_tiles(padded, q, cfg, pack_ratio=4) == 2 * 8 * 3  # ceil(17 * 4 / 64) m-blocks
     assert _split_tiles(padded, q, cfg, pack_ratio=1) == 1 * 32 * 3
-    varlen = _Problem(batch=5, nheads=32, nheads_kv=8, head_dim=128, dtype=torch.bfloat16,
-                      max_seqlen_q=400, max_seqlen_k=900, varlen_q=True)
+    varlen = _Problem(
+        batch=5,
+        nheads=32,
+        nheads_kv=8,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        max_seqlen_q=400,
+        max_seqlen_k=900,
+        varlen_q=True,
+    )
     q = torch.empty(1000, 32, 128, device="meta")  # total_q = 1000
     # every sequence's tiles flattened: ceil(1000 * 4 / 64) + one spare per sequence, per kv head
     assert _split_tiles(varlen, q, cfg, pack_ratio=4) == (63 + 5) * 8
@@ -168,20 +219,30 @@ def test_o_store_knob_reaches_the_kernel():
     over Q's tile); varlen and split keys, which store from registers anyway, drop the flag so
     that they do not compile the same kernel twice."""
     import cutlass
+    from flash_cute.kernels import FlashAttentionForwardSm90
 
     from flash_cute.compile_cache import ForwardKernelKey
-    from flash_cute.kernels import FlashAttentionForwardSm90
 
     cfg = AttentionConfig(192, 128, scheduler="static_persistent")
     tma = FlashAttentionForwardSm90(cutlass.BFloat16, 64, False, cfg)
     assert tma.tma_store_o and tma.separate_o_smem and not tma.o_overwrites_q
-    over_q = FlashAttentionForwardSm90(cutlass.BFloat16, 256, False, AttentionConfig(
-        128, 80, pingpong=False, rescale_o_before_pv=True, scheduler="static_persistent"))
+    over_q = FlashAttentionForwardSm90(
+        cutlass.BFloat16,
+        256,
+        False,
+        AttentionConfig(
+            128, 80, pingpong=False, rescale_o_before_pv=True, scheduler="static_persistent"
+        ),
+    )
     assert over_q.tma_store_o and over_q.o_overwrites_q
-    regs = FlashAttentionForwardSm90(cutlass.BFloat16, 64, False, cfg.replace(store_o_from_registers=True))
+    regs = FlashAttentionForwardSm90(
+        cutlass.BFloat16, 64, False, cfg.replace(store_o_from_registers=True)
+    )
     assert not (regs.tma_store_o or regs.separate_o_smem or regs.o_overwrites_q)
     on = cfg.replace(store_o_from_registers=True)
     assert ForwardKernelKey("bfloat16", 64, False, on, True).config == on
     for variant in (dict(varlen_q=True), dict(split=True, seqused_k=True)):
         key = ForwardKernelKey("bfloat16", 64, False, on, True, **variant)
-        assert key == ForwardKernelKey("bfloat16", 64, False, on.replace(store_o_from_registers=False), True, **variant)
+        assert key == ForwardKernelKey(
+            "bfloat16", 64, False, on.replace(store_o_from_registers=False), True, **variant
+        )

@@ -26,8 +26,13 @@ SCRIPT = textwrap.dedent("""
 
 def run(cache_dir, mode):
     env = dict(os.environ, FLASH_CUTE_CACHE_DIR=str(cache_dir), CUTE_DSL_ARCH="sm_90a")
-    return subprocess.Popen([sys.executable, "-c", SCRIPT, mode], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, mode],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_second_process_loads_from_disk(tmp_path):
@@ -54,7 +59,18 @@ def test_concurrent_processes_fill_the_cache_once(tmp_path):
 
 
 def test_cache_can_be_disabled(tmp_path):
-    env = dict(os.environ, FLASH_CUTE_CACHE_DIR=str(tmp_path), FLASH_CUTE_DISK_CACHE="0", CUTE_DSL_ARCH="sm_90a")
-    p = subprocess.run([sys.executable, "-c", SCRIPT, "compile"], env=env, capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        FLASH_CUTE_CACHE_DIR=str(tmp_path),
+        FLASH_CUTE_DISK_CACHE="0",
+        CUTE_DSL_ARCH="sm_90a",
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", SCRIPT, "compile"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     assert not list(tmp_path.rglob("*.o"))

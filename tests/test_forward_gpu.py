@@ -18,7 +18,17 @@ pytestmark = pytest.mark.gpu
 
 HEAD_DIMS = [64, 96, 128, 192, 256]
 DTYPES = [torch.bfloat16, torch.float16]
-SEQLENS = [(1, 1), (17, 17), (113, 203), (128, 128), (1000, 1000), (1, 1000), (1000, 17), (239, 1), (4097, 4097)]
+SEQLENS = [
+    (1, 1),
+    (17, 17),
+    (113, 203),
+    (128, 128),
+    (1000, 1000),
+    (1, 1000),
+    (1000, 17),
+    (239, 1),
+    (4097, 4097),
+]
 GQA = [(8, 8), (8, 2), (8, 1)]  # ratios 1, 4, 8
 
 
@@ -43,7 +53,9 @@ def check_against_reference(q, k, v, out, lse, causal, softmax_scale=None):
         assert (lse[~finite] == float("-inf")).all()
         if finite.any():
             lse_err = (lse[finite] - lse_ref[finite]).abs().max().item()
-            assert lse_err < 1e-3 * max(1.0, lse_ref[finite].abs().max().item()), f"lse error {lse_err}"
+            assert lse_err < 1e-3 * max(1.0, lse_ref[finite].abs().max().item()), (
+                f"lse error {lse_err}"
+            )
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -69,17 +81,23 @@ def test_strided_inputs(head_dim):
     """q, k, v sliced out of packed buffers; out a slice too."""
     torch.manual_seed(1)
     batch, seqlen, nheads, nheads_kv = 2, 300, 4, 2
-    qkv = torch.randn(batch, seqlen, nheads + 2 * nheads_kv + 1, head_dim, device="cuda", dtype=torch.bfloat16)
+    qkv = torch.randn(
+        batch, seqlen, nheads + 2 * nheads_kv + 1, head_dim, device="cuda", dtype=torch.bfloat16
+    )
     q = qkv[:, :, :nheads]
-    k = qkv[:, :, nheads:nheads + nheads_kv]
-    v = qkv[:, :, nheads + nheads_kv:nheads + 2 * nheads_kv]
-    big_out = torch.full((batch, seqlen, nheads + 3, head_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
-    out = big_out[:, :, 1:nheads + 1]
+    k = qkv[:, :, nheads : nheads + nheads_kv]
+    v = qkv[:, :, nheads + nheads_kv : nheads + 2 * nheads_kv]
+    big_out = torch.full(
+        (batch, seqlen, nheads + 3, head_dim), float("nan"), device="cuda", dtype=torch.bfloat16
+    )
+    out = big_out[:, :, 1 : nheads + 1]
     for causal in (False, True):
         out.fill_(float("nan"))
         flash_cute.flash_attn_func(q, k, v, causal=causal, out=out)
         check_against_reference(q, k, v, out, None, causal)
-    assert big_out[:, :, 0].isnan().all() and big_out[:, :, nheads + 1:].isnan().all(), "wrote outside out"
+    assert big_out[:, :, 0].isnan().all() and big_out[:, :, nheads + 1 :].isnan().all(), (
+        "wrote outside out"
+    )
 
 
 def test_odd_strides_are_copied():
@@ -143,7 +161,9 @@ def test_explicit_configs(config, causal):
     torch.manual_seed(5)
     q, k, v = make_qkv(2, 700, 555, 4, 2, 128, torch.bfloat16)
     out = torch.full_like(q, float("nan"))
-    _, lse = flash_cute.flash_attn_func(q, k, v, causal=causal, return_lse=True, out=out, config=config)
+    _, lse = flash_cute.flash_attn_func(
+        q, k, v, causal=causal, return_lse=True, out=out, config=config
+    )
     check_against_reference(q, k, v, out, lse, causal)
 
 
@@ -153,8 +173,13 @@ def test_explicit_configs(config, causal):
 # scaled-up scores push exponents below -127; a ramp makes each key block's max (the last
 # block goes first) a few log2 units above the previous one, so rows both keep and move
 # their max under a threshold.
-SOFTMAX_KNOBS = [dict(exp2_on_fma=2), dict(exp2_on_fma=16), dict(lazy_rescale=True),
-                 dict(lazy_rescale=True, rescale_threshold=8), dict(lazy_rescale=True, rescale_threshold=15, exp2_on_fma=4)]
+SOFTMAX_KNOBS = [
+    dict(exp2_on_fma=2),
+    dict(exp2_on_fma=16),
+    dict(lazy_rescale=True),
+    dict(lazy_rescale=True, rescale_threshold=8),
+    dict(lazy_rescale=True, rescale_threshold=15, exp2_on_fma=4),
+]
 
 
 def _knob_id(knobs):
@@ -164,7 +189,9 @@ def _knob_id(knobs):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("seqlens", [(700, 555), (1000, 17), (17, 1000), (300, 2000)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize(
+    "seqlens", [(700, 555), (1000, 17), (17, 1000), (300, 2000)], ids=lambda s: f"{s[0]}x{s[1]}"
+)
 @pytest.mark.parametrize("knobs", SOFTMAX_KNOBS, ids=_knob_id)
 @pytest.mark.parametrize("scores", ["randn", "x8", "ramp"])
 def test_softmax_knobs(head_dim, dtype, causal, seqlens, knobs, scores):
@@ -175,11 +202,17 @@ def test_softmax_knobs(head_dim, dtype, causal, seqlens, knobs, scores):
     elif scores == "ramp":  # +2.5 log2 units of score per 128 keys, growing toward key 0
         q[..., 0] = 4.0
         ramp = torch.arange(seqlens[1], 0, -1, device="cuda", dtype=torch.float32)
-        k[..., 0] = (ramp * (2.5 / 128 / 4 * math.sqrt(head_dim) / math.log2(math.e)))[None, :, None].to(dtype)
-    config = flash_cute.default_config(head_dim, "bfloat16" if dtype == torch.bfloat16 else "float16", causal)
+        k[..., 0] = (ramp * (2.5 / 128 / 4 * math.sqrt(head_dim) / math.log2(math.e)))[
+            None, :, None
+        ].to(dtype)
+    config = flash_cute.default_config(
+        head_dim, "bfloat16" if dtype == torch.bfloat16 else "float16", causal
+    )
     config = config.replace(**knobs)
     out = torch.full_like(q, float("nan"))
-    _, lse = flash_cute.flash_attn_func(q, k, v, causal=causal, return_lse=True, out=out, config=config)
+    _, lse = flash_cute.flash_attn_func(
+        q, k, v, causal=causal, return_lse=True, out=out, config=config
+    )
     check_against_reference(q, k, v, out, lse, causal)
     if causal and seqlens[0] > seqlens[1]:  # rows with no keys: exactly 0
         assert (out[:, : seqlens[0] - seqlens[1]] == 0).all()
@@ -188,8 +221,13 @@ def test_softmax_knobs(head_dim, dtype, causal, seqlens, knobs, scores):
 # Persistent scheduler: O in its own smem (hdim 64, 128 RS) or over Q's tile (96, 192, 256,
 # 128 SS); grids with fewer tiles than SMs and with several tiles per CTA; causal problems with
 # seqlen_q > seqlen_k, whose top tiles see no keys (Q is still loaded and released per tile).
-PERSISTENT_SHAPES = [(1, 17, 17, 2, 2), (3, 1000, 1000, 8, 2), (2, 4097, 4097, 4, 4), (2, 700, 300, 6, 3),
-                     (4, 113, 1000, 16, 16)]
+PERSISTENT_SHAPES = [
+    (1, 17, 17, 2, 2),
+    (3, 1000, 1000, 8, 2),
+    (2, 4097, 4097, 4, 4),
+    (2, 700, 300, 6, 3),
+    (4, 113, 1000, 16, 16),
+]
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -209,7 +247,9 @@ def test_persistent_scheduler(head_dim, causal, shape, short_row, scheduler):
     torch.manual_seed(stable_seed(head_dim, causal, shape))
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype)
     out = torch.full_like(q, float("nan"))
-    _, lse = flash_cute.flash_attn_func(q, k, v, causal=causal, return_lse=True, out=out, config=config)
+    _, lse = flash_cute.flash_attn_func(
+        q, k, v, causal=causal, return_lse=True, out=out, config=config
+    )
     check_against_reference(q, k, v, out, lse, causal)
     for _ in range(2):  # the dynamic scheduler's counter must be back at zero after each launch
         again = flash_cute.flash_attn_func(q, k, v, causal=causal, config=config)
@@ -227,12 +267,17 @@ def test_o_stored_from_registers(head_dim, causal, shape, scheduler):
     dtype = torch.float16 if (head_dim + seqlen_q) % 2 else torch.bfloat16
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float16"
     config = flash_cute.default_config(head_dim, dtype_name, causal).replace(
-        scheduler=scheduler, store_o_from_registers=True)
+        scheduler=scheduler, store_o_from_registers=True
+    )
     torch.manual_seed(stable_seed(head_dim, causal, shape, scheduler))
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype)
-    padded = torch.full((batch, seqlen_q + 64, nheads, head_dim), float("nan"), device="cuda", dtype=dtype)
+    padded = torch.full(
+        (batch, seqlen_q + 64, nheads, head_dim), float("nan"), device="cuda", dtype=dtype
+    )
     out = padded[:, :seqlen_q]
-    _, lse = flash_cute.flash_attn_func(q, k, v, causal=causal, return_lse=True, out=out, config=config)
+    _, lse = flash_cute.flash_attn_func(
+        q, k, v, causal=causal, return_lse=True, out=out, config=config
+    )
     check_against_reference(q, k, v, out, lse, causal)
     assert padded[:, seqlen_q:].isnan().all(), "rows past seqlen_q were written"
     again = flash_cute.flash_attn_func(q, k, v, causal=causal, config=config)
@@ -248,9 +293,13 @@ def test_o_stored_from_registers(head_dim, causal, shape, scheduler):
 def test_causal_order_with_head_sections(scheduler, l2_section_mb):
     torch.manual_seed(11)
     q, k, v = make_qkv(2, 1000, 1000, 31, 1, 128, torch.bfloat16)
-    config = AttentionConfig(tile_m=128, tile_n=128, scheduler=scheduler, l2_section_mb=l2_section_mb)
+    config = AttentionConfig(
+        tile_m=128, tile_n=128, scheduler=scheduler, l2_section_mb=l2_section_mb
+    )
     out = torch.full_like(q, float("nan"))
-    _, lse = flash_cute.flash_attn_func(q, k, v, causal=True, return_lse=True, out=out, config=config)
+    _, lse = flash_cute.flash_attn_func(
+        q, k, v, causal=True, return_lse=True, out=out, config=config
+    )
     check_against_reference(q, k, v, out, lse, causal=True)
 
 
@@ -303,7 +352,9 @@ def test_launch_plan_keys_carry_flag_types():
     with pytest.raises(TypeError, match="causal"):
         flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, causal=1.0, num_splits=1)
     with pytest.raises(TypeError, match="num_splits"):
-        flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, causal=True, num_splits=1.0)
+        flash_cute.flash_attn_with_kvcache(
+            q, k_cache, v_cache, seqlens, causal=True, num_splits=1.0
+        )
     for _ in range(2):  # an int length: 64.0 and True must not replay the plan of 64 (or of 1)
         flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, 64, num_splits=1)
         flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, 1, num_splits=1)
@@ -361,7 +412,9 @@ def test_launch_plan_replay_leaves_checks_to_compiled_function():
     seqlens = torch.full((2,), 250, dtype=torch.int32, device="cuda")
     k_cache, v_cache = k.clone(), v.clone()
     ref = flash_cute.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, seqlens, num_splits=1)
-    assert torch.equal(flash_cute.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, seqlens, num_splits=1), ref)
+    assert torch.equal(
+        flash_cute.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, seqlens, num_splits=1), ref
+    )
     with pytest.raises(TypeError, match="cache_seqlens must be"):
         flash_cute.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, seqlens.long(), num_splits=1)
     with pytest.raises(ValueError, match="cache_seqlens must be on q's device"):
@@ -370,17 +423,30 @@ def test_launch_plan_replay_leaves_checks_to_compiled_function():
         flash_cute.flash_attn_with_kvcache(q[:, :1], k_cache.half(), v_cache, seqlens, num_splits=1)
     # uint32 passes the compiled function's int32 check, so the key holds the int32 tensors' dtypes.
     with pytest.raises(TypeError, match="cache_seqlens must be int32"):
-        flash_cute.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, seqlens.to(torch.uint32), num_splits=1)
-    assert torch.equal(flash_cute.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, seqlens, num_splits=1), ref)
-    k_pages, v_pages = (t.reshape(2 * 300 // 20, 20, 2, 64)[:, :16] for t in (k_cache, v_cache))  # 30 pages of 16
+        flash_cute.flash_attn_with_kvcache(
+            q[:, :1], k_cache, v_cache, seqlens.to(torch.uint32), num_splits=1
+        )
+    assert torch.equal(
+        flash_cute.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, seqlens, num_splits=1), ref
+    )
+    k_pages, v_pages = (
+        t.reshape(2 * 300 // 20, 20, 2, 64)[:, :16] for t in (k_cache, v_cache)
+    )  # 30 pages of 16
     k_pages, v_pages = k_pages.contiguous(), v_pages.contiguous()
     table = torch.randperm(30, device="cuda", dtype=torch.int32).view(2, 15)
-    paged = flash_cute.flash_attn_with_kvcache(q[:, :1], k_pages, v_pages, seqlens, page_table=table, num_splits=1)
-    assert torch.equal(flash_cute.flash_attn_with_kvcache(q[:, :1], k_pages, v_pages, seqlens, page_table=table,
-                                                          num_splits=1), paged)
+    paged = flash_cute.flash_attn_with_kvcache(
+        q[:, :1], k_pages, v_pages, seqlens, page_table=table, num_splits=1
+    )
+    assert torch.equal(
+        flash_cute.flash_attn_with_kvcache(
+            q[:, :1], k_pages, v_pages, seqlens, page_table=table, num_splits=1
+        ),
+        paged,
+    )
     with pytest.raises(TypeError, match="page_table must be int32"):
-        flash_cute.flash_attn_with_kvcache(q[:, :1], k_pages, v_pages, seqlens, page_table=table.to(torch.uint32),
-                                           num_splits=1)
+        flash_cute.flash_attn_with_kvcache(
+            q[:, :1], k_pages, v_pages, seqlens, page_table=table.to(torch.uint32), num_splits=1
+        )
 
 
 def test_cuda_graph_replay():

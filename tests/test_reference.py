@@ -22,7 +22,9 @@ def naive_attention(q, k, v, scale, causal):
                 keys = [j for j in range(sk) if not causal or j <= i + sk - sq]
                 if not keys:
                     continue
-                s = torch.stack([(q[bi, i, hi].double() @ k[bi, j, kv].double()) * scale for j in keys])
+                s = torch.stack(
+                    [(q[bi, i, hi].double() @ k[bi, j, kv].double()) * scale for j in keys]
+                )
                 lse[bi, hi, i] = torch.logsumexp(s, 0)
                 p = torch.softmax(s, 0)
                 out[bi, i, hi] = sum(p[n] * v[bi, j, kv].double() for n, j in enumerate(keys))
@@ -54,7 +56,9 @@ def test_matches_sdpa_bottom_right_causal():
     q, k, v = torch.randn(2, 9, 4, 32), torch.randn(2, 13, 4, 32), torch.randn(2, 13, 4, 32)
     out, _ = attention_ref(q, k, v, causal=True)
     allowed = ~causal_mask(9, 13)
-    want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed)
+    want = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed
+    )
     torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
@@ -81,7 +85,12 @@ def test_stable_seed_is_the_same_in_every_process():
 
     from flash_cute.reference import stable_seed
 
-    code = "from flash_cute.reference import stable_seed; print(stable_seed(64, 'paged', (2, 3), None))"
-    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    code = (
+        "from flash_cute.reference import stable_seed; "
+        "print(stable_seed(64, 'paged', (2, 3), None))"
+    )
+    other = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert int(other) == stable_seed(64, "paged", (2, 3), None)
     assert stable_seed(64, "paged") != stable_seed(64, "padded")

@@ -3,7 +3,6 @@ operations in the same order as its PTX), and which columns use it."""
 
 import numpy as np
 import pytest
-
 from flash_cute.kernels.softmax import _EXP2_POLY, _ROUNDING_MAGIC, fma_exp2_columns
 
 

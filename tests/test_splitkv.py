@@ -12,15 +12,15 @@ from flash_cute.splitkv import num_splits_heuristic
 @pytest.mark.parametrize(
     "tiles, n_blocks, sms, want",
     [
-        (8, 1024, 132, 16),     # batch 1, 8 kv heads, 128k keys: 8 x 16 = 128 of 132 SMs
-        (32, 1024, 132, 4),     # 4 x 32 = 128
-        (64, 64, 132, 2),       # 128
-        (1, 1024, 132, 122),    # one tile: within 5% of the best wave (128 of 132)
-        (1, 3, 132, 1),         # too few key blocks to split
-        (8, 4, 132, 1),         # <= 4 key blocks: never split
-        (120, 1024, 132, 1),    # tiles already fill 80% of the SMs
+        (8, 1024, 132, 16),  # batch 1, 8 kv heads, 128k keys: 8 x 16 = 128 of 132 SMs
+        (32, 1024, 132, 4),  # 4 x 32 = 128
+        (64, 64, 132, 2),  # 128
+        (1, 1024, 132, 122),  # one tile: within 5% of the best wave (128 of 132)
+        (1, 3, 132, 1),  # too few key blocks to split
+        (8, 4, 132, 1),  # <= 4 key blocks: never split
+        (120, 1024, 132, 1),  # tiles already fill 80% of the SMs
         (0, 100, 132, 1),
-        (8, 10, 132, 10),       # capped by the key blocks
+        (8, 10, 132, 10),  # capped by the key blocks
     ],
 )
 def test_split_heuristic(tiles, n_blocks, sms, want):
@@ -34,23 +34,29 @@ def test_split_heuristic_efficiency():
         assert waves / math.ceil(waves) >= 0.9 or splits == min(128, 4096)
 
 
-@pytest.mark.parametrize("seqlen_k, tile_n, splits", [(1000, 128, 3), (1000, 128, 7), (128, 128, 4), (5, 64, 2), (0, 128, 3)])
+@pytest.mark.parametrize(
+    "seqlen_k, tile_n, splits",
+    [(1000, 128, 3), (1000, 128, 7), (128, 128, 4), (5, 64, 2), (0, 128, 3)],
+)
 def test_split_ranges_cover_keys(seqlen_k, tile_n, splits):
     ranges = split_ranges(seqlen_k, tile_n, splits)
     assert len(ranges) == splits
     covered = [j for lo, hi in ranges for j in range(lo, hi)]
     assert covered == list(range(seqlen_k))
-    for lo, hi in ranges:
+    for lo, _ in ranges:
         assert lo % tile_n == 0 or lo == seqlen_k
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("seqlens, ranges", [
-    ((7, 300), [(0, 128), (128, 256), (256, 300)]),
-    ((7, 300), [(0, 300), (300, 300)]),            # an empty split
-    ((5, 3), [(0, 1), (1, 2), (2, 3), (3, 3)]),    # causal: rows seeing no key of a split
-    ((9, 4), [(0, 4)]),                            # causal with seqlen_q > seqlen_k: empty rows
-])
+@pytest.mark.parametrize(
+    "seqlens, ranges",
+    [
+        ((7, 300), [(0, 128), (128, 256), (256, 300)]),
+        ((7, 300), [(0, 300), (300, 300)]),  # an empty split
+        ((5, 3), [(0, 1), (1, 2), (2, 3), (3, 3)]),  # causal: rows seeing no key of a split
+        ((9, 4), [(0, 4)]),  # causal with seqlen_q > seqlen_k: empty rows
+    ],
+)
 def test_split_then_combine_is_attention(causal, seqlens, ranges):
     torch.manual_seed(0)
     sq, sk = seqlens

@@ -62,8 +62,12 @@ def test_split_scratch_capture_and_large_layouts_allocate(streams):
     assert huge.numel > interface._SCRATCH_MAX_FLOATS
     first, _ = interface._split_scratch(CPU, huge, stream())
     assert first.shape == huge.o_shape
-    assert all(huge not in views for _, views in interface._SCRATCH.values()), "a large layout was cached"
-    assert all(buffer.numel() <= interface._SCRATCH_MAX_FLOATS for buffer, _ in interface._SCRATCH.values())
+    assert all(huge not in views for _, views in interface._SCRATCH.values()), (
+        "a large layout was cached"
+    )
+    assert all(
+        buffer.numel() <= interface._SCRATCH_MAX_FLOATS for buffer, _ in interface._SCRATCH.values()
+    )
 
 
 def test_zeroed_counters_grow_and_stay_zeroed(streams):
@@ -74,7 +78,9 @@ def test_zeroed_counters_grow_and_stay_zeroed(streams):
     assert c40.numel() >= 40 and not c40.any() and c40 is not c2
     assert interface._zeroed_counters(CPU, 2, stream()) is c40
     streams["capturing"] = True
-    assert interface._zeroed_counters(CPU, 2, stream()) is not c40, "a capture gets its own counters"
+    assert interface._zeroed_counters(CPU, 2, stream()) is not c40, (
+        "a capture gets its own counters"
+    )
 
 
 def test_empty_cache_drops_everything(streams):
@@ -90,13 +96,38 @@ def _split_plan(num_counters=8, layout=None, calls=None):
     kernels take the counters' and the partials' addresses: FlashAttentionForwardSm90.call_split)."""
     layout = layout or partials(2, out_shape=(1, 1, 4, 64), lse_shape=(1, 4, 1))
 
-    def forward(q, k, v, out, lse, partials_address, scale, cu_q, cu_k, seqused_k, table, counters_address,
-                max_ctas, num_splits, kv_length):
+    def forward(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        partials_address,
+        scale,
+        cu_q,
+        cu_k,
+        seqused_k,
+        table,
+        counters_address,
+        max_ctas,
+        num_splits,
+        kv_length,
+    ):
         calls.append((counters_address, partials_address, kv_length))
 
-    return interface._LaunchPlan(forward=forward, device=CPU, dtype=torch.float32, out_shape=(1, 1, 4, 64),
-                                 lse_shape=None, scale_log2=1.0, max_ctas=132, num_splits=2, partials=layout,
-                                 extents=(0, 0, 0, 0), num_counters=num_counters)
+    return interface._LaunchPlan(
+        forward=forward,
+        device=CPU,
+        dtype=torch.float32,
+        out_shape=(1, 1, 4, 64),
+        lse_shape=None,
+        scale_log2=1.0,
+        max_ctas=132,
+        num_splits=2,
+        partials=layout,
+        extents=(0, 0, 0, 0),
+        num_counters=num_counters,
+    )
 
 
 def test_launch_plans_memo_their_stream_buffers(streams):
@@ -116,12 +147,16 @@ def test_launch_plans_memo_their_stream_buffers(streams):
     out_partial, lse_partial = interface._split_scratch(CPU, plan.partials, stream())
     assert first[1] == out_partial.data_ptr()
     # The kernel finds the LSE partial right after the O partial (call_split).
-    assert lse_partial.data_ptr() == first[1] + 4 * out_partial.numel() and lse_partial.is_contiguous()
+    assert (
+        lse_partial.data_ptr() == first[1] + 4 * out_partial.numel() and lse_partial.is_contiguous()
+    )
     lookups = []
     real = interface._zeroed_counters
     interface._zeroed_counters = lambda *a: lookups.append(a) or real(*a)
     try:
-        assert launch()[:2] == first[:2] and not lookups, "the same stream looked its buffers up again"
+        assert launch()[:2] == first[:2] and not lookups, (
+            "the same stream looked its buffers up again"
+        )
         streams["stream"] = 9
         other = launch()
         assert other[0] != first[0] and len(lookups) == 1
@@ -132,7 +167,9 @@ def test_launch_plans_memo_their_stream_buffers(streams):
         assert launch()[0] == other[0], "a capture replaced the memo"
         grown = real(CPU, 100, stream())  # another plan needs more counters on this stream
         assert launch()[0] == grown.data_ptr(), "the memo outlived the buffer it names"
-        assert launch(int_length=7)[2] == 7 and launch()[2] == 0, "an int length goes to the kernel as is"
+        assert launch(int_length=7)[2] == 7 and launch()[2] == 0, (
+            "an int length goes to the kernel as is"
+        )
         interface._FUNC_PLANS[("test",)] = plan
         flash_cute.empty_cache()
         assert plan.buffers is None
@@ -154,20 +191,40 @@ def test_single_wave_problems_use_the_static_twin(monkeypatch):
     dynamic = flash_cute.AttentionConfig(128, 128, scheduler="dynamic_persistent")
 
     def problem(batch, seqlen_q, nheads, varlen_q=False):
-        return interface._Problem(batch=batch, nheads=nheads, nheads_kv=nheads, head_dim=128, dtype=torch.bfloat16,
-                                  max_seqlen_q=seqlen_q, max_seqlen_k=4096, varlen_q=varlen_q)
+        return interface._Problem(
+            batch=batch,
+            nheads=nheads,
+            nheads_kv=nheads,
+            head_dim=128,
+            dtype=torch.bfloat16,
+            max_seqlen_q=seqlen_q,
+            max_seqlen_k=4096,
+            varlen_q=varlen_q,
+        )
 
     one_wave = problem(2, 1000, 8)  # 8 query tiles x 8 heads x 2 = 128 tiles
     twin = interface.single_wave_config(dynamic, one_wave, 1, False, 0)
     assert twin == dynamic.replace(scheduler="static_persistent")
-    assert interface.single_wave_config(dynamic, problem(2, 1100, 8), 1, False, 0) is dynamic  # 144 tiles
-    assert interface.single_wave_config(dynamic, problem(1, 1000, 16), 8, False, 0) == twin  # packed: 63 x 2
-    assert interface.single_wave_config(dynamic, problem(1, 1100, 16), 8, False, 0) is dynamic  # 69 x 2
+    assert (
+        interface.single_wave_config(dynamic, problem(2, 1100, 8), 1, False, 0) is dynamic
+    )  # 144 tiles
+    assert (
+        interface.single_wave_config(dynamic, problem(1, 1000, 16), 8, False, 0) == twin
+    )  # packed: 63 x 2
+    assert (
+        interface.single_wave_config(dynamic, problem(1, 1100, 16), 8, False, 0) is dynamic
+    )  # 69 x 2
     assert interface.single_wave_config(dynamic, one_wave, 1, True, 0) is dynamic  # split
-    assert interface.single_wave_config(dynamic, problem(2, 1000, 8, varlen_q=True), 1, False, 0) is dynamic
+    assert (
+        interface.single_wave_config(dynamic, problem(2, 1000, 8, varlen_q=True), 1, False, 0)
+        is dynamic
+    )
     two_ctas = dynamic.replace(tile_m=64, ctas_per_sm=2, pingpong=False)
     # 16 query tiles of 64 rows x 8 heads x 2 = 256 tiles: one wave of 2 x 132 CTAs
-    assert interface.single_wave_config(two_ctas, problem(2, 1000, 8), 1, False, 0).scheduler == "static_persistent"
+    assert (
+        interface.single_wave_config(two_ctas, problem(2, 1000, 8), 1, False, 0).scheduler
+        == "static_persistent"
+    )
     for scheduler in ("single_tile", "static_persistent"):
         config = dynamic.replace(scheduler=scheduler)
         assert interface.single_wave_config(config, one_wave, 1, False, 0) is config
@@ -184,22 +241,46 @@ def test_only_variants_without_optional_tensors_take_the_short_signature():
     base = ForwardKernelKey("bfloat16", 128, False, flash_cute.AttentionConfig(128, 128), False)
     static = base.config.replace(scheduler="static_persistent")
     assert not base.takes_optionals
-    assert not replace(base, config=static, scalar_kv_length=True, pack_gqa_ratio=4, causal=True).takes_optionals
-    for changed in ({"writes_lse": True}, {"varlen_q": True}, {"kv_layout": "packed"},
-                    {"kv_layout": "paged", "page_box_rows": 64}, {"seqused_k": True}, {"split": True},
-                    {"config": base.config.replace(scheduler="dynamic_persistent")}):
+    assert not replace(
+        base, config=static, scalar_kv_length=True, pack_gqa_ratio=4, causal=True
+    ).takes_optionals
+    for changed in (
+        {"writes_lse": True},
+        {"varlen_q": True},
+        {"kv_layout": "packed"},
+        {"kv_layout": "paged", "page_box_rows": 64},
+        {"seqused_k": True},
+        {"split": True},
+        {"config": base.config.replace(scheduler="dynamic_persistent")},
+    ):
         assert replace(base, **changed).takes_optionals, changed
 
 
 def test_short_signature_plans_pass_only_what_the_kernel_takes():
     calls = []
-    plan = interface._LaunchPlan(forward=lambda *args: calls.append(args), device=CPU, dtype=torch.float32,
-                                 out_shape=(1, 1, 4, 64), lse_shape=None, scale_log2=0.5, max_ctas=132, num_splits=1,
-                                 partials=None, extents=(0, 0, 0, 0), out_like_q=True, short_signature=True)
+    plan = interface._LaunchPlan(
+        forward=lambda *args: calls.append(args),
+        device=CPU,
+        dtype=torch.float32,
+        out_shape=(1, 1, 4, 64),
+        lse_shape=None,
+        scale_log2=0.5,
+        max_ctas=132,
+        num_splits=1,
+        partials=None,
+        extents=(0, 0, 0, 0),
+        out_like_q=True,
+        short_signature=True,
+    )
     q = torch.zeros(1, 1, 4, 64)
     out = plan.launch(q, q, q, None, int_length=9)
     assert out.shape == q.shape and out is not q
-    assert len(calls) == 1 and calls[0][:3] == (q, q, q) and calls[0][3] is out and calls[0][4:] == (0.5, 132, 9)
+    assert (
+        len(calls) == 1
+        and calls[0][:3] == (q, q, q)
+        and calls[0][3] is out
+        and calls[0][4:] == (0.5, 132, 9)
+    )
     given = torch.empty_like(q)
     assert plan.launch(q, q, q, given) is given and calls[1][3] is given and calls[1][6] == 0
 
@@ -208,7 +289,9 @@ def test_default_stream_skips_the_capture_query(streams, monkeypatch):
     """The legacy default stream (raw handle 0) cannot be captured, so calls on it do not ask
     whether a capture is under way; any other stream does."""
     asked = []
-    monkeypatch.setattr(interface, "_stream_capturing", lambda: asked.append(1) or streams["capturing"])
+    monkeypatch.setattr(
+        interface, "_stream_capturing", lambda: asked.append(1) or streams["capturing"]
+    )
     streams["stream"] = 0
     assert stream() == (None, 0) and not asked
     streams["stream"], streams["capturing"] = 5, True
