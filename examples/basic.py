@@ -16,18 +16,12 @@ from flash_cute.reference import attention_ref, error_bound
 def main():
     batch, seqlen, nheads, nheads_kv, head_dim = 2, 1000, 16, 4, 128  # GQA: 4 q heads per kv head
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-        from flash_cute.compile_cache import ForwardKernelKey, compile_forward
+        from flash_cute.compile_cache import compile_forward
+        from flash_cute.precompile import func_variant
 
         start = time.time()
-        compile_forward(
-            ForwardKernelKey(
-                "bfloat16",
-                head_dim,
-                True,
-                flash_cute.default_config(head_dim, "bfloat16", True),
-                True,
-            )
-        )
+        config = flash_cute.default_config(head_dim, "bfloat16", True, seqlen)
+        compile_forward(func_variant(config, head_dim, "bfloat16", True, writes_lse=True))
         print(
             f"no Hopper GPU here: compiled the sm_90a kernel in {time.time() - start:.1f}s, "
             "nothing to run"

@@ -662,17 +662,17 @@ def sweep_configs(
     return configs
 
 
-def _compile_worker(key):
+def _compile_worker(variant):
     from flash_cute.compile_cache import get_forward_kernel
 
     try:
-        get_forward_kernel(key)
+        get_forward_kernel(variant)
         return None
     except Exception as exc:  # reported, and the config is skipped
         return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
-def precompile_parallel(keys, workers: int) -> dict:
+def precompile_parallel(variants, workers: int) -> dict:
     """Compile keys in worker processes into the disk cache; returns {key: error} failures."""
     import concurrent.futures
     import multiprocessing
@@ -683,7 +683,7 @@ def precompile_parallel(keys, workers: int) -> dict:
         return {}
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        errors = dict(zip(keys, pool.map(_compile_worker, keys)))
+        errors = dict(zip(variants, pool.map(_compile_worker, variants)))
     return {k: e for k, e in errors.items() if e}
 
 
@@ -728,14 +728,15 @@ def run_sweep(
     reps: int = 20,
 ) -> List[SweepRow]:
     import flash_cute
-    from flash_cute.compile_cache import ForwardKernelKey
+    from flash_cute.precompile import func_variant
 
     dtype_name = "bfloat16" if dtype == "bf16" else "float16"
-    keys = [ForwardKernelKey(dtype_name, head_dim, causal, cfg, False) for cfg in configs]
-    failed = precompile_parallel(keys, workers)
-    for key, err in failed.items():
-        print(f"# skip {config_label(key.config)}: {err}", file=sys.stderr)
-    configs = [k.config for k in keys if k not in failed]
+    variants = [func_variant(cfg, head_dim, dtype_name, causal) for cfg in configs]
+    failed = precompile_parallel(variants, workers)
+    for cfg, variant in zip(configs, variants):
+        if variant in failed:
+            print(f"# skip {config_label(cfg)}: {failed[variant]}", file=sys.stderr)
+    configs = [cfg for cfg, variant in zip(configs, variants) if variant not in failed]
     rows = [SweepRow(asdict(cfg), config_label(cfg)) for cfg in configs]
     nheads = 2048 // head_dim
     for seqlen in seqlens:

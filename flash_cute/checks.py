@@ -12,6 +12,7 @@ from typing import Optional, Tuple
 import torch
 
 from .config import SUPPORTED_HEAD_DIMS
+from .plan import MAX_SPLITS
 
 TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 TMA_ALIGN_BYTES = 16
@@ -41,6 +42,13 @@ def check_same_dtype(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tenso
     if t.dtype != ref.dtype:
         raise TypeError(
             f"{name} must have the same dtype as {ref_name} ({ref.dtype}), got {t.dtype}"
+        )
+
+
+def check_same_shape(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if tuple(t.shape) != tuple(ref.shape):
+        raise ValueError(
+            f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, got {tuple(t.shape)}"
         )
 
 
@@ -99,12 +107,13 @@ def softmax_scale_log2(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale) * math.log2(math.e)
 
 
-def check_out(
-    out, shape: Tuple[int, ...], ref: torch.Tensor, inputs: Tuple[torch.Tensor, ...]
-) -> None:
-    """A caller-provided output of the attention entry points: q's dtype and device, and the
-    checks of check_out_like against q, k, v."""
-    check_out_like(out, shape, ref.dtype, ref.device, tuple(zip(("q", "k", "v"), inputs)))
+def output_for(out, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The output of an attention call: out checked (q's shape, dtype and device, and the
+    checks of check_out_like against q, k, v), or a new contiguous tensor like q."""
+    if out is None:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    check_out_like(out, tuple(q.shape), q.dtype, q.device, (("q", q), ("k", k), ("v", v)))
+    return out
 
 
 def byte_extent(t: torch.Tensor) -> int:
@@ -201,7 +210,6 @@ def check_host_int(name: str, value) -> int:
 
 def check_num_splits(num_splits) -> int:
     num_splits = check_host_int("num_splits", num_splits)
-    from .splitkv import MAX_SPLITS
 
     if num_splits > MAX_SPLITS:
         raise ValueError(f"num_splits must be at most {MAX_SPLITS}, got {num_splits}")
@@ -258,6 +266,35 @@ def check_page_table(page_table, batch: int, k_cache: torch.Tensor) -> int:
             f"page size (k_cache.shape[1]) must be a positive multiple of 16, got {page_size}"
         )
     return page_table.shape[1] * page_size if k_cache.shape[0] > 0 else 0
+
+
+def check_combine_partials(out_partial, lse_partial) -> None:
+    """flash_attn_combine's partials: fp32, matching shapes, a headdim the kernel serves."""
+    if not isinstance(out_partial, torch.Tensor) or not isinstance(lse_partial, torch.Tensor):
+        raise TypeError("out_partial and lse_partial must be torch.Tensors")
+    if out_partial.dim() not in (4, 5):
+        raise ValueError(
+            "out_partial must be (num_splits, batch, seqlen, nheads, headdim) or "
+            f"(num_splits, total_q, nheads, headdim), got shape {tuple(out_partial.shape)}"
+        )
+    if out_partial.dtype != torch.float32:
+        raise TypeError(f"out_partial must be float32, got {out_partial.dtype}")
+    if lse_partial.dtype != torch.float32:
+        raise TypeError(f"lse_partial must be float32, got {lse_partial.dtype}")
+    if tuple(lse_partial.shape) != tuple(out_partial.shape[:-1]):
+        raise ValueError(
+            f"lse_partial must have shape {tuple(out_partial.shape[:-1])}, "
+            f"got {tuple(lse_partial.shape)}"
+        )
+    head_dim = out_partial.shape[-1]
+    if head_dim % 8 or not 8 <= head_dim <= 1024:
+        raise ValueError(
+            f"headdim of out_partial must be a multiple of 8 in [8, 1024], got {head_dim}"
+        )
+    if out_partial.stride(-1) != 1 and head_dim > 1:
+        raise ValueError(
+            f"out_partial must have a contiguous last dimension, got strides {out_partial.stride()}"
+        )
 
 
 def check_out_like(out, shape, dtype, device, inputs) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import inspect
 import os
 import sys
 import tempfile
@@ -28,69 +29,15 @@ import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
-from .config import AttentionConfig
+from .plan import ForwardVariant
 
 TARGET_ARCH = "sm_90a"
 
 # Host-side contract the fake tensors declare (checked by flash_cute.checks before a call):
 # 16-byte aligned base pointers and strides (in elements) divisible by this for 16-bit types.
 STRIDE_DIVISIBILITY_16BIT = 8
-
-
-@dataclass(frozen=True)
-class ForwardKernelKey:
-    """Everything that selects a distinct compiled forward kernel."""
-
-    dtype: str  # "float16" | "bfloat16"
-    head_dim: int
-    causal: bool
-    config: AttentionConfig
-    writes_lse: bool  # the final LSE (split kernels write their partial LSEs regardless)
-    varlen_q: bool = False  # q packed as (total_q, nheads, d) with cu_seqlens_q
-    kv_layout: str = "padded"  # "padded" | "packed" (cu_seqlens_k) | "paged"
-    seqused_k: bool = False  # valid keys per sequence from a (batch,) tensor
-    scalar_kv_length: bool = False  # valid keys of every sequence from an int argument
-    page_box_rows: Optional[int] = None  # TMA box rows for paged K/V: gcd(page_size, tile_n)
-    split: bool = False
-    pack_gqa_ratio: int = 1  # q heads per kv head folded into the tile rows (1: no packing)
-
-    def __post_init__(self):
-        # Split launches keep one CTA per tile (the kernel asserts it): configs that differ
-        # only in scheduler select the same split kernel, so they make one key.
-        if self.split and self.config.scheduler != "single_tile":
-            object.__setattr__(self, "config", self.config.replace(scheduler="single_tile"))
-        # Varlen and split kernels store O from registers whatever the config says.
-        if (self.split or self.varlen_q) and self.config.store_o_from_registers:
-            object.__setattr__(self, "config", self.config.replace(store_o_from_registers=False))
-
-    @property
-    def tile_scheduler(self) -> str:
-        """The scheduler this kernel runs: the config's, except for split kernels."""
-        return self.config.scheduler
-
-    @property
-    def uses_tile_counter(self) -> bool:
-        return self.tile_scheduler == "dynamic_persistent"
-
-    @property
-    def takes_optionals(self) -> bool:
-        """Whether the compiled function takes __call__'s whole signature (q, k, v, out, lse,
-        out_partial, lse_partial, scale_log2, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
-        tile_counter, max_ctas, num_splits, kv_length). A variant using none of the optional
-        tensors takes (q, k, v, out, scale_log2, max_ctas, kv_length) instead
-        (FlashAttentionForwardSm90.call_without_optionals): a cheaper call. Split variants
-        take the partials and the arrival counters as two addresses in place of the three
-        tensors out_partial, lse_partial, tile_counter (FlashAttentionForwardSm90.call_split)."""
-        return (
-            self.writes_lse
-            or self.varlen_q
-            or self.kv_layout != "padded"
-            or self.seqused_k
-            or self.split
-            or self.uses_tile_counter
-        )
 
 
 _cache: Dict[object, Callable] = {}
@@ -120,138 +67,106 @@ import cutlass.cute  # noqa: E402,F401
 
 
 def _cutlass_dtype(name: str):
-    import cutlass
-
     return {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[name]
 
 
-def compile_forward(key: ForwardKernelKey, options: str = "") -> Callable:
-    """Compile (uncached) the forward kernel for `key` on fake tensors with symbolic shapes."""
-    ensure_target_arch()
-    import cutlass
+@dataclass(frozen=True)
+class Signature:
+    """A compiled entry point of the forward kernel: the FlashAttentionForwardSm90 method that
+    is compiled and its arguments in order (the CUDA stream follows them), read off the method
+    itself, which is where each signature is written. compile_forward builds one fake argument
+    per name; runtime.LaunchPlan passes the values in this order."""
+
+    method: str
+    args: Tuple[str, ...]
+
+    @staticmethod
+    def of(method: str) -> "Signature":
+        from flash_cute.kernels import FlashAttentionForwardSm90
+
+        params = tuple(inspect.signature(getattr(FlashAttentionForwardSm90, method)).parameters)
+        assert params[0] == "self" and params[-1] == "stream", params
+        return Signature(method, params[1:-1])
+
+
+# Variants that use no optional argument take the short signature: each argument costs
+# TVM-FFI a conversion on the host, so the common call passes seven.
+SHORT = Signature.of("call_short")
+FULL = Signature.of("__call__")
+OPTIONAL_TENSORS = ("lse", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table")
+
+
+def signature(variant: ForwardVariant) -> Signature:
+    return FULL if variant.takes_optionals else SHORT
+
+
+def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
+    """A fake of every argument the forward kernel can take (None for the optional tensors the
+    variant does not use), by signature name, with symbolic sizes and strides: the compiled
+    function then checks each real argument against them (dtype, rank, shared sizes such as
+    v's shape and k's, 16-byte alignment and stride divisibility)."""
     import cutlass.cute as cute
 
-    from flash_cute.kernels import FlashAttentionForwardSm90
-
-    dtype = _cutlass_dtype(key.dtype)
-    variant = {
-        f: getattr(key, f)
-        for f in (
-            "varlen_q",
-            "kv_layout",
-            "seqused_k",
-            "scalar_kv_length",
-            "page_box_rows",
-            "split",
-            "pack_gqa_ratio",
-        )
-    }
-    kernel = FlashAttentionForwardSm90(dtype, key.head_dim, key.causal, key.config, **variant)
+    dtype = _cutlass_dtype(variant.dtype)
     sym = cute.sym_int
-    batch, seqlen_q, nheads, seqlen_k, nheads_kv, splits = (sym() for _ in range(6))
-    d = key.head_dim
+    batch, seqlen_q, nheads, seqlen_k, nheads_kv = (sym() for _ in range(5))
+    d = variant.head_dim
 
-    def tensor(dtype_, shape, align=16, last_contiguous=True):
+    def tensor(dtype_, shape, align=16):
         div = STRIDE_DIVISIBILITY_16BIT if align == 16 else 1
         strides = tuple(cute.sym_int64(divisibility=div) for _ in shape[:-1])
         return cute.runtime.make_fake_tensor(
             dtype_, shape, stride=(*strides, 1), assumed_align=align
         )
 
-    q_rows = (seqlen_q,) if key.varlen_q else (batch, seqlen_q)
-    q = tensor(dtype, (*q_rows, nheads, d))
-    if key.kv_layout == "packed":
+    def int32_tensor(rank):
+        return tensor(cutlass.Int32, tuple(sym() for _ in range(rank)), align=4)
+
+    q_rows = (seqlen_q,) if variant.varlen_q else (batch, seqlen_q)
+    if variant.kv_layout == "packed":
         kv_shape = (seqlen_k, nheads_kv, d)
     else:  # padded: (batch, seqlen_k, ...); paged: (num_pages, page_size, ...)
         kv_shape = (sym(), seqlen_k, nheads_kv, d)
-    k, v = tensor(dtype, kv_shape), tensor(dtype, kv_shape)
-    lse_shape = (nheads, seqlen_q) if key.varlen_q else (batch, nheads, seqlen_q)
-    out = tensor(dtype, (*q_rows, nheads, d))
-    lse = tensor(cutlass.Float32, lse_shape, align=4) if key.writes_lse else None
-    out_partial = lse_partial = None
-    if key.split:
-        out_partial = tensor(cutlass.Float32, (splits, *q_rows, nheads, d))
-        lse_partial = tensor(cutlass.Float32, (splits, *lse_shape), align=4)
-    int32 = cutlass.Int32
-    cu_seqlens_q = tensor(int32, (sym(),), align=4) if key.varlen_q else None
-    cu_seqlens_k = tensor(int32, (sym(),), align=4) if key.kv_layout == "packed" else None
-    seqused_k = tensor(int32, (sym(),), align=4) if key.seqused_k else None
-    page_table = tensor(int32, (sym(), sym()), align=4) if key.kv_layout == "paged" else None
-    # The dynamic scheduler's tile counter (2 used) or a split launch's arrival counters (one
-    # per tile), from a shared buffer of any size.
-    tile_counter = tensor(int32, (sym(),), align=4) if key.uses_tile_counter or key.split else None
+    lse_shape = (nheads, seqlen_q) if variant.varlen_q else (batch, nheads, seqlen_q)
+    gmem = cute.AddressSpace.gmem
+    return {
+        "q": tensor(dtype, (*q_rows, nheads, d)),
+        "k": tensor(dtype, kv_shape),
+        "v": tensor(dtype, kv_shape),
+        "out": tensor(dtype, (*q_rows, nheads, d)),
+        "lse": tensor(cutlass.Float32, lse_shape, align=4) if variant.writes_lse else None,
+        "cu_seqlens_q": int32_tensor(1) if variant.varlen_q else None,
+        "cu_seqlens_k": int32_tensor(1) if variant.kv_layout == "packed" else None,
+        "seqused_k": int32_tensor(1) if variant.seqused_k else None,
+        "page_table": int32_tensor(2) if variant.kv_layout == "paged" else None,
+        "kv_length": cutlass.Int32(0),
+        # Split scratch (partial O, then partial LSE) and the zeroed int32 counters (the
+        # dynamic scheduler's, or a split launch's arrivals): addresses, which TVM-FFI
+        # converts for less than a tensor.
+        "partials": cute.runtime.make_ptr(cutlass.Float32, 0, gmem, assumed_align=16),
+        "counters": cute.runtime.make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),
+        "scale_log2": cutlass.Float32(1.0),
+        "max_ctas": cutlass.Int32(1),
+        "num_splits": cutlass.Int32(1),
+    }
+
+
+def compile_forward(variant: ForwardVariant, options: str = "") -> Callable:
+    """Compile (uncached) the forward kernel of `variant` on fake arguments."""
+    ensure_target_arch()
+    import cutlass.cute as cute
+
+    from flash_cute.kernels import FlashAttentionForwardSm90
+
+    kernel = FlashAttentionForwardSm90(variant)
+    sig = signature(variant)
+    fakes = fake_arguments(variant)
+    # A variant taking the short signature may use none of the optional tensors.
+    assert sig is FULL or all(fakes[name] is None for name in OPTIONAL_TENSORS), variant
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     opts = ("--enable-tvm-ffi " + options).strip()
-    optionals = (
-        lse,
-        out_partial,
-        lse_partial,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        seqused_k,
-        page_table,
-        tile_counter,
-    )
-    # The callers pick the signature from the key alone: it must agree with the tensors built here.
-    assert key.takes_optionals == any(t is not None for t in optionals), key
-    if not key.takes_optionals:
-        return cute.compile(
-            kernel.call_without_optionals,
-            q,
-            k,
-            v,
-            out,
-            cutlass.Float32(1.0),
-            int32(1),
-            int32(0),
-            stream,
-            options=opts,
-        )
-    if key.split:  # the partials and the arrival counters come as addresses (call_split)
-        gmem = cute.AddressSpace.gmem
-        partials = cute.runtime.make_ptr(cutlass.Float32, 0, gmem, assumed_align=16)
-        arrivals = cute.runtime.make_ptr(int32, 0, gmem, assumed_align=4)
-        return cute.compile(
-            kernel.call_split,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            partials,
-            cutlass.Float32(1.0),
-            cu_seqlens_q,
-            cu_seqlens_k,
-            seqused_k,
-            page_table,
-            arrivals,
-            int32(1),
-            int32(1),
-            int32(0),
-            stream,
-            options=opts,
-        )
-    return cute.compile(
-        kernel,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        out_partial,
-        lse_partial,
-        cutlass.Float32(1.0),
-        cu_seqlens_q,
-        cu_seqlens_k,
-        seqused_k,
-        page_table,
-        tile_counter,
-        int32(1),
-        int32(1),
-        int32(0),
-        stream,
-        options=opts,
-    )
+    args = [fakes[name] for name in sig.args]
+    return cute.compile(getattr(kernel, sig.method), *args, stream, options=opts)
 
 
 @dataclass(frozen=True)
@@ -314,9 +229,9 @@ def raw_function(compiled: Callable) -> Callable:
     return getattr(compiled, "_tvm_ffi_function", None) or compiled
 
 
-def get_forward_kernel(key: ForwardKernelKey) -> Callable:
-    """The compiled forward kernel for `key` (memory, then disk, then compile; thread-safe)."""
-    return _get(key, compile_forward)
+def get_forward_kernel(variant: ForwardVariant) -> Callable:
+    """The compiled forward kernel of `variant` (memory, then disk, then compile; thread-safe)."""
+    return _get(variant, compile_forward)
 
 
 def _get(key, compile_fn) -> Callable:

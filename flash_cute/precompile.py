@@ -15,23 +15,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import os
 import re
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, List, Optional
 
-from .compile_cache import ForwardKernelKey, compile_forward, ensure_target_arch, get_forward_kernel
-from .config import DECODE_CONFIGS, FORWARD_CONFIGS, SHORT_SEQUENCE_CONFIGS
+from .compile_cache import compile_forward, ensure_target_arch, get_forward_kernel
+from .config import DECODE_CONFIGS, FORWARD_CONFIGS, SHORT_SEQUENCE_CONFIGS, AttentionConfig
+from .plan import ForwardVariant, Problem, plan_forward
 
 REQUIRED_PTX = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg")
 
 
 @dataclass
 class PtxReport:
-    key: ForwardKernelKey
+    variant: ForwardVariant
     instruction_counts: dict
     spill_bytes: int
     registers: int
@@ -47,83 +48,110 @@ class PtxReport:
         return found
 
 
-def table_keys(
+# The SM count the variants are planned for (an H100 SXM's): it decides only which problems
+# fit in one wave of CTAs, and the problems below are far from that boundary.
+PLANNED_SMS = 132
+
+
+def func_variant(
+    config: AttentionConfig,
+    head_dim: int,
+    dtype: str,
+    causal: bool,
+    writes_lse: bool = False,
+    single_wave: bool = False,
+) -> ForwardVariant:
+    """The variant flash_attn_func launches with `config` on a problem of many waves of tiles
+    (4096 tiles of 128 rows), or with single_wave on one of a single tile."""
+    nheads, seqlen = (1, 64) if single_wave else (64, 1024)
+    problem = Problem(
+        batch=1 if single_wave else 8,
+        nheads=nheads,
+        nheads_kv=nheads,
+        head_dim=head_dim,
+        dtype=dtype,
+        max_seqlen_q=seqlen,
+        max_seqlen_k=seqlen,
+        kv_capacity=seqlen,
+        causal=causal,
+        writes_lse=writes_lse,
+    )
+    plan = plan_forward(problem, PLANNED_SMS, config, pack_gqa=False, decode_rows=False)
+    return plan.variant
+
+
+def table_variants(
     head_dims: Optional[Iterable[int]] = None, writes_lse=(True, False)
-) -> List[ForwardKernelKey]:
-    """Prefill kernels of the config table, long and short-sequence rows; a dynamic persistent
-    row also with its static twin, which problems of one wave of tiles launch
-    (interface.single_wave_config)."""
+) -> List[ForwardVariant]:
+    """Prefill kernels of the config table (long and short-sequence rows) as flash_attn_func
+    launches them: on many waves of tiles, and on one wave (a dynamic persistent row then runs
+    its static twin)."""
     rows = list(FORWARD_CONFIGS.items()) + [
         (k, entry[1]) for k, entry in SHORT_SEQUENCE_CONFIGS.items()
     ]
-    keys = []
+    variants = []
     for (head_dim, dtype, causal), config in sorted(rows, key=str):
         if head_dims is not None and head_dim not in head_dims:
             continue
-        configs = [config]
-        if config.scheduler == "dynamic_persistent":
-            configs.append(config.replace(scheduler="static_persistent"))
-        for cfg in configs:
+        for single_wave in (False, True):
             for lse in writes_lse:
-                keys.append(ForwardKernelKey(dtype, head_dim, causal, cfg, lse))
-    return list(dict.fromkeys(keys))
+                variants.append(func_variant(config, head_dim, dtype, causal, lse, single_wave))
+    return list(dict.fromkeys(variants))
 
 
-def decode_keys(
+def decode_variants(
     head_dims: Optional[Iterable[int]] = None, gqa_ratios=(4, 8), int_lengths=(False, True)
-) -> List[ForwardKernelKey]:
-    """Decode kernels as flash_attn_with_kvcache launches them for a padded cache and no LSE
-    returned: cache_seqlens a tensor and (int_lengths) an int, causal or not, split or not, GQA
-    packed at each ratio."""
-    keys = []
-    for (head_dim, dtype), config in sorted(DECODE_CONFIGS.items(), key=str):
+) -> List[ForwardVariant]:
+    """Decode kernels as flash_attn_with_kvcache launches them for one new token per sequence
+    on a padded cache, no LSE returned: cache_seqlens a tensor and (int_lengths) an int, causal
+    or not, split (2 splits) or not, GQA packed at each ratio."""
+    variants = []
+    for head_dim, dtype in sorted(DECODE_CONFIGS, key=str):
         if head_dims is not None and head_dim not in head_dims:
             continue
         for causal in (False, True):
-            for split in (False, True):
+            for num_splits in (1, 2):
                 for ratio in gqa_ratios:
                     for scalar in int_lengths:
-                        keys.append(
-                            ForwardKernelKey(
-                                dtype,
-                                head_dim,
-                                causal,
-                                config,
-                                False,
-                                seqused_k=not scalar,
-                                scalar_kv_length=scalar,
-                                split=split,
-                                pack_gqa_ratio=ratio,
-                            )
+                        problem = Problem(
+                            batch=1,
+                            nheads=8 * ratio,
+                            nheads_kv=8,
+                            head_dim=head_dim,
+                            dtype=dtype,
+                            max_seqlen_q=1,
+                            max_seqlen_k=4096,
+                            kv_capacity=4096,
+                            causal=causal,
+                            seqused_k=not scalar,
+                            scalar_kv_length=scalar,
                         )
-    return keys
+                        plan = plan_forward(problem, PLANNED_SMS, num_splits=num_splits)
+                        variants.append(plan.variant)
+    return variants
 
 
-def compile_with_ptx_report(key: ForwardKernelKey) -> PtxReport:
-    """Compile `key` (uncached), keeping its PTX and the ptxas resource report."""
+def compile_with_ptx_report(variant: ForwardVariant) -> PtxReport:
+    """Compile `variant` (uncached), keeping its PTX and the ptxas resource report."""
     ensure_target_arch()
     with tempfile.TemporaryDirectory() as dump_dir:
         log = io.StringIO()
         start = time.time()
         # remarks{ptx} prints the ptxas -v report (registers, spills) as compiler remarks.
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            compile_forward(key, options=f"--keep-ptx --dump-dir={dump_dir} remarks{{ptx}}")
+            compile_forward(variant, options=f"--keep-ptx --dump-dir={dump_dir} remarks{{ptx}}")
         seconds = time.time() - start
-        ptx = "".join(
-            open(os.path.join(dump_dir, f)).read()
-            for f in os.listdir(dump_dir)
-            if f.endswith(".ptx")
-        )
+        ptx = "".join(path.read_text() for path in Path(dump_dir).glob("*.ptx"))
     report = log.getvalue()
     if not ptx:
-        raise RuntimeError(f"no PTX was kept for {key}")
+        raise RuntimeError(f"no PTX was kept for {variant}")
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
     spills += [int(n) for n in re.findall(r"(\d+) bytes spill loads", report)]
     regs = [int(n) for n in re.findall(r"Used (\d+) registers", report)]
     if not regs:
-        raise RuntimeError(f"ptxas printed no resource report for {key}:\n{report[-2000:]}")
+        raise RuntimeError(f"ptxas printed no resource report for {variant}:\n{report[-2000:]}")
     return PtxReport(
-        key=key,
+        variant=variant,
         instruction_counts={name: ptx.count(name) for name in REQUIRED_PTX},
         spill_bytes=sum(spills),
         registers=max(regs),
@@ -151,15 +179,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     ensure_target_arch(args.arch)
     failures = 0
-    for key in table_keys(args.head_dims) + decode_keys(args.head_dims, args.gqa_ratios):
-        label = (
-            f"hdim={key.head_dim} {key.dtype} causal={key.causal} lse={key.writes_lse} "
-            f"tile={key.config.tile_m}x{key.config.tile_n}"
-            + (f" decode split={key.split} gqa={key.pack_gqa_ratio}" if key.seqused_k else "")
-        )
+    variants = table_variants(args.head_dims) + decode_variants(args.head_dims, args.gqa_ratios)
+    for variant in variants:
+        label = variant.describe()
         try:
             if args.check_ptx:
-                report = compile_with_ptx_report(key)
+                report = compile_with_ptx_report(variant)
                 problems = report.problems()
                 status = "FAIL " + "; ".join(problems) if problems else "ok"
                 failures += bool(problems)
@@ -170,7 +195,7 @@ def main(argv=None) -> int:
                 )
             else:
                 start = time.time()
-                get_forward_kernel(key)
+                get_forward_kernel(variant)
                 print(f"{label}: compiled in {time.time() - start:.1f}s", flush=True)
         except Exception as exc:  # report every variant, then fail
             failures += 1

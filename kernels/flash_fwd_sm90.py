@@ -1,9 +1,10 @@
 """FlashAttention-3-style forward kernel for Hopper (sm_90a), written in the CuTe DSL.
 
-A tile is one (query tile, head, batch[, split]): tile_m rows of O and their LSE. By default one
-CTA computes one tile; with a persistent scheduler (config.scheduler, unsplit problems,
-fixed-length or varlen) at most SMs x ctas_per_sm CTAs loop over the tiles, the producer warp loading the
-next tile's Q and K/V while the MMA warpgroups finish the current one (kernels/tile_scheduler.py).
+A tile is one (query tile, head, batch[, split]): tile_m rows of O and their LSE. The tile
+scheduler (kernels/tile_scheduler.py) says which tiles a CTA runs: one per CTA, or with a
+persistent scheduler (config.scheduler, unsplit problems, fixed-length or varlen) at most
+SMs x ctas_per_sm CTAs loop over the tiles, the producer warp loading the next tile's Q and
+K/V while the MMA warpgroups finish the current one.
 
 Warp roles (128 * (1 + num_mma_warpgroups) threads):
 - warpgroup 0, the producer, lowers its registers with setmaxnreg; its warp 0 issues the TMA
@@ -26,9 +27,10 @@ Scheduling knobs (static config):
   pipe instead of the MUFU.
 - lazy_rescale, rescale_threshold: skip a warp's O rescale when no row max moved; let a row's
   max lag a new one by up to rescale_threshold (log2 units) so that happens more often.
-- store_o_from_registers: padded, unsplit problems store O from registers too (see below).
+- store_o_from_registers: O straight from registers (row-predicated) rather than through smem
+  and one TMA store (split and varlen variants always: their rows are ragged).
 
-Problem variants (static; each is a separate compiled kernel):
+Problem variants (static; each is a separate compiled kernel, flash_cute.plan.ForwardVariant):
 - varlen_q: q is packed (total_q, nheads, d) with cu_seqlens_q.
 - kv_layout "padded" (batch, seqlen_k, nheads_kv, d), "packed" (total_k, ...) with
   cu_seqlens_k, or "paged" (num_pages, page_size, nheads_kv, d) with a page table; with
@@ -40,13 +42,11 @@ Problem variants (static; each is a separate compiled kernel):
   partials into O and the LSE, so a split launch needs no separate combine kernel.
 - pack_gqa: the qhead_per_kvhead query heads sharing a kv head are folded into the tile's rows
   (row = token * ratio + head), so each K/V tile is read once for all of them.
-O goes through smem and one TMA store for padded, unsplit problems (unless the config says
-store_o_from_registers), and straight from registers (row-predicated) otherwise.
 """
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Optional, Tuple, Type
+from typing import Optional, Tuple
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -62,16 +62,15 @@ from .named_barriers import NamedBarrier
 from .seqlen_info import SeqlenInfo
 from .softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_any_changed
 from .split_merge import lanes_per_row, merge_row
-from .tile_scheduler import PersistentTileScheduler
+from .tile_scheduler import (
+    PersistentTileScheduler,
+    SingleTileScheduler,
+    TileSpace,
+    WorkTile,
+)
 from .tma_loads import TmaBlockLoader, TmaPagedBlockLoader
-from .varlen_tiles import varlen_tile
 
 THREADS_PER_WARPGROUP = 128
-KV_LAYOUTS = ("padded", "packed", "paged")
-# Causal tile order (see _causal_lpt_tile): the last head section aims at this many tiles per
-# CTA, and holds at most one pair per this many CTAs.
-LPT_TAIL_TILES_PER_CTA = 3
-LPT_TAIL_CTAS_PER_PAIR = 4
 
 
 def _row_major_wide(shape) -> Tuple[cute.Layout, cutlass.Int64]:
@@ -134,127 +133,112 @@ class MainloopOperands:
     last_block_keys: Int32  # the keys of it that exist (may be fewer than tile_n)
 
 
-class FlashAttentionForwardSm90:
-    """Static configuration plus the host launch (`__call__`) and the device kernel.
+@dataclass(frozen=True)
+class ProblemShapes:
+    """What every tile reads of the launch's run-time problem: q and k in kernel mode order
+    (their shapes), the per-sequence tensors, the split count, and the scalar key count of
+    scalar_kv_length variants (None otherwise)."""
 
-    Tensors passed to `__call__` (16-byte aligned, last dim contiguous), B = batch, S = splits:
+    mQ: cute.Tensor
+    mK: cute.Tensor
+    mCuSeqlensQ: Optional[cute.Tensor]
+    mCuSeqlensK: Optional[cute.Tensor]
+    mSeqUsedK: Optional[cute.Tensor]
+    mPageTable: Optional[cute.Tensor]
+    num_splits: Int32
+    kv_length: Optional[Int32]
+
+
+class FlashAttentionForwardSm90:
+    """One compiled variant of the forward kernel: the host launch and the device kernel.
+
+    Constructed from a flash_cute.plan.ForwardVariant, taken whole: its effective config (tile
+    shape and knobs, an AttentionConfig, whose shared-memory model gives separate_o_smem) and
+    the problem's static shape. The constructor derives device-side facts only.
+
+    Entry points (compile_cache.Signature reads their parameters; the CUDA stream comes last):
+      __call__(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
+               kv_length, partials, counters, scale_log2, max_ctas, num_splits)
+      call_short(q, k, v, out, kv_length, scale_log2, max_ctas): variants that use none of
+               the optional arguments (a cheaper call through TVM-FFI).
+    Arguments (tensors 16-byte aligned, last dim contiguous), B = batch, S = num_splits:
       q:    (B, seqlen_q, nheads, d), or (total_q, nheads, d) when varlen_q
       k, v: (B, seqlen_k, nheads_kv, d) padded, (total_k, nheads_kv, d) packed,
             (num_pages, page_size, nheads_kv, d) paged; nheads % nheads_kv == 0
       out:  like q in q's dtype
       lse:  (B, nheads, seqlen_q) or (nheads, total_q) fp32, or None
-      out_partial, lse_partial: split kernels' fp32 partials, (S, *out.shape) and
-            (S, *lse.shape); None otherwise (compiled split kernels take them, with the
-            arrival counters, as addresses: call_split)
       cu_seqlens_q / cu_seqlens_k: (B + 1,) int32; seqused_k: (B,) int32;
-      page_table: (B, max_pages_per_seq) int32
-      tile_counter: int32 counters, zero before the launch and left zero after it (the last
-            CTA to use each resets it): (2,) for the dynamic persistent scheduler, one per
-            tile (grid.x * heads * grid.z) for split kernels; None otherwise. Launches that may
-            run at the same time need different counters.
+      page_table: (B, max_pages_per_seq) int32 (None where the variant has none of them)
+      kv_length: the keys of every sequence (scalar_kv_length variants); unused by others
+      partials: split variants' fp32 scratch, 16-byte aligned: the partial O (S, *out.shape)
+            and right after it the partial LSE (S, *lse.shape), both contiguous; unused by
+            others
+      counters: int32 counters, zero before the launch and left zero after it (the last CTA
+            to use each resets it): 2 for the dynamic persistent scheduler, one per tile for
+            split variants (TileSpace.block_grid without the split factor); unused by others.
+            Launches that may run at the same time need different counters.
+      scale_log2: softmax scale times log2(e)
       max_ctas: the persistent grid's size cap (SMs x CTAs per SM); unused by other variants
-      num_splits: splits of the key range (split kernels)
-      kv_length: the keys of every sequence (scalar_kv_length kernels); unused by others
+      num_splits: splits of the key range (split variants)
     Batch, sequence lengths, head counts, page size and num_splits are run-time values.
     """
 
-    def __init__(
-        self,
-        dtype: Type[cutlass.Numeric],
-        head_dim: int,
-        causal: bool,
-        config,
-        varlen_q: bool = False,
-        kv_layout: str = "padded",
-        seqused_k: bool = False,
-        scalar_kv_length: bool = False,
-        page_box_rows: Optional[int] = None,
-        split: bool = False,
-        pack_gqa_ratio: int = 1,
-    ):
-        """config: the tile and scheduling knobs (a flash_cute.AttentionConfig: its fields and
-        its shared-memory model, separate_o_smem); the rest selects the problem variant."""
-        tile_m, tile_n = config.tile_m, config.tile_n
-        assert dtype in (cutlass.BFloat16, cutlass.Float16)
-        assert tile_m % 64 == 0 and 1 <= tile_m // 64 <= 3
-        assert kv_layout in KV_LAYOUTS
-        assert (kv_layout == "paged") == (page_box_rows is not None)
-        assert page_box_rows is None or (tile_n % page_box_rows == 0 and page_box_rows % 16 == 0)
-        assert tile_m % pack_gqa_ratio == 0
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.causal = causal
-        self.tile_m = tile_m
-        self.tile_n = tile_n
-        self.num_stages = config.num_stages
-        self.pv_from_registers = config.pv_from_registers
-        self.intra_wg_overlap = config.intra_wg_overlap
-        self.pingpong = config.pingpong and tile_m // 64 >= 2
-        self.rescale_o_before_pv = config.rescale_o_before_pv and config.intra_wg_overlap
-        self.producer_registers = config.producer_registers
-        self.mma_registers = config.mma_registers
-        self.ctas_per_sm = config.ctas_per_sm
-        self.varlen_q = varlen_q
-        self.kv_layout = kv_layout
-        self.seqused_k = seqused_k
-        # Every sequence has kv_length keys (clamped to the capacity): an int cache_seqlens.
-        self.scalar_kv_length = scalar_kv_length
-        assert not (seqused_k and scalar_kv_length)
-        # Whether K/V rows past a sequence's end can be loaded (see _clear_v_tail).
-        self.clears_v_tail = kv_layout != "padded" or seqused_k or scalar_kv_length
-        self.page_box_rows = page_box_rows
-        self.split = split
-        self.pack_gqa_ratio = pack_gqa_ratio
-        self.num_mma_warpgroups = tile_m // 64
+    def __init__(self, variant):
+        self.variant = variant
+        self.config = config = variant.config
+        self.dtype = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[variant.dtype]
+        self.num_mma_warpgroups = config.num_mma_warpgroups
         self.num_mma_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
         self.num_threads = THREADS_PER_WARPGROUP * (1 + self.num_mma_warpgroups)
-        # O through smem and one TMA store needs tiles that end at the tensor's row bound.
-        self.tma_store_o = not varlen_q and not split and not config.store_o_from_registers
-        # Causal tiles have unequal work: order them longest first across heads (in sections of
-        # heads whose K/V fit in L2) so the last wave holds the shortest ones.
-        self.causal_lpt_grid = causal and not varlen_q and not split
-        self.l2_section_mb = config.l2_section_mb
-        self.mbarrier_probe = config.mbarrier_probe
-        self.exp2_on_fma = config.exp2_on_fma
-        self.lazy_rescale = config.lazy_rescale
-        self.rescale_threshold = config.rescale_threshold
+        # Whether K/V rows past a sequence's end can be loaded (see _clear_v_tail).
+        self.clears_v_tail = (
+            variant.kv_layout != "padded" or variant.seqused_k or variant.scalar_kv_length
+        )
         # Persistent: a grid of at most max_ctas CTAs, each looping over tiles, so one tile's
-        # epilogue overlaps the next tile's Q and K/V loads. The host picks the scheduler
-        # (ForwardKernelKey.tile_scheduler); split launches keep one CTA per tile.
+        # epilogue overlaps the next tile's Q and K/V loads (kernels/tile_scheduler.py).
         self.persistent = config.scheduler != "single_tile"
-        assert not self.persistent or not split, "persistent schedulers need unsplit problems"
-        # Dynamic: after the first tile (its block index), CTAs take tile indices from a global
-        # counter, so CTAs that drew short causal tiles take more of them.
-        self.dynamic_scheduler = config.scheduler == "dynamic_persistent"
+        self.scheduler_cls = PersistentTileScheduler if self.persistent else SingleTileScheduler
+        # O through smem and one TMA store (which clips rows past seqlen_q), or straight from
+        # registers, row-predicated.
+        self.tma_store_o = not config.store_o_from_registers
         # A TMA-stored O gets its own smem when it fits (config's smem model), so the next Q
         # can load during the epilogue; otherwise O reuses Q's tile and Q is freed once the O
-        # store has read it. (O stored from registers needs no smem.)
-        self.separate_o_smem = config.separate_o_smem(head_dim) and self.tma_store_o
+        # store has read it.
+        self.separate_o_smem = config.separate_o_smem(variant.head_dim)
         # When a persistent kernel's O goes through Q's tile, the storing warp frees Q after
         # the O store; otherwise the MMA warps free it after the mainloop.
         self.o_overwrites_q = self.persistent and self.tma_store_o and not self.separate_o_smem
         self.smem_align = 1024
 
-    def _varlen_tiles_per_head(self, mQ_shape: cute.Tensor, mCuSeqlensQ: cute.Tensor):
-        """Tile indices per head of a varlen grid: every sequence's query tiles, flattened.
-        sum ceil(len * ratio / tile_m) is at most ceil(total * ratio / tile_m) + batch; the
-        indices past the real tiles are empty (varlen_tile)."""
-        num_m, _ = self._tile_grid(mQ_shape)
-        return num_m + (mCuSeqlensQ.shape[0] - 1)
-
-    def _num_tiles(self, mQ_shape: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor]):
-        """Tiles of an unsplit launch (a persistent grid's work, the causal order's flat grid):
-        every (query tile, head, batch), or a varlen grid's tile indices for every head."""
-        num_m, heads = self._tile_grid(mQ_shape)
-        if const_expr(self.varlen_q):
-            return self._varlen_tiles_per_head(mQ_shape, mCuSeqlensQ) * heads
-        return num_m * heads * mQ_shape.shape[3]
-
-    def _tile_grid(self, mQ_shape: cute.Tensor):
-        """(query tiles per (head, batch), heads of the grid) for q in kernel mode order; with
-        packed GQA the rows hold pack_gqa_ratio heads and the grid runs over kv heads."""
-        ratio = self.pack_gqa_ratio
-        return cute.ceil_div(mQ_shape.shape[0] * ratio, self.tile_m), mQ_shape.shape[2] // ratio
+    def _tile_space(
+        self,
+        mQ_shape: cute.Tensor,
+        mK_shape: cute.Tensor,
+        mCuSeqlensQ,
+        mPageTable,
+        num_splits: Int32,
+        max_ctas: Int32,
+    ) -> TileSpace:
+        """The launch's work tiles (q and k in kernel mode order, for their run-time shapes)."""
+        v = self.variant
+        batch = mCuSeqlensQ.shape[0] - 1 if const_expr(v.varlen_q) else mQ_shape.shape[3]
+        return TileSpace(
+            tile_m=self.config.tile_m,
+            rows_per_token=v.pack_gqa_ratio,
+            causal=v.causal,
+            varlen=v.varlen_q,
+            split=v.split,
+            kv_bytes_per_key=v.head_dim * self.dtype.width // 4,
+            l2_section_mb=self.config.l2_section_mb,
+            seqlen_q=mQ_shape.shape[0],
+            nheads=mQ_shape.shape[2],
+            nheads_kv=mK_shape.shape[2],
+            batch=batch,
+            num_splits=num_splits,
+            kv_capacity=self._kv_capacity(mK_shape, mPageTable),
+            max_ctas=max_ctas,
+            cu_seqlens_q=mCuSeqlensQ,
+        )
 
     # ------------------------------------------------------------------------------------
     # Host side
@@ -263,45 +247,108 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def __call__(
         self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        out: cute.Tensor,
+        lse: Optional[cute.Tensor],
+        cu_seqlens_q: Optional[cute.Tensor],
+        cu_seqlens_k: Optional[cute.Tensor],
+        seqused_k: Optional[cute.Tensor],
+        page_table: Optional[cute.Tensor],
+        kv_length: Int32,
+        partials: cute.Pointer,
+        counters: cute.Pointer,
+        scale_log2: Float32,
+        max_ctas: Int32,
+        num_splits: Int32,
+        stream: cuda.CUstream,
+    ):
+        """The whole signature. The split scratch and the counters come as addresses (TVM-FFI
+        converts an int for much less than a tensor); the views built here are 64-bit: a split
+        launch's partials may pass 2^31 elements."""
+        out_partial = lse_partial = mCounters = None
+        if const_expr(self.variant.split):
+            o_shape = (num_splits, *out.shape)
+            if const_expr(self.variant.varlen_q):  # q (total_q, nheads, d): lse (nheads, total_q)
+                lse_shape = (num_splits, q.shape[1], q.shape[0])
+            else:  # q (batch, seqlen_q, nheads, d): lse (batch, nheads, seqlen_q)
+                lse_shape = (num_splits, q.shape[0], q.shape[2], q.shape[1])
+            o_layout, o_size = _row_major_wide(o_shape)
+            out_partial = cute.make_tensor(partials, o_layout)
+            # Offset by a multiple of head_dim (>= 64) floats: the LSE partial stays 16-byte
+            # aligned.
+            lse_partial = cute.make_tensor(partials + o_size, _row_major_wide(lse_shape)[0])
+        if const_expr(self.variant.split or self.config.scheduler == "dynamic_persistent"):
+            # Indexed by tile (split) or by its two slots (dynamic scheduler); the size is
+            # never read.
+            mCounters = cute.make_tensor(counters, cute.make_layout(1 << 30))
+        self._launch(
+            q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, kv_length,
+            out_partial, lse_partial, mCounters, scale_log2, max_ctas, num_splits, stream,
+        )  # fmt: skip
+
+    @cute.jit
+    def call_short(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        out: cute.Tensor,
+        kv_length: Int32,
+        scale_log2: Float32,
+        max_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        """The signature of a variant that uses none of the optional arguments: a call passes
+        eight arguments fewer through TVM-FFI, which converts each on the host."""
+        self._launch(
+            q, k, v, out, None, None, None, None, None, kv_length,
+            None, None, None, scale_log2, max_ctas, Int32(1), stream,
+        )  # fmt: skip
+
+    @cute.jit
+    def _launch(
+        self,
         mQ: cute.Tensor,
         mK: cute.Tensor,
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: Optional[cute.Tensor],
-        mOPartial: Optional[cute.Tensor],
-        mLSEPartial: Optional[cute.Tensor],
-        softmax_scale_log2: Float32,
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
         mPageTable: Optional[cute.Tensor],
-        mTileCounter: Optional[cute.Tensor],
+        kv_length: Int32,
+        mOPartial: Optional[cute.Tensor],
+        mLSEPartial: Optional[cute.Tensor],
+        mCounters: Optional[cute.Tensor],
+        softmax_scale_log2: Float32,
         max_ctas: Int32,
         num_splits: Int32,
-        kv_length: Int32,
         stream: cuda.CUstream,
     ):
         # Rows first, then head_dim, then heads, then batch (and split): a TMA box is
         # (rows, head_dim) at coordinate (head, batch).
-        q_modes = (0, 2, 1) if const_expr(self.varlen_q) else (1, 3, 2, 0)
+        q_modes = (0, 2, 1) if const_expr(self.variant.varlen_q) else (1, 3, 2, 0)
         mQ = hopper_mma.permute_modes(mQ, q_modes)
-        lse_modes = (1, 0) if const_expr(self.varlen_q) else (2, 1, 0)
+        lse_modes = (1, 0) if const_expr(self.variant.varlen_q) else (2, 1, 0)
         mO = hopper_mma.permute_modes(mO, q_modes)
         if const_expr(mLSE is not None):
             mLSE = hopper_mma.permute_modes(mLSE, lse_modes)
-        if const_expr(self.split):  # the leading split mode goes last
+        if const_expr(self.variant.split):  # the leading split mode goes last
             mOPartial = hopper_mma.permute_modes(mOPartial, tuple(m + 1 for m in q_modes) + (0,))
             mLSEPartial = hopper_mma.permute_modes(
                 mLSEPartial, tuple(m + 1 for m in lse_modes) + (0,)
             )
-        kv_modes = (0, 2, 1) if const_expr(self.kv_layout == "packed") else (1, 3, 2, 0)
+        kv_modes = (0, 2, 1) if const_expr(self.variant.kv_layout == "packed") else (1, 3, 2, 0)
         mK, mV = [hopper_mma.permute_modes(t, kv_modes) for t in (mK, mV)]
 
-        d = self.head_dim
+        d = self.variant.head_dim
         tiled_mma_qk = hopper_mma.make_tiled_mma(
             self.dtype,
             self.num_mma_warpgroups,
-            self.tile_n,
+            self.config.tile_n,
             b_mn_major=False,
             a_from_registers=False,
         )
@@ -310,32 +357,36 @@ class FlashAttentionForwardSm90:
             self.num_mma_warpgroups,
             d,
             b_mn_major=True,
-            a_from_registers=self.pv_from_registers,
+            a_from_registers=self.config.pv_from_registers,
         )
-        sQ_layout = hopper_mma.make_row_major_smem_layout(self.dtype, self.tile_m, d)
+        sQ_layout = hopper_mma.make_row_major_smem_layout(self.dtype, self.config.tile_m, d)
         sKV_layout = hopper_mma.make_row_major_smem_layout(
-            self.dtype, self.tile_n, d, self.num_stages
+            self.dtype, self.config.tile_n, d, self.config.num_stages
         )
         sP_layout = None
-        if const_expr(not self.pv_from_registers):
-            sP_layout = hopper_mma.make_row_major_smem_layout(self.dtype, self.tile_m, self.tile_n)
+        if const_expr(not self.config.pv_from_registers):
+            sP_layout = hopper_mma.make_row_major_smem_layout(
+                self.dtype, self.config.tile_m, self.config.tile_n
+            )
         sKV_stage_layout = cute.select(sKV_layout, mode=[0, 1])
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        ratio = self.pack_gqa_ratio
+        ratio = self.variant.pack_gqa_ratio
         if const_expr(ratio > 1):
             tma_atom_Q, tma_Q = _make_packed_gqa_tma_atom(
-                tma_load, mQ, sQ_layout, self.tile_m, d, ratio
+                tma_load, mQ, sQ_layout, self.config.tile_m, d, ratio
             )
         else:
             tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
-                tma_load, mQ, sQ_layout, (self.tile_m, d)
+                tma_load, mQ, sQ_layout, (self.config.tile_m, d)
             )
-        kv_box = (self.tile_n, d)
+        kv_box = (self.config.tile_n, d)
         kv_box_layout = sKV_stage_layout
-        if const_expr(self.kv_layout == "paged"):
-            kv_box = (self.page_box_rows, d)
-            kv_box_layout = hopper_mma.make_row_major_smem_layout(self.dtype, self.page_box_rows, d)
+        if const_expr(self.variant.kv_layout == "paged"):
+            kv_box = (self.variant.page_box_rows, d)
+            kv_box_layout = hopper_mma.make_row_major_smem_layout(
+                self.dtype, self.variant.page_box_rows, d
+            )
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_load, mK, kv_box_layout, kv_box, 1)
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, mV, kv_box_layout, kv_box, 1)
         tma_atom_O, mO_kernel = None, mO
@@ -344,16 +395,16 @@ class FlashAttentionForwardSm90:
             tma_store = cpasync.CopyBulkTensorTileS2GOp()
             if const_expr(ratio > 1):
                 tma_atom_O, mO_kernel = _make_packed_gqa_tma_atom(
-                    tma_store, mO, sQ_layout, self.tile_m, d, ratio
+                    tma_store, mO, sQ_layout, self.config.tile_m, d, ratio
                 )
             else:
                 tma_atom_O, mO_kernel = cpasync.make_tiled_tma_atom(
-                    tma_store, mO, sQ_layout, (self.tile_m, d)
+                    tma_store, mO, sQ_layout, (self.config.tile_m, d)
                 )
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, sKV_stage_layout)
 
-        num_stages = self.num_stages
+        num_stages = self.config.num_stages
         sP_size = cute.cosize(sP_layout) if const_expr(sP_layout is not None) else 0
         sO_size = cute.cosize(sQ_layout) if const_expr(self.separate_o_smem) else 0
 
@@ -379,19 +430,7 @@ class FlashAttentionForwardSm90:
 
         self.shared_storage = SharedStorage
 
-        num_m, grid_heads = self._tile_grid(mQ)
-        if const_expr(self.split):
-            grid_heads = grid_heads * num_splits
-        if const_expr(self.persistent):
-            grid = (cutlass.min(self._num_tiles(mQ, mCuSeqlensQ), max_ctas), 1, 1)
-        elif const_expr(self.varlen_q):
-            grid = (self._varlen_tiles_per_head(mQ, mCuSeqlensQ), grid_heads, 1)
-        elif const_expr(self.causal_lpt_grid):
-            # One flat index over (head section of (batch, head) pairs, m_block, pair): see
-            # _causal_lpt_tile.
-            grid = (self._num_tiles(mQ, mCuSeqlensQ), 1, 1)
-        else:
-            grid = (num_m, grid_heads, mQ.shape[3])
+        space = self._tile_space(mQ, mK, mCuSeqlensQ, mPageTable, num_splits, max_ctas)
         self.kernel(
             tma_Q,
             tma_K,
@@ -406,7 +445,7 @@ class FlashAttentionForwardSm90:
             mCuSeqlensK,
             mSeqUsedK,
             mPageTable,
-            mTileCounter,
+            mCounters,
             num_splits,
             max_ctas,
             kv_length,
@@ -421,105 +460,14 @@ class FlashAttentionForwardSm90:
             tiled_mma_qk,
             tiled_mma_pv,
         ).launch(
-            grid=grid,
+            grid=self.scheduler_cls.grid(space),
             block=[self.num_threads, 1, 1],
             stream=stream,
             # Gives ptxas the entry register cap setmaxnreg needs (and fits that many CTAs).
-            min_blocks_per_mp=self.ctas_per_sm,
+            min_blocks_per_mp=self.config.ctas_per_sm,
             # All of the SM's unified memory as shared memory (stated, so the DSL need not ask
             # the device when ctas_per_sm > 1: compiling stays GPU-free).
-            preferred_smem_carveout=100 if const_expr(self.ctas_per_sm > 1) else None,
-        )
-
-    @cute.jit
-    def call_without_optionals(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        softmax_scale_log2: Float32,
-        max_ctas: Int32,
-        kv_length: Int32,
-        stream: cuda.CUstream,
-    ):
-        """__call__ for a variant that takes none of the optional tensors (LSE, split scratch,
-        varlen offsets, seqused_k, page table, tile counter): compiled with this signature, a
-        call passes nine arguments fewer through TVM-FFI, which converts each on the host."""
-        self.__call__(
-            mQ,
-            mK,
-            mV,
-            mO,
-            None,
-            None,
-            None,
-            softmax_scale_log2,
-            None,
-            None,
-            None,
-            None,
-            None,
-            max_ctas,
-            Int32(1),
-            kv_length,
-            stream,
-        )
-
-    @cute.jit
-    def call_split(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: Optional[cute.Tensor],
-        partials: cute.Pointer,
-        softmax_scale_log2: Float32,
-        mCuSeqlensQ: Optional[cute.Tensor],
-        mCuSeqlensK: Optional[cute.Tensor],
-        mSeqUsedK: Optional[cute.Tensor],
-        mPageTable: Optional[cute.Tensor],
-        arrivals: cute.Pointer,
-        max_ctas: Int32,
-        num_splits: Int32,
-        kv_length: Int32,
-        stream: cuda.CUstream,
-    ):
-        """__call__ for split variants, whose scratch comes as two addresses (TVM-FFI converts
-        an int for much less than a tensor): `partials`, 16-byte aligned fp32, holds the partial
-        O (num_splits, *out.shape) and right after it the partial LSE (num_splits, *lse shape),
-        both contiguous; `arrivals` holds the per-tile int32 arrival counters (zero before the
-        launch, left zero after it)."""
-        o_shape = (num_splits, *mO.shape)
-        if const_expr(self.varlen_q):  # q (total_q, nheads, d): lse (nheads, total_q)
-            lse_shape = (num_splits, mQ.shape[1], mQ.shape[0])
-        else:  # q (batch, seqlen_q, nheads, d): lse (batch, nheads, seqlen_q)
-            lse_shape = (num_splits, mQ.shape[0], mQ.shape[2], mQ.shape[1])
-        o_layout, o_size = _row_major_wide(o_shape)
-        mOPartial = cute.make_tensor(partials, o_layout)
-        # Offset by a multiple of head_dim (>= 64) floats: the LSE partial stays 16-byte aligned.
-        mLSEPartial = cute.make_tensor(partials + o_size, _row_major_wide(lse_shape)[0])
-        # Indexed by tile only; the size is never read.
-        mArrivals = cute.make_tensor(arrivals, cute.make_layout(1 << 30))
-        self.__call__(
-            mQ,
-            mK,
-            mV,
-            mO,
-            mLSE,
-            mOPartial,
-            mLSEPartial,
-            softmax_scale_log2,
-            mCuSeqlensQ,
-            mCuSeqlensK,
-            mSeqUsedK,
-            mPageTable,
-            mArrivals,
-            max_ctas,
-            num_splits,
-            kv_length,
-            stream,
+            preferred_smem_carveout=100 if const_expr(self.config.ctas_per_sm > 1) else None,
         )
 
     # ------------------------------------------------------------------------------------
@@ -542,7 +490,7 @@ class FlashAttentionForwardSm90:
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
         mPageTable: Optional[cute.Tensor],
-        mTileCounter: Optional[cute.Tensor],
+        mCounters: Optional[cute.Tensor],
         num_splits: Int32,
         max_ctas: Int32,
         kv_length: Int32,
@@ -564,7 +512,7 @@ class FlashAttentionForwardSm90:
                 if const_expr(atom is not None):
                     cpasync.prefetch_descriptor(atom)
 
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         tma_warp = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # Consumers release a stage with one arrive per warp.
         mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
@@ -583,7 +531,7 @@ class FlashAttentionForwardSm90:
         )
         pipeline_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_k.data_ptr(),
-            num_stages=self.num_stages,
+            num_stages=self.config.num_stages,
             producer_group=tma_warp,
             consumer_group=mma_warps,
             tx_count=self.tma_bytes_kv,
@@ -591,22 +539,21 @@ class FlashAttentionForwardSm90:
         )
         pipeline_v = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_v.data_ptr(),
-            num_stages=self.num_stages,
+            num_stages=self.config.num_stages,
             producer_group=tma_warp,
             consumer_group=mma_warps,
             tx_count=self.tma_bytes_kv,
             defer_sync=True,
         )
-        scheduler = None
-        if const_expr(self.persistent):
-            scheduler = PersistentTileScheduler.create(
-                self._num_tiles(mQ_shape, mCuSeqlensQ),
-                self.dynamic_scheduler,
-                mTileCounter,
-                storage.mbar_sched.data_ptr(),
-                storage.next_tile.get_tensor(cute.make_layout(2)),
-                self.num_mma_threads,
-            )
+        space = self._tile_space(mQ_shape, mK_shape, mCuSeqlensQ, mPageTable, num_splits, max_ctas)
+        scheduler = self.scheduler_cls.create(
+            space,
+            self.config.scheduler == "dynamic_persistent",
+            mCounters,
+            storage.mbar_sched.data_ptr(),
+            storage.next_tile.get_tensor(cute.make_layout(2)),
+            self.num_mma_threads,
+        )
         pipeline.pipeline_init_arrive()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -618,7 +565,7 @@ class FlashAttentionForwardSm90:
         sO = sQ
         if const_expr(self.separate_o_smem):
             sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        shapes = SimpleNamespace(
+        shapes = ProblemShapes(
             mQ=mQ_shape,
             mK=mK_shape,
             mCuSeqlensQ=mCuSeqlensQ,
@@ -626,51 +573,22 @@ class FlashAttentionForwardSm90:
             mSeqUsedK=mSeqUsedK,
             mPageTable=mPageTable,
             num_splits=num_splits,
-            max_ctas=max_ctas,
-            kv_length=kv_length if const_expr(self.scalar_kv_length) else None,
+            kv_length=kv_length if const_expr(self.variant.scalar_kv_length) else None,
         )
-        bidx, bidy, bidz = cute.arch.block_idx()
 
         pipeline.pipeline_init_wait()
 
         if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(self.producer_registers)
+            cute.arch.setmaxregister_decrease(self.config.producer_registers)
             if warp_idx == 0:
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                 kv_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.num_stages
+                    pipeline.PipelineUserType.Producer, self.config.num_stages
                 )
-                if const_expr(self.persistent):
-                    sched_state = scheduler.producer_state()
-                    tile_idx = scheduler.first_tile()
-                    while tile_idx < scheduler.num_tiles:
-                        tile = self._tile_coords(tile_idx, Int32(0), Int32(0), shapes)
-                        kv_state = self.load(
-                            mQ,
-                            mK,
-                            mV,
-                            mPageTable,
-                            sQ,
-                            sK,
-                            sV,
-                            tma_atom_Q,
-                            tma_atom_K,
-                            tma_atom_V,
-                            pipeline_q,
-                            pipeline_k,
-                            pipeline_v,
-                            tile,
-                            shapes,
-                            q_state,
-                            kv_state,
-                        )
-                        q_state.advance()
-                        tile_idx = scheduler.fetch_next(tile_idx, sched_state)
-                        sched_state.advance()
-                    scheduler.finish()
-                else:
-                    tile = self._tile_coords(bidx, bidy, bidz, shapes)
-                    self.load(
+                tile_idx, handoff = scheduler.first_tile(), scheduler.producer_handoff()
+                while scheduler.is_valid(tile_idx):
+                    tile = scheduler.work_tile(tile_idx)
+                    kv_state = self.load(
                         mQ,
                         mK,
                         mV,
@@ -689,13 +607,16 @@ class FlashAttentionForwardSm90:
                         q_state,
                         kv_state,
                     )
+                    q_state.advance()
+                    tile_idx, handoff = scheduler.fetch_next(tile_idx, handoff)
+                scheduler.finish()
         else:
-            cute.arch.setmaxregister_increase(self.mma_registers)
+            cute.arch.setmaxregister_increase(self.config.mma_registers)
             tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
             warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
             # Ping-pong start: the first warpgroup may issue first. The turn passes on across
             # tiles (every warpgroup takes the same number of turns per tile).
-            if const_expr(self.pingpong):
+            if const_expr(self.config.pingpong):
                 if warpgroup_idx == 0:
                     cute.arch.barrier_arrive(
                         barrier_id=int(NamedBarrier.WG_SCHEDULE_1),
@@ -703,10 +624,12 @@ class FlashAttentionForwardSm90:
                     )
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             kv_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.num_stages
+                pipeline.PipelineUserType.Consumer, self.config.num_stages
             )
             # A split CTA's epilogue writes its partials; the merge writes O and the LSE.
-            tile_out, tile_lse = (mOPartial, mLSEPartial) if const_expr(self.split) else (mO, mLSE)
+            tile_out, tile_lse = (
+                (mOPartial, mLSEPartial) if const_expr(self.variant.split) else (mO, mLSE)
+            )
             mma_args = (
                 tile_out,
                 tile_lse,
@@ -725,174 +648,54 @@ class FlashAttentionForwardSm90:
                 tidx,
                 warpgroup_idx,
             )
-            if const_expr(self.persistent):
-                sched_state = scheduler.consumer_state()
-                tile_idx = scheduler.first_tile()
-                while tile_idx < scheduler.num_tiles:
-                    tile = self._tile_coords(tile_idx, Int32(0), Int32(0), shapes)
-                    kv_state = self.mma(*mma_args, tile, shapes, q_state, kv_state)
-                    q_state.advance()
-                    tile_idx = scheduler.receive_next(tile_idx, sched_state)
-                    sched_state.advance()
-                if const_expr(self.separate_o_smem):
-                    if warp_idx == 4:  # the last O store must finish reading smem
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-            else:
-                tile = self._tile_coords(bidx, bidy, bidz, shapes)
-                self.mma(*mma_args, tile, shapes, q_state, kv_state)
-                if const_expr(self.split):
+            tile_idx, handoff = scheduler.first_tile(), scheduler.consumer_handoff()
+            while scheduler.is_valid(tile_idx):
+                tile = scheduler.work_tile(tile_idx)
+                kv_state = self.mma(*mma_args, tile, shapes, q_state, kv_state)
+                q_state.advance()
+                if const_expr(self.variant.split):
                     split_last = storage.split_last.get_tensor(cute.make_layout(1))
                     self._merge_splits(
-                        mO,
-                        mLSE,
-                        mOPartial,
-                        mLSEPartial,
-                        mTileCounter,
-                        split_last,
-                        tile,
-                        shapes,
-                        tidx,
+                        mO, mLSE, mOPartial, mLSEPartial, mCounters, split_last, tile, shapes, tidx
                     )
+                tile_idx, handoff = scheduler.receive_next(tile_idx, handoff)
+            if const_expr(self.separate_o_smem):
+                if warp_idx == 4:  # the last O store must finish reading smem
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
-    def _kv_capacity(self, shapes: SimpleNamespace):
+    def _kv_capacity(self, mK_shape: cute.Tensor, mPageTable: Optional[cute.Tensor]):
         """Keys a (batch, head) can hold: k's rows, or a paged cache's pages x page size (packed
         k: the total, split by cu_seqlens_k per tile)."""
-        if const_expr(self.kv_layout == "paged"):
-            return shapes.mK.shape[0] * shapes.mPageTable.shape[1]
-        return shapes.mK.shape[0]
+        if const_expr(self.variant.kv_layout == "paged"):
+            return mK_shape.shape[0] * mPageTable.shape[1]
+        return mK_shape.shape[0]
 
     @cute.jit
-    def _tile_problem(self, tile: SimpleNamespace, shapes: SimpleNamespace):
+    def _tile_problem(self, tile: WorkTile, shapes: ProblemShapes):
         """(seqlen info, key block range, n_block_min, n_block_max) of a tile."""
         seqlen = SeqlenInfo.create(
             tile.batch_idx,
             shapes.mQ.shape[0],
-            self._kv_capacity(shapes),
+            self._kv_capacity(shapes.mK, shapes.mPageTable),
             shapes.mCuSeqlensQ,
             shapes.mCuSeqlensK,
             shapes.mSeqUsedK,
             shapes.kv_length,
         )
         block_range = KeyBlockRange(
-            self.tile_m,
-            self.tile_n,
-            self.causal,
-            self.pack_gqa_ratio,
+            self.config.tile_m,
+            self.config.tile_n,
+            self.variant.causal,
+            self.variant.pack_gqa_ratio,
             seqlen.seqlen_q,
             seqlen.seqlen_k,
         )
         n_block_min, n_block_max = block_range.bounds(
             tile.m_block,
-            tile.split_idx if const_expr(self.split) else None,
-            shapes.num_splits if const_expr(self.split) else None,
+            tile.split_idx if const_expr(self.variant.split) else None,
+            shapes.num_splits if const_expr(self.variant.split) else None,
         )
         return seqlen, block_range, n_block_min, n_block_max
-
-    @cute.jit
-    def _tile_coords(self, bidx: Int32, bidy: Int32, batch_idx: Int32, shapes: SimpleNamespace):
-        """A tile's (m_block, head, kv head, batch, split) from the CTA's block index, or from
-        the tile index (bidx; bidy = batch_idx = 0) of a persistent kernel."""
-        mQ_shape, mK_shape, num_splits = shapes.mQ, shapes.mK, shapes.num_splits
-        m_block = bidx
-        if const_expr(self.varlen_q):
-            if const_expr(self.persistent and self.causal):
-                # Heads innermost: a sequence's longest tiles, for every head, come before its
-                # shorter ones, so the grid ends on short tiles (head-major order left the last
-                # head's longest tiles to the end: 5% idle at hdim 256).
-                _, heads = self._tile_grid(mQ_shape)
-                rest = bidx // heads
-                bidy = bidx - rest * heads
-                bidx = rest
-            elif const_expr(self.persistent):  # head-major: CTAs running together share K/V
-                per_head = self._varlen_tiles_per_head(mQ_shape, shapes.mCuSeqlensQ)
-                bidy = bidx // per_head
-                bidx = bidx - bidy * per_head
-            batch_idx, m_block, num_tiles = varlen_tile(
-                bidx, shapes.mCuSeqlensQ, self.pack_gqa_ratio, self.tile_m
-            )
-            if const_expr(self.causal):  # longest causal tiles of a sequence first
-                if m_block < num_tiles:  # (not a spare CTA)
-                    m_block = num_tiles - 1 - m_block
-        elif const_expr(self.causal_lpt_grid):
-            m_block, bidy, batch_idx = self._causal_lpt_tile(
-                bidx, mQ_shape, self._kv_capacity(shapes), shapes.max_ctas
-            )
-        elif const_expr(self.persistent):
-            # m_block fastest, then head, then batch: CTAs running together share K/V.
-            num_m, heads = self._tile_grid(mQ_shape)
-            rest = bidx // num_m
-            m_block = bidx - rest * num_m
-            batch_idx = rest // heads
-            bidy = rest - batch_idx * heads
-        head_idx = bidy
-        split_idx = Int32(0)
-        if const_expr(self.split):
-            head_idx = bidy // num_splits
-            split_idx = bidy - head_idx * num_splits
-        # With packed GQA the grid runs over kv heads; otherwise over q heads.
-        head_kv_idx = head_idx
-        if const_expr(self.pack_gqa_ratio == 1):
-            head_kv_idx = head_idx // (mQ_shape.shape[2] // mK_shape.shape[2])
-        return SimpleNamespace(
-            m_block=m_block,
-            head_idx=head_idx,
-            head_kv_idx=head_kv_idx,
-            batch_idx=batch_idx,
-            split_idx=split_idx,
-        )
-
-    @cute.jit
-    def _causal_lpt_tile(
-        self, tile_idx: Int32, mQ_shape: cute.Tensor, kv_keys: Int32, max_ctas: Int32
-    ):
-        """(m_block, head, batch) of flat causal tile tile_idx.
-
-        The (batch, head) pairs, batch-major, are cut into sections; a section's tiles run
-        from the last m_block (the longest causal tile) to the first, then head within the
-        section. A section holds the heads whose K and V fit in l2_section_mb, so CTAs
-        running together share K/V in L2. The sections share the pairs evenly, except the
-        last: it gets LPT_TAIL_TILES_PER_CTA x max_ctas tiles where that takes more pairs,
-        so its longest tiles start while enough shorter work remains to keep every CTA busy
-        until they finish (with a last section of one L2 budget, SMs sat idle 13% of the
-        time behind a few long tiles at hdim 256, 4k, per ncu). It grows past one section
-        to at most one pair per LPT_TAIL_CTAS_PER_PAIR CTAs, so that with short sequences
-        (few tiles per pair) CTAs running together still share K/V (a 96-pair last section
-        cost 13% at 512). Sections are sized by the K/V capacity (kv_keys) per pair.
-        """
-        num_m, heads = self._tile_grid(mQ_shape)
-        pairs = heads * mQ_shape.shape[3]
-        bytes_per_key = self.head_dim * self.dtype.width // 4  # K and V
-        keys_per_section = (self.l2_section_mb << 20) // bytes_per_key
-        section = cutlass.max(cutlass.min(keys_per_section // cutlass.max(kv_keys, 1), pairs), 1)
-        wanted = cutlass.min(
-            cute.ceil_div(LPT_TAIL_TILES_PER_CTA * max_ctas, num_m),
-            max_ctas // LPT_TAIL_CTAS_PER_PAIR,
-        )
-        tail = cutlass.min(cutlass.max(section, wanted), pairs)
-        head_pairs = pairs - tail
-        # The head pairs as n sections of q or q + 1 pairs (the first r get q + 1).
-        n = cute.ceil_div(head_pairs, section)
-        q = head_pairs // cutlass.max(n, 1)
-        r = head_pairs - q * n
-        big_tiles = (q + 1) * num_m
-        offset = tile_idx - head_pairs * num_m
-        size = tail
-        first_pair = head_pairs
-        if tile_idx < r * big_tiles:
-            s = tile_idx // big_tiles
-            offset = tile_idx - s * big_tiles
-            size = q + 1
-            first_pair = s * (q + 1)
-        elif tile_idx < head_pairs * num_m:
-            j = tile_idx - r * big_tiles
-            s = j // (q * num_m)
-            offset = j - s * (q * num_m)
-            size = q
-            first_pair = r * (q + 1) + s * q
-        m_from_last = offset // size
-        pair = first_pair + offset - m_from_last * size
-        batch = pair // heads
-        return num_m - 1 - m_from_last, pair - batch * heads, batch
 
     def _rows_of(self, mX: cute.Tensor, head: Int32, batch: Int32, offset: Int32) -> cute.Tensor:
         """The (rows, head_dim) slice of a q/k/v-like tensor in kernel mode order for one
@@ -919,8 +722,8 @@ class FlashAttentionForwardSm90:
         pipeline_q: pipeline.PipelineAsync,
         pipeline_k: pipeline.PipelineAsync,
         pipeline_v: pipeline.PipelineAsync,
-        tile: SimpleNamespace,
-        shapes: SimpleNamespace,
+        tile: WorkTile,
+        shapes: ProblemShapes,
         q_state: pipeline.PipelineState,
         kv_state: pipeline.PipelineState,
     ):
@@ -933,11 +736,11 @@ class FlashAttentionForwardSm90:
         persistent kernel (whose consumers wait for Q on every tile).
         """
         seqlen, _, n_block_min, n_block_max = self._tile_problem(tile, shapes)
-        d = self.head_dim
-        q_head = tile.head_idx if const_expr(self.pack_gqa_ratio == 1) else tile.head_kv_idx
+        d = self.variant.head_dim
+        q_head = tile.head_idx if const_expr(self.variant.pack_gqa_ratio == 1) else tile.head_kv_idx
         gQ = cute.local_tile(
             self._rows_of(mQ, q_head, tile.batch_idx, seqlen.offset_q),
-            (self.tile_m, d),
+            (self.config.tile_m, d),
             (tile.m_block, 0),
         )
         tQsQ, tQgQ = cpasync.tma_partition(
@@ -947,7 +750,7 @@ class FlashAttentionForwardSm90:
             cute.group_modes(sQ, 0, 2),
             cute.group_modes(gQ, 0, 2),
         )
-        if const_expr(self.kv_layout == "paged"):
+        if const_expr(self.variant.kv_layout == "paged"):
             page_table_row = mPageTable[tile.batch_idx, None]
             k_loader = TmaPagedBlockLoader.create(
                 tma_atom_K,
@@ -955,8 +758,8 @@ class FlashAttentionForwardSm90:
                 sK,
                 pipeline_k,
                 page_table_row,
-                self.tile_n,
-                self.page_box_rows,
+                self.config.tile_n,
+                self.variant.page_box_rows,
             )
             v_loader = TmaPagedBlockLoader.create(
                 tma_atom_V,
@@ -964,11 +767,11 @@ class FlashAttentionForwardSm90:
                 sV,
                 pipeline_v,
                 page_table_row,
-                self.tile_n,
-                self.page_box_rows,
+                self.config.tile_n,
+                self.variant.page_box_rows,
             )
         else:
-            tile_kv = (self.tile_n, d)
+            tile_kv = (self.config.tile_n, d)
             k_loader = TmaBlockLoader.create(
                 tma_atom_K,
                 cute.local_tile(
@@ -1021,7 +824,7 @@ class FlashAttentionForwardSm90:
         n_block_max: Int32,
     ):
         """Everything after the first K block (already issued at kv_state)."""
-        if const_expr(self.intra_wg_overlap):
+        if const_expr(self.config.intra_wg_overlap):
             for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
                 n_block_v = n_block_max - 1 - i
                 v_state = kv_state.clone()
@@ -1059,8 +862,8 @@ class FlashAttentionForwardSm90:
         softmax_scale_log2: Float32,
         tidx: Int32,
         warpgroup_idx: Int32,
-        tile: SimpleNamespace,
-        shapes: SimpleNamespace,
+        tile: WorkTile,
+        shapes: ProblemShapes,
         q_state: pipeline.PipelineState,
         kv_state: pipeline.PipelineState,
     ):
@@ -1068,19 +871,23 @@ class FlashAttentionForwardSm90:
         epilogue; returns the K/V ring state after the tile."""
         seqlen, block_range, n_block_min, n_block_max = self._tile_problem(tile, shapes)
         mask = AttentionMask(
-            self.tile_m, self.tile_n, self.pack_gqa_ratio, seqlen.seqlen_q, seqlen.seqlen_k
+            self.config.tile_m,
+            self.config.tile_n,
+            self.variant.pack_gqa_ratio,
+            seqlen.seqlen_q,
+            seqlen.seqlen_k,
         )
         m_block = tile.m_block
         # WGMMA operands are per warpgroup: slice at the warpgroup's first thread.
         wg_mma_qk = tiled_mma_qk.get_slice(warpgroup_idx * THREADS_PER_WARPGROUP)
         wg_mma_pv = tiled_mma_pv.get_slice(warpgroup_idx * THREADS_PER_WARPGROUP)
         acc_O = cute.make_rmem_tensor(
-            wg_mma_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32
+            wg_mma_pv.partition_shape_C((self.config.tile_m, self.variant.head_dim)), Float32
         )
         smem_copy_P, tPsP = None, None
-        if const_expr(self.pv_from_registers):
+        if const_expr(self.config.pv_from_registers):
             tOrP = wg_mma_pv.make_fragment_A(
-                wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n))
+                wg_mma_pv.partition_shape_A((self.config.tile_m, self.config.tile_n))
             )
         else:
             tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_A(sP))
@@ -1091,8 +898,8 @@ class FlashAttentionForwardSm90:
         softmax = OnlineSoftmax.create(
             softmax_scale_log2,
             cute.size(hopper_mma.acc_as_rows_cols(acc_O), mode=[0]),
-            self.exp2_on_fma,
-            self.rescale_threshold,
+            self.config.exp2_on_fma,
+            self.config.rescale_threshold,
         )
         ctx = MainloopOperands(
             tiled_mma_qk=tiled_mma_qk,
@@ -1106,12 +913,12 @@ class FlashAttentionForwardSm90:
             tOrP=tOrP,
             smem_copy_P=smem_copy_P,
             tPsP=tPsP,
-            acc_S_shape=wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n)),
+            acc_S_shape=wg_mma_qk.partition_shape_C((self.config.tile_m, self.config.tile_n)),
             acc_O=acc_O,
             softmax=softmax,
             # With rescale_o_before_pv, the O rescale owed by the last softmax step.
             pending_scale=cute.make_rmem_tensor(softmax.num_rows, Float32)
-            if const_expr(self.rescale_o_before_pv)
+            if const_expr(self.config.rescale_o_before_pv)
             else None,
             mask=mask,
             m_block=m_block,
@@ -1120,7 +927,7 @@ class FlashAttentionForwardSm90:
             warpgroup_idx=warpgroup_idx,
             sV=sV,
             last_block=n_block_max - 1,
-            last_block_keys=seqlen.seqlen_k - (n_block_max - 1) * self.tile_n,
+            last_block_keys=seqlen.seqlen_k - (n_block_max - 1) * self.config.tile_n,
         )
 
         acc_O.fill(0.0)
@@ -1136,7 +943,7 @@ class FlashAttentionForwardSm90:
                 pipeline_q.consumer_wait(q_state)
 
             # The last key block goes first: it alone carries the sequence-length mask.
-            if const_expr(self.intra_wg_overlap):
+            if const_expr(self.config.intra_wg_overlap):
                 self._wait_full(pipeline_k, kv_state)
                 acc_S = self._qk_gemm(ctx, kv_state.index, 0)
                 pipeline_k.consumer_release(kv_state)
@@ -1146,24 +953,24 @@ class FlashAttentionForwardSm90:
                     m_block,
                     n_block_max - 1,
                     mask_seqlen=True,
-                    mask_causal=self.causal,
+                    mask_causal=self.variant.causal,
                 )
                 softmax.step(acc_S, is_first=True)
                 self._scores_to_p(ctx, acc_S)
-                if const_expr(self.rescale_o_before_pv):
+                if const_expr(self.config.rescale_o_before_pv):
                     ctx.pending_scale.fill(1.0)
             else:
                 self._schedule_wait(warpgroup_idx)
                 kv_state = self._block_no_overlap(
-                    ctx, kv_state, n_block_max - 1, self.causal, is_first=True
+                    ctx, kv_state, n_block_max - 1, self.variant.causal, is_first=True
                 )
             kv_state = self._mainloop_rest(ctx, block_range, kv_state, n_block_min, n_block_max - 1)
             if const_expr(release_q_after_mainloop):
                 pipeline_q.consumer_release(q_state)
 
-            if const_expr(self.intra_wg_overlap):
+            if const_expr(self.config.intra_wg_overlap):
                 # The P V of the first key block is still to do.
-                if const_expr(self.rescale_o_before_pv):
+                if const_expr(self.config.rescale_o_before_pv):
                     self._rescale_o(acc_O, ctx.pending_scale)
                 self._wait_full(pipeline_v, kv_state)
                 if const_expr(self.clears_v_tail):
@@ -1196,9 +1003,11 @@ class FlashAttentionForwardSm90:
         """Key blocks n_block_next - 1 down to n_block_min: the causally masked ones first."""
         m_block = ctx.m_block
         block_step = (
-            self._block_overlap if const_expr(self.intra_wg_overlap) else self._block_no_overlap
+            self._block_overlap
+            if const_expr(self.config.intra_wg_overlap)
+            else self._block_no_overlap
         )
-        if const_expr(self.causal):
+        if const_expr(self.variant.causal):
             n_block_masked_min = cutlass.max(
                 block_range.first_causal_masked_block(m_block), n_block_min
             )
@@ -1233,7 +1042,7 @@ class FlashAttentionForwardSm90:
 
     def _rescale_o(self, acc_O, row_scale):
         """O *= the softmax's row scales (with lazy_rescale, only if some row's max moved)."""
-        if const_expr(self.lazy_rescale):
+        if const_expr(self.config.lazy_rescale):
             rescale_rows_if_any_changed(acc_O, row_scale)
         else:
             rescale_rows(acc_O, row_scale)
@@ -1241,7 +1050,7 @@ class FlashAttentionForwardSm90:
     def _scores_to_p(self, ctx, acc_S):
         """Round probabilities to the input dtype where the P V GEMM reads them."""
         p_as_a = hopper_mma.acc_as_operand_a(acc_S)
-        if const_expr(self.pv_from_registers):
+        if const_expr(self.config.pv_from_registers):
             hopper_mma.convert_to_16bit(p_as_a, ctx.tOrP)
         else:
             rP = cute.make_rmem_tensor_like(p_as_a, self.dtype)
@@ -1258,7 +1067,7 @@ class FlashAttentionForwardSm90:
         self._wait_full(ctx.pipeline_k, kv_state)
         self._schedule_wait(ctx.warpgroup_idx)
         acc_S = self._qk_gemm(ctx, kv_state.index, -1)
-        if const_expr(self.rescale_o_before_pv):
+        if const_expr(self.config.rescale_o_before_pv):
             self._rescale_o(ctx.acc_O, ctx.pending_scale)
         self._wait_full(ctx.pipeline_v, v_state)
         if const_expr(self.clears_v_tail):
@@ -1274,7 +1083,7 @@ class FlashAttentionForwardSm90:
         warpgroup.wait_group(0)
         ctx.pipeline_v.consumer_release(v_state)
         self._scores_to_p(ctx, acc_S)
-        if const_expr(self.rescale_o_before_pv):
+        if const_expr(self.config.rescale_o_before_pv):
             ctx.pending_scale.store(row_scale.load())
         else:
             self._rescale_o(ctx.acc_O, row_scale)
@@ -1319,8 +1128,8 @@ class FlashAttentionForwardSm90:
         zeroes the whole tail before its own P V (they write the same zeros), in 16-byte
         pieces, then makes the stores visible to its WGMMA. Runs while Q K^T is in flight."""
         valid = ctx.last_block_keys
-        if v_block == ctx.last_block and valid < self.tile_n:
-            pieces_per_row = self.head_dim // 8
+        if v_block == ctx.last_block and valid < self.config.tile_n:
+            pieces_per_row = self.variant.head_dim // 8
             pieces = cute.zipped_divide(
                 ctx.sV[None, None, stage], (1, 8)
             )  # ((1, 8), (rows, d / 8))
@@ -1329,7 +1138,10 @@ class FlashAttentionForwardSm90:
             wg_thread = cute.arch.thread_idx()[0] % THREADS_PER_WARPGROUP
             first = cutlass.max(valid, 0) * pieces_per_row
             for j in cutlass.range(
-                first + wg_thread, self.tile_n * pieces_per_row, THREADS_PER_WARPGROUP, unroll=1
+                first + wg_thread,
+                self.config.tile_n * pieces_per_row,
+                THREADS_PER_WARPGROUP,
+                unroll=1,
             ):
                 row = j // pieces_per_row
                 cute.autovec_copy(zeros, pieces[None, (row, j - row * pieces_per_row)])
@@ -1342,20 +1154,20 @@ class FlashAttentionForwardSm90:
     def _wait_full(self, ring, state):
         """Wait for a K/V stage. With mbarrier_probe, poll the barrier once first and take
         the blocking wait (with its suspend hint) only if the stage is not yet full."""
-        if const_expr(self.mbarrier_probe):
+        if const_expr(self.config.mbarrier_probe):
             ring.consumer_wait(state, ring.consumer_try_wait(state))
         else:
             ring.consumer_wait(state)
 
     def _schedule_wait(self, warpgroup_idx):
-        if const_expr(self.pingpong):
+        if const_expr(self.config.pingpong):
             cute.arch.barrier(
                 barrier_id=int(NamedBarrier.WG_SCHEDULE_1) + warpgroup_idx,
                 number_of_threads=2 * THREADS_PER_WARPGROUP,
             )
 
     def _schedule_signal_next(self, warpgroup_idx):
-        if const_expr(self.pingpong):
+        if const_expr(self.config.pingpong):
             next_wg = warpgroup_idx + 1
             if const_expr(self.num_mma_warpgroups == 2):
                 next_wg = 1 - warpgroup_idx
@@ -1375,8 +1187,8 @@ class FlashAttentionForwardSm90:
         mLSEPartial: cute.Tensor,
         mArrivals: cute.Tensor,
         split_last: cute.Tensor,
-        tile: SimpleNamespace,
-        shapes: SimpleNamespace,
+        tile: WorkTile,
+        shapes: ProblemShapes,
         tidx: Int32,
     ):
         """MMA warps of a split CTA, after its partials are stored: count this split in; the
@@ -1414,16 +1226,18 @@ class FlashAttentionForwardSm90:
         )
         # The tile's rows that hold a token (a prefix of the tile).
         valid_rows = cutlass.min(
-            cutlass.max(seqlen.seqlen_q * self.pack_gqa_ratio - tile.m_block * self.tile_m, 0),
-            self.tile_m,
+            cutlass.max(
+                seqlen.seqlen_q * self.variant.pack_gqa_ratio - tile.m_block * self.config.tile_m, 0
+            ),
+            self.config.tile_m,
         )
         # (Uniform over the CTA: the counter's verdict, and whether the tile has rows at all.)
         if split_last[0] != 0 and valid_rows > 0:
-            group = lanes_per_row(self.head_dim)
+            group = lanes_per_row(self.variant.head_dim)
             rows_per_pass = self.num_mma_threads // group
             sub = tidx % group
-            acc = cute.make_rmem_tensor(self.head_dim // group, Float32)
-            out = cute.make_rmem_tensor(self.head_dim // group, mO.element_type)
+            acc = cute.make_rmem_tensor(self.variant.head_dim // group, Float32)
+            out = cute.make_rmem_tensor(self.variant.head_dim // group, mO.element_type)
             for i in cutlass.range(cute.ceil_div(valid_rows, rows_per_pass), unroll=1):
                 token, head = self._row_of_tile(i * rows_per_pass + tidx // group, tile)
                 valid = token < seqlen.seqlen_q
@@ -1443,7 +1257,7 @@ class FlashAttentionForwardSm90:
                 if valid:
                     hopper_mma.convert_to_16bit(acc, out)
                     dst = cute.local_tile(
-                        mO[(idx[0], None, *idx[1:])], (self.head_dim // group,), (sub,)
+                        mO[(idx[0], None, *idx[1:])], (self.variant.head_dim // group,), (sub,)
                     )
                     dst.store(out.load())
                     if const_expr(mLSE is not None):
@@ -1456,13 +1270,13 @@ class FlashAttentionForwardSm90:
         )
 
     @cute.jit
-    def _row_of_tile(self, local_row: Int32, tile: SimpleNamespace):
+    def _row_of_tile(self, local_row: Int32, tile: WorkTile):
         """(token index within the batch's sequence, q head) of a tile row."""
-        row = tile.m_block * self.tile_m + local_row
-        if const_expr(self.pack_gqa_ratio > 1):
-            token = row // self.pack_gqa_ratio
-            return token, tile.head_kv_idx * self.pack_gqa_ratio + (
-                row - token * self.pack_gqa_ratio
+        row = tile.m_block * self.config.tile_m + local_row
+        if const_expr(self.variant.pack_gqa_ratio > 1):
+            token = row // self.variant.pack_gqa_ratio
+            return token, tile.head_kv_idx * self.variant.pack_gqa_ratio + (
+                row - token * self.variant.pack_gqa_ratio
             )
         return row, tile.head_idx
 
@@ -1470,17 +1284,17 @@ class FlashAttentionForwardSm90:
         self,
         token: Int32,
         head: Int32,
-        tile: SimpleNamespace,
+        tile: WorkTile,
         seqlen: SeqlenInfo,
         with_split: bool = True,
     ):
         """Coordinates of (row, head[, batch][, split]) in out/lse (kernel mode order; the split
         in split kernels' partials), without the head_dim mode."""
-        if const_expr(self.varlen_q):
+        if const_expr(self.variant.varlen_q):
             idx = (seqlen.offset_q + token, head)
         else:
             idx = (token, head, tile.batch_idx)
-        if const_expr(self.split and with_split):
+        if const_expr(self.variant.split and with_split):
             idx = idx + (tile.split_idx,)
         return idx
 
@@ -1495,7 +1309,7 @@ class FlashAttentionForwardSm90:
         tma_atom_O: Optional[cute.CopyAtom],
         tiled_mma_pv: cute.TiledMma,
         tidx: Int32,
-        tile: SimpleNamespace,
+        tile: WorkTile,
         seqlen: SeqlenInfo,
         q_release: Optional[SimpleNamespace] = None,
     ):
@@ -1508,7 +1322,9 @@ class FlashAttentionForwardSm90:
         holding column 0 writes."""
         thr_mma = tiled_mma_pv.get_slice(tidx)
         coords = hopper_mma.acc_as_rows_cols(
-            thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+            thr_mma.partition_C(
+                cute.make_identity_tensor((self.config.tile_m, self.variant.head_dim))
+            )
         )
         if const_expr(mLSE is not None):
             if coords[0][1] == 0:
@@ -1541,10 +1357,14 @@ class FlashAttentionForwardSm90:
                     barrier_id=int(NamedBarrier.EPILOGUE),
                     number_of_threads=self.num_mma_threads + 32,
                 )
-                o_head = tile.head_idx if const_expr(self.pack_gqa_ratio == 1) else tile.head_kv_idx
+                o_head = (
+                    tile.head_idx
+                    if const_expr(self.variant.pack_gqa_ratio == 1)
+                    else tile.head_kv_idx
+                )
                 gO = cute.local_tile(
                     mO[None, None, o_head, tile.batch_idx],
-                    (self.tile_m, self.head_dim),
+                    (self.config.tile_m, self.variant.head_dim),
                     (tile.m_block, 0),
                 )
                 tOsO, tOgO = cpasync.tma_partition(

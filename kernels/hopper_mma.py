@@ -16,9 +16,9 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 
 
 def make_row_major_smem_layout(
@@ -59,8 +59,8 @@ def make_tiled_mma(
     return hopper_helpers.make_trivial_tiled_mma(
         dtype,
         dtype,
-        warpgroup.OperandMajorMode.K,
-        warpgroup.OperandMajorMode.MN if b_mn_major else warpgroup.OperandMajorMode.K,
+        OperandMajorMode.K,
+        OperandMajorMode.MN if b_mn_major else OperandMajorMode.K,
         Float32,
         atom_layout_mnk=(num_warpgroups, 1, 1),
         tiler_mn=(64, tile_n),

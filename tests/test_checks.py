@@ -86,20 +86,21 @@ def test_out_checks():
     q, k, v = qkv()
     shape = tuple(q.shape)
     with pytest.raises(TypeError, match="out must be a torch.Tensor"):
-        checks.check_out([1], shape, q, (q, k, v))
+        checks.output_for([1], q, k, v)
     with pytest.raises(ValueError, match="out must have shape"):
-        checks.check_out(torch.empty(1, 2, 3, 4, dtype=q.dtype), shape, q, (q, k, v))
+        checks.output_for(torch.empty(1, 2, 3, 4, dtype=q.dtype), q, k, v)
     with pytest.raises(TypeError, match="out must have dtype"):
-        checks.check_out(torch.empty(shape, dtype=torch.float16), shape, q, (q, k, v))
+        checks.output_for(torch.empty(shape, dtype=torch.float16), q, k, v)
     with pytest.raises(ValueError, match="contiguous last dimension"):
-        checks.check_out(
-            torch.empty(shape[::-1], dtype=q.dtype).permute(3, 2, 1, 0), shape, q, (q, k, v)
-        )
+        checks.output_for(torch.empty(shape[::-1], dtype=q.dtype).permute(3, 2, 1, 0), q, k, v)
     with pytest.raises(ValueError, match="broadcast"):
-        checks.check_out(torch.empty(1, 1, 1, 64, dtype=q.dtype).expand(shape), shape, q, (q, k, v))
+        checks.output_for(torch.empty(1, 1, 1, 64, dtype=q.dtype).expand(shape), q, k, v)
     with pytest.raises(ValueError, match="overlap q"):
-        checks.check_out(q, shape, q, (q, k, v))
-    checks.check_out(torch.empty(shape, dtype=q.dtype), shape, q, (q, k, v))
+        checks.output_for(q, q, k, v)
+    given = torch.empty(shape, dtype=q.dtype)
+    assert checks.output_for(given, q, k, v) is given
+    made = checks.output_for(None, q.transpose(1, 2).contiguous().transpose(1, 2), k, v)
+    assert made.shape == q.shape and made.is_contiguous()
 
 
 def test_devices_must_match():

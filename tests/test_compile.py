@@ -8,11 +8,20 @@ with ptxas reporting zero spill bytes and not ignoring setmaxnreg.
 import pytest
 
 from flash_cute import AttentionConfig, decode_config
-from flash_cute.compile_cache import CombineKernelKey, ForwardKernelKey, compile_combine
+from flash_cute.compile_cache import CombineKernelKey, compile_combine
 from flash_cute.config import FORWARD_CONFIGS
-from flash_cute.precompile import compile_with_ptx_report, decode_keys, table_keys
+from flash_cute.plan import ForwardVariant
+from flash_cute.precompile import compile_with_ptx_report, decode_variants, table_variants
 
 pytestmark = pytest.mark.compile
+
+
+def ragged(dtype, head_dim, causal, config, writes_lse, **flags) -> ForwardVariant:
+    """A split or varlen variant, whose rows are ragged: its O goes from registers (the plan
+    step's rule, which ForwardVariant enforces)."""
+    config = config.replace(store_o_from_registers=True)
+    return ForwardVariant(dtype, head_dim, causal, config, writes_lse, **flags)
+
 
 # Every (head_dim, dtype, causal) row (and short-sequence row), writing the LSE (the larger
 # variant), and every decode row as the KV-cache path launches it (split, GQA packed by 8).
@@ -20,29 +29,27 @@ pytestmark = pytest.mark.compile
 # code as the fp16 rows' and the static hdim-64 row.
 TABLE_KEYS = [
     k
-    for k in table_keys(writes_lse=(True,))
+    for k in table_variants(writes_lse=(True,))
     if k.dtype == "bfloat16"
     or k.config.scheduler != "static_persistent"
     or k.config == FORWARD_CONFIGS[(k.head_dim, k.dtype, k.causal)]
-] + [k for k in decode_keys(gqa_ratios=(8,), int_lengths=(False,)) if k.split and k.causal]
+] + [k for k in decode_variants(gqa_ratios=(8,), int_lengths=(False,)) if k.split and k.causal]
 
 # Knobs off the table's path, and the no-LSE variant.
 KNOB_KEYS = [
-    ForwardKernelKey("bfloat16", 128, False, AttentionConfig(128, 128), False),
-    ForwardKernelKey(
-        "bfloat16", 128, True, AttentionConfig(128, 128, intra_wg_overlap=False), True
-    ),
-    ForwardKernelKey(
+    ForwardVariant("bfloat16", 128, False, AttentionConfig(128, 128), False),
+    ForwardVariant("bfloat16", 128, True, AttentionConfig(128, 128, intra_wg_overlap=False), True),
+    ForwardVariant(
         "float16",
         128,
         False,
         AttentionConfig(128, 128, pv_from_registers=False, pingpong=False),
         True,
     ),
-    ForwardKernelKey("bfloat16", 128, True, AttentionConfig(128, 64, num_stages=3), True),
-    ForwardKernelKey("bfloat16", 64, False, AttentionConfig(64, 128, pingpong=False), True),
-    ForwardKernelKey("bfloat16", 64, True, AttentionConfig(192, 96, intra_wg_overlap=False), True),
-    ForwardKernelKey(
+    ForwardVariant("bfloat16", 128, True, AttentionConfig(128, 64, num_stages=3), True),
+    ForwardVariant("bfloat16", 64, False, AttentionConfig(64, 128, pingpong=False), True),
+    ForwardVariant("bfloat16", 64, True, AttentionConfig(192, 96, intra_wg_overlap=False), True),
+    ragged(
         "bfloat16",
         128,
         False,
@@ -53,10 +60,10 @@ KNOB_KEYS = [
         pack_gqa_ratio=4,
     ),
     # Persistent scheduler: O in its own smem, O over Q's tile, packed GQA on a paged cache.
-    ForwardKernelKey(
+    ForwardVariant(
         "bfloat16", 128, True, AttentionConfig(128, 128, scheduler="dynamic_persistent"), True
     ),
-    ForwardKernelKey(
+    ForwardVariant(
         "float16",
         256,
         False,
@@ -65,7 +72,7 @@ KNOB_KEYS = [
         ),
         False,
     ),
-    ForwardKernelKey(
+    ForwardVariant(
         "bfloat16",
         64,
         True,
@@ -76,7 +83,7 @@ KNOB_KEYS = [
         page_box_rows=64,
         pack_gqa_ratio=4,
     ),
-    ForwardKernelKey(
+    ForwardVariant(
         "bfloat16",
         128,
         False,
@@ -93,7 +100,7 @@ KNOB_KEYS = [
     ),
     # An int cache_seqlens (the kernel's kv_length scalar): the decode row split on a paged cache,
     # and a padded prefill-like call on persistent CTAs.
-    ForwardKernelKey(
+    ragged(
         "bfloat16",
         128,
         True,
@@ -105,7 +112,7 @@ KNOB_KEYS = [
         split=True,
         pack_gqa_ratio=4,
     ),
-    ForwardKernelKey(
+    ForwardVariant(
         "float16",
         64,
         True,
@@ -114,10 +121,10 @@ KNOB_KEYS = [
         scalar_kv_length=True,
     ),
     # Exponentials on the FMA pipe: a few (hdim 64 row) and all of them.
-    ForwardKernelKey(
+    ForwardVariant(
         "bfloat16", 64, False, AttentionConfig(192, 128, mbarrier_probe=True, exp2_on_fma=2), False
     ),
-    ForwardKernelKey(
+    ForwardVariant(
         "float16",
         128,
         True,
@@ -126,11 +133,11 @@ KNOB_KEYS = [
     ),
     # O stored from registers on a padded problem, one CTA per tile (the table's hdim-64 row is
     # static persistent).
-    ForwardKernelKey(
+    ForwardVariant(
         "float16", 128, True, AttentionConfig(128, 128, store_o_from_registers=True), False
     ),
     # Persistent varlen: packed, paged (GQA packed) and padded K/V; O from registers.
-    ForwardKernelKey(
+    ragged(
         "bfloat16",
         128,
         True,
@@ -139,7 +146,7 @@ KNOB_KEYS = [
         varlen_q=True,
         kv_layout="packed",
     ),
-    ForwardKernelKey(
+    ragged(
         "bfloat16",
         64,
         False,
@@ -151,7 +158,7 @@ KNOB_KEYS = [
         page_box_rows=64,
         pack_gqa_ratio=4,
     ),
-    ForwardKernelKey(
+    ragged(
         "float16",
         256,
         True,
@@ -169,10 +176,8 @@ KNOB_KEYS = [
 # The split-KV, paged, varlen and packed-GQA variants (decode configs and prefill configs).
 _DECODE_128 = decode_config(128, "bfloat16")
 SPLITKV_KEYS = [
-    ForwardKernelKey(
-        "bfloat16", 128, False, _DECODE_128, True, seqused_k=True, split=True, pack_gqa_ratio=4
-    ),
-    ForwardKernelKey(
+    ragged("bfloat16", 128, False, _DECODE_128, True, seqused_k=True, split=True, pack_gqa_ratio=4),
+    ragged(
         "bfloat16",
         128,
         True,
@@ -184,7 +189,7 @@ SPLITKV_KEYS = [
         split=True,
         pack_gqa_ratio=8,
     ),
-    ForwardKernelKey(
+    ForwardVariant(
         "float16",
         64,
         True,
@@ -195,13 +200,13 @@ SPLITKV_KEYS = [
         page_box_rows=64,
         pack_gqa_ratio=16,
     ),
-    ForwardKernelKey(
+    ragged(
         "bfloat16", 256, False, decode_config(256, "bfloat16"), True, seqused_k=True, split=True
     ),
-    ForwardKernelKey(
+    ragged(
         "bfloat16", 128, True, AttentionConfig(128, 128), True, varlen_q=True, kv_layout="packed"
     ),
-    ForwardKernelKey(
+    ragged(
         "bfloat16",
         128,
         True,
@@ -214,7 +219,7 @@ SPLITKV_KEYS = [
         split=True,
     ),
     # The table's rows as varlen and KV-cache prefill calls run them (persistent schedulers).
-    ForwardKernelKey(
+    ragged(
         "bfloat16",
         96,
         False,
@@ -225,7 +230,7 @@ SPLITKV_KEYS = [
         seqused_k=True,
         pack_gqa_ratio=4,
     ),
-    ForwardKernelKey(
+    ragged(
         "float16",
         192,
         False,
@@ -234,7 +239,7 @@ SPLITKV_KEYS = [
         varlen_q=True,
         kv_layout="packed",
     ),
-    ForwardKernelKey(
+    ForwardVariant(
         "bfloat16",
         64,
         False,
@@ -248,22 +253,16 @@ SPLITKV_KEYS = [
 ]
 
 
-def _id(key):
-    c = key.config
-    return (
-        f"d{key.head_dim}-{key.dtype}-{'causal' if key.causal else 'full'}-{c.tile_m}x{c.tile_n}"
-        f"-st{c.num_stages}-rs{int(c.pv_from_registers)}-ov{int(c.intra_wg_overlap)}"
-        f"-pp{int(c.pingpong)}-lse{int(key.writes_lse)}"
-        + ("" if c.scheduler == "single_tile" else f"-{c.scheduler}")
-        + ("-varlen" if key.varlen_q else "")
-        + (f"-{key.kv_layout}{key.page_box_rows or ''}")
-        + ("-seqused" if key.seqused_k else "")
-        + ("-kvlength" if key.scalar_kv_length else "")
-        + ("-split" if key.split else "")
-        + (f"-pack{key.pack_gqa_ratio}" if key.pack_gqa_ratio > 1 else "")
+def _id(variant):
+    c = variant.config
+    knobs = (
+        f"st{c.num_stages}-rs{int(c.pv_from_registers)}-ov{int(c.intra_wg_overlap)}"
+        f"-pp{int(c.pingpong)}"
         + (f"-fmaexp{c.exp2_on_fma}" if c.exp2_on_fma else "")
         + ("-oregs" if c.store_o_from_registers else "")
+        + ("-probe" if c.mbarrier_probe else "")
     )
+    return variant.describe().replace(" ", "-") + "-" + knobs
 
 
 @pytest.mark.parametrize("key", TABLE_KEYS + KNOB_KEYS + SPLITKV_KEYS, ids=_id)

@@ -114,23 +114,6 @@ def test_bad_tile_m_and_types():
         AttentionConfig(128, 128, exp2_on_fma=0.5)
 
 
-def test_scheduler_applies_to_unsplit_kernels():
-    from flash_cute.compile_cache import ForwardKernelKey
-
-    cfg = AttentionConfig(128, 128, scheduler="dynamic_persistent")
-    assert cfg.persistent and not AttentionConfig(128, 128).persistent
-    for variant in (
-        dict(),
-        dict(varlen_q=True),
-        dict(kv_layout="paged", seqused_k=True, page_box_rows=64),
-    ):
-        key = ForwardKernelKey("bfloat16", 128, True, cfg, True, **variant)
-        assert key.tile_scheduler == "dynamic_persistent" and key.uses_tile_counter
-    for variant in (dict(split=True), dict(varlen_q=True, split=True)):
-        key = ForwardKernelKey("bfloat16", 128, True, cfg, True, **variant)
-        assert key.tile_scheduler == "single_tile" and not key.uses_tile_counter
-
-
 def test_unsupported_lookup():
     with pytest.raises(ValueError, match="head_dim=80"):
         default_config(80, "bfloat16", False)
@@ -166,41 +149,6 @@ def test_two_ctas_per_sm_budget():
         AttentionConfig(64, 64, ctas_per_sm=3)
 
 
-def test_split_tile_counts_for_hand_counted_shapes():
-    """The host's count of a split launch's tiles (one arrival counter each) on shapes counted
-    by hand from the kernel's grid; test_kvcache_gpu checks it against the kernel itself."""
-    import torch
-
-    from flash_cute.interface import _Problem, _split_tiles
-
-    cfg = AttentionConfig(64, 128)
-    padded = _Problem(
-        batch=3,
-        nheads=32,
-        nheads_kv=8,
-        head_dim=128,
-        dtype=torch.bfloat16,
-        max_seqlen_q=17,
-        max_seqlen_k=900,
-    )
-    q = torch.empty(3, 17, 32, 128, device="meta")
-    assert _split_tiles(padded, q, cfg, pack_ratio=4) == 2 * 8 * 3  # ceil(17 * 4 / 64) m-blocks
-    assert _split_tiles(padded, q, cfg, pack_ratio=1) == 1 * 32 * 3
-    varlen = _Problem(
-        batch=5,
-        nheads=32,
-        nheads_kv=8,
-        head_dim=128,
-        dtype=torch.bfloat16,
-        max_seqlen_q=400,
-        max_seqlen_k=900,
-        varlen_q=True,
-    )
-    q = torch.empty(1000, 32, 128, device="meta")  # total_q = 1000
-    # every sequence's tiles flattened: ceil(1000 * 4 / 64) + one spare per sequence, per kv head
-    assert _split_tiles(varlen, q, cfg, pack_ratio=4) == (63 + 5) * 8
-
-
 def test_config_pickles_with_a_fresh_hash():
     """A config's hash is cached per process; an unpickled one rebuilds it (so configs sent to
     compile workers still find equal ones in dicts there)."""
@@ -212,37 +160,3 @@ def test_config_pickles_with_a_fresh_hash():
     clone = pickle.loads(pickle.dumps(cfg))
     assert clone == cfg and hash(clone) == hash(cfg) and {cfg: 1}[clone] == 1
     assert hash(cfg.replace(tile_n=64)) != hash(cfg)
-
-
-def test_o_store_knob_reaches_the_kernel():
-    """store_o_from_registers turns off the TMA store of O and with it O's smem tile (and O
-    over Q's tile); varlen and split keys, which store from registers anyway, drop the flag so
-    that they do not compile the same kernel twice."""
-    import cutlass
-    from flash_cute.kernels import FlashAttentionForwardSm90
-
-    from flash_cute.compile_cache import ForwardKernelKey
-
-    cfg = AttentionConfig(192, 128, scheduler="static_persistent")
-    tma = FlashAttentionForwardSm90(cutlass.BFloat16, 64, False, cfg)
-    assert tma.tma_store_o and tma.separate_o_smem and not tma.o_overwrites_q
-    over_q = FlashAttentionForwardSm90(
-        cutlass.BFloat16,
-        256,
-        False,
-        AttentionConfig(
-            128, 80, pingpong=False, rescale_o_before_pv=True, scheduler="static_persistent"
-        ),
-    )
-    assert over_q.tma_store_o and over_q.o_overwrites_q
-    regs = FlashAttentionForwardSm90(
-        cutlass.BFloat16, 64, False, cfg.replace(store_o_from_registers=True)
-    )
-    assert not (regs.tma_store_o or regs.separate_o_smem or regs.o_overwrites_q)
-    on = cfg.replace(store_o_from_registers=True)
-    assert ForwardKernelKey("bfloat16", 64, False, on, True).config == on
-    for variant in (dict(varlen_q=True), dict(split=True, seqused_k=True)):
-        key = ForwardKernelKey("bfloat16", 64, False, on, True, **variant)
-        assert key == ForwardKernelKey(
-            "bfloat16", 64, False, on.replace(store_o_from_registers=False), True, **variant
-        )

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import flash_cute
+from flash_cute import runtime
 from flash_cute.reference import attention_ref, combine_ref, error_bound, gather_paged, stable_seed
 
 pytestmark = pytest.mark.gpu
@@ -301,11 +302,13 @@ def test_int_cache_seqlens_replays_launch_plan(page_size, num_splits, monkeypatc
     q = torch.randn(batch, 1, 16, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     _, _, page_table, _, _ = make_cache(batch, capacity, 4, 128, torch.bfloat16, page_size, gen)
     runs = []
-    real_run = flash_cute.interface._run
+    real_build = runtime.LaunchPlan.build
     monkeypatch.setattr(
-        flash_cute.interface, "_run", lambda *a, **kw: runs.append(1) or real_run(*a, **kw)
+        runtime.LaunchPlan,
+        "build",
+        staticmethod(lambda *a, **kw: runs.append(1) or real_build(*a, **kw)),
     )
-    flash_cute.interface._KVCACHE_PLANS.clear()
+    runtime.KVCACHE_PLANS.clear()
     flash_cute.empty_cache()
 
     def check(out, k_cache, v_cache, n):
@@ -587,11 +590,9 @@ def _split_launches(gen):
 
 
 def test_split_counters_match_the_kernel_grid(monkeypatch):
-    """Each split launch gets exactly the counters the host counts for it (_split_tiles),
+    """Each split launch gets exactly the counters the host counts for it (plan.split_tiles),
     followed by sentinel slots: the kernel's per-tile slots stay inside the count (no sentinel
     touched) and the last CTA of every tile resets its slot."""
-    from flash_cute import interface
-
     sentinel = 0x5EED
     handed_out = []
 
@@ -601,7 +602,7 @@ def test_split_counters_match_the_kernel_grid(monkeypatch):
         handed_out.append((buffer, count))
         return buffer
 
-    monkeypatch.setattr(interface, "_zeroed_counters", exact_counters)
+    monkeypatch.setattr(runtime.BUFFERS, "zeroed_counters", exact_counters)
     gen = torch.Generator(device="cuda").manual_seed(41)
     for launch in _split_launches(gen):
         for _ in range(2):  # the first call builds the launch plan, the second replays it
@@ -623,8 +624,6 @@ def test_split_launches_back_to_back_on_two_streams():
     stream's launches share its counters and partials scratch, which grow along the way), give
     the same bits as the same launches run one at a time (which match their unsplit results),
     and leave every counter zero."""
-    from flash_cute import interface
-
     gen = torch.Generator(device="cuda").manual_seed(42)
     launches = _split_launches(gen)
     expected = []
@@ -643,17 +642,17 @@ def test_split_launches_back_to_back_on_two_streams():
     torch.cuda.synchronize()
     for i, out in enumerate(results):
         assert torch.equal(out, expected[(i // 2) % len(launches)]), f"queued launch {i} differs"
-    assert len([key for key in interface._COUNTERS if key[1] == side.cuda_stream]) == 1
-    for buffer in interface._COUNTERS.values():
+    assert len([key for key in runtime.BUFFERS.counters if key[1] == side.cuda_stream]) == 1
+    for buffer in runtime.BUFFERS.counters.values():
         assert int(buffer.count_nonzero()) == 0, "a split launch left an arrival counter set"
     flash_cute.empty_cache()
-    assert not interface._COUNTERS and not interface._SCRATCH
+    assert not runtime.BUFFERS.counters and not runtime.BUFFERS.scratch
     assert torch.equal(launches[0](), expected[0]), "a launch after empty_cache differs"
 
 
 def test_split_scratch_past_two_to_the_31_floats():
     """A forced split count whose fp32 partials pass 2^31 elements (8 GiB): the kernel's
-    scratch offsets are 64-bit (call_split), so the merged output matches the unsplit call's."""
+    scratch offsets are 64-bit (its __call__), so the merged output matches the unsplit call's."""
     if torch.cuda.mem_get_info()[0] < 12 << 30:
         pytest.skip("needs 12 GiB of free GPU memory")
     gen = torch.Generator(device="cuda").manual_seed(59)
@@ -811,9 +810,7 @@ def test_varlen_repeated_calls_use_new_contents(num_splits, return_lse):
             [lse[:, cq[b] : cq[b + 1]].unsqueeze(0) for b in range(batch)] if return_lse else None
         )
         assert_close_to_reference(outs, lses, refs, lowps, lse_refs)
-    assert len(flash_cute.interface._VARLEN_PLANS) > 0, (
-        "the repeated calls did not take the launch-plan path"
-    )
+    assert len(runtime.VARLEN_PLANS) > 0, "the repeated calls did not take the launch-plan path"
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])

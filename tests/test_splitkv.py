@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
+from flash_cute.plan import num_splits_heuristic
 from flash_cute.reference import attention_partial_ref, attention_ref, combine_ref, split_ranges
-from flash_cute.splitkv import num_splits_heuristic
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,316 @@
+"""The plan step: which kernel variant a call launches, and with which launch constants.
+
+`plan_forward` maps what the host knows of a call (a `Problem`: sizes, dtype and flags, never
+tensor contents) and the caller's options to a `ForwardPlan`: the `ForwardVariant` to compile
+and launch, the split count, the persistent grid's cap and the counters the launch needs.
+Every rewrite of a config happens here and nowhere else:
+
+- the config row: the caller's, or the decode table for decode-like problems (few query rows
+  per kv head), or the prefill table (its short-sequence rows for short ones);
+- packed GQA: on when the q heads of a kv head divide the tile's rows (unless refused);
+- the split count: the wave-efficiency heuristic when asked for (num_splits=0);
+- the scheduler: split launches run one CTA per tile; a dynamic persistent config whose tiles
+  fit in one wave of CTAs runs its static twin (same tile order, no tile counter);
+- the O store: split and varlen launches store O from registers (their rows are ragged);
+- ping-pong needs two MMA warpgroups, and the O rescale under Q K^T needs the overlap.
+
+The kernel takes the variant whole and derives only device-side facts from it. Nothing here
+reads a tensor or a device: the SM count is an argument, so a plan is a pure function.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .config import DECODE_ROWS, AttentionConfig, decode_config, default_config
+
+MAX_SPLITS = 128
+KV_LAYOUTS = ("padded", "packed", "paged")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Host-known sizes and flags of one forward call.
+
+    Queries are padded (batch, max_seqlen_q rows each) or, with varlen_q, packed as total_q
+    rows. kv_layout: "padded" (batch, seqlen_k, ...), "packed" (total_k, ...) with
+    cu_seqlens_k, or "paged" (num_pages, page_size, ...) with a page table. seqused_k: the
+    valid keys of each sequence come from a (batch,) tensor; scalar_kv_length: from one int
+    for every sequence.
+    """
+
+    batch: int
+    nheads: int
+    nheads_kv: int
+    head_dim: int
+    dtype: str  # "float16" | "bfloat16"
+    max_seqlen_q: int
+    max_seqlen_k: int  # longest key length known on the host (guides the split count)
+    kv_capacity: int  # keys a sequence can hold at most; 0: no keys anywhere
+    causal: bool = False
+    writes_lse: bool = False
+    varlen_q: bool = False
+    total_q: int = 0  # rows of a packed q (varlen_q)
+    kv_layout: str = "padded"
+    page_size: Optional[int] = None
+    seqused_k: bool = False
+    scalar_kv_length: bool = False
+
+    @property
+    def qheads_per_kvhead(self) -> int:
+        return self.nheads // self.nheads_kv
+
+
+@dataclass(frozen=True)
+class ForwardVariant:
+    """One compiled forward kernel: the record the cache key, the compile step and the kernel
+    all take whole. `config` is the effective config, what the kernel runs (the plan step has
+    applied every rewrite); the other fields are the problem's static shape.
+
+    pack_gqa_ratio: q heads per kv head folded into a tile's rows (1: none). page_box_rows:
+    the TMA box rows of a paged K/V load, gcd(page_size, tile_n).
+    """
+
+    dtype: str  # "float16" | "bfloat16"
+    head_dim: int
+    causal: bool
+    config: AttentionConfig
+    writes_lse: bool = False  # the final LSE (split kernels write their partial LSEs regardless)
+    varlen_q: bool = False
+    kv_layout: str = "padded"
+    seqused_k: bool = False
+    scalar_kv_length: bool = False
+    page_box_rows: Optional[int] = None
+    split: bool = False
+    pack_gqa_ratio: int = 1
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        # Facts the plan step guarantees: a hand-built variant breaking one is refused here
+        # rather than compiled into a kernel that cannot run.
+        c = self.config
+        problems = []
+        if self.kv_layout not in KV_LAYOUTS:
+            problems.append(f"kv_layout must be one of {KV_LAYOUTS}")
+        if (self.kv_layout == "paged") != (self.page_box_rows is not None):
+            problems.append("page_box_rows is set exactly for paged K/V")
+        elif self.page_box_rows is not None and (
+            c.tile_n % self.page_box_rows or self.page_box_rows % 16
+        ):
+            problems.append("page_box_rows must divide tile_n and be a multiple of 16")
+        if self.seqused_k and self.scalar_kv_length:
+            problems.append("seqused_k and scalar_kv_length exclude each other")
+        if c.tile_m % self.pack_gqa_ratio:
+            problems.append("pack_gqa_ratio must divide tile_m")
+        if self.split and c.scheduler != "single_tile":
+            problems.append("split launches run one CTA per tile (scheduler 'single_tile')")
+        if (self.split or self.varlen_q) and not c.store_o_from_registers:
+            problems.append("split and varlen launches store O from registers")
+        if c.pingpong and c.num_mma_warpgroups < 2:
+            problems.append("pingpong needs two MMA warpgroups")
+        if c.rescale_o_before_pv and not c.intra_wg_overlap:
+            problems.append("rescale_o_before_pv needs intra_wg_overlap")
+        if problems:
+            raise ValueError(f"invalid {self}: " + "; ".join(problems))
+        # Hashed once: the compile cache looks variants up on every first call.
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in _VARIANT_FIELDS)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __getstate__(self):  # the cached hash is per process (string hashing is seeded)
+        return {f: getattr(self, f) for f in _VARIANT_FIELDS}
+
+    def __setstate__(self, state):
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_hash", hash(tuple(state[f] for f in _VARIANT_FIELDS)))
+
+    def describe(self) -> str:
+        """A short label: head dim, dtype, causal, tile, scheduler, and the problem flags."""
+        c = self.config
+        flags = [
+            f"d{self.head_dim}",
+            self.dtype,
+            "causal" if self.causal else "full",
+            f"{c.tile_m}x{c.tile_n}",
+            c.scheduler,
+        ]
+        flags += [name for name in ("writes_lse", "varlen_q", "seqused_k") if getattr(self, name)]
+        flags += ["kv_length"] if self.scalar_kv_length else []
+        flags += (
+            [] if self.kv_layout == "padded" else [f"{self.kv_layout}{self.page_box_rows or ''}"]
+        )
+        flags += ["split"] if self.split else []
+        flags += [f"pack{self.pack_gqa_ratio}"] if self.pack_gqa_ratio > 1 else []
+        return " ".join(flags)
+
+    @property
+    def uses_tile_counter(self) -> bool:
+        """The dynamic persistent scheduler draws tiles from a global counter."""
+        return self.config.scheduler == "dynamic_persistent"
+
+    @property
+    def takes_optionals(self) -> bool:
+        """Whether the kernel uses any optional argument (LSE, varlen offsets, packed or paged
+        K/V, seqused_k, split scratch, tile counter); one that uses none is compiled with the
+        short signature (compile_cache.SHORT)."""
+        return (
+            self.writes_lse
+            or self.varlen_q
+            or self.kv_layout != "padded"
+            or self.seqused_k
+            or self.split
+            or self.uses_tile_counter
+        )
+
+
+_VARIANT_FIELDS = tuple(f for f in ForwardVariant.__dataclass_fields__ if not f.startswith("_"))
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """What a call launches. variant None: no keys anywhere, nothing to launch (out = 0,
+    lse = -inf). max_ctas caps a persistent grid (SMs x CTAs per SM); num_counters is how many
+    zeroed int32 counters the launch needs (the dynamic scheduler's 2, or one arrival counter
+    per tile of a split launch)."""
+
+    variant: Optional[ForwardVariant]
+    num_splits: int
+    max_ctas: int
+    num_counters: int
+
+
+def plan_forward(
+    problem: Problem,
+    num_sms: int,
+    config: Optional[AttentionConfig] = None,
+    num_splits: int = 1,
+    pack_gqa: Optional[bool] = None,
+    decode_rows: bool = True,
+) -> ForwardPlan:
+    """The plan of one call.
+
+    config: the caller's (validated) config, or None for the tables. num_splits: 1 no split,
+    n forces n, 0 picks with the heuristic. pack_gqa: None picks, True insists (ValueError if
+    the ratio does not divide the tile rows), False never. decode_rows: whether decode-like
+    problems take the decode table (flash_attn_func always takes the prefill table).
+    """
+    ratio = problem.qheads_per_kvhead
+    if config is None:
+        decode_like = decode_rows and problem.max_seqlen_q * ratio <= DECODE_ROWS
+        if decode_like:
+            config = decode_config(problem.head_dim, problem.dtype)
+        else:
+            config = default_config(
+                problem.head_dim, problem.dtype, problem.causal, problem.max_seqlen_q
+            )
+    if pack_gqa is None:  # K/V tiles read once for all q heads of a kv head
+        pack_gqa = ratio > 1 and config.tile_m % ratio == 0
+    if pack_gqa and ratio > 1 and config.tile_m % ratio:
+        raise ValueError(
+            f"pack_gqa=True needs nheads / nheads_kv ({ratio}) to divide the tile's "
+            f"{config.tile_m} rows"
+        )
+    pack_ratio = ratio if pack_gqa else 1
+    max_ctas = num_sms * config.ctas_per_sm
+    if num_splits == 0:
+        n_blocks = math.ceil(problem.max_seqlen_k / config.tile_n)
+        num_splits = num_splits_heuristic(
+            padded_tiles(problem, config.tile_m, pack_ratio), n_blocks, max_ctas
+        )
+    if problem.kv_capacity == 0:  # no keys: nothing for a kernel (or TMA) to read
+        return ForwardPlan(None, num_splits, max_ctas, 0)
+    split = num_splits > 1
+    config = _effective_config(config, problem, pack_ratio, split, max_ctas)
+    page_box_rows = math.gcd(problem.page_size, config.tile_n) if problem.page_size else None
+    variant = ForwardVariant(
+        dtype=problem.dtype,
+        head_dim=problem.head_dim,
+        causal=problem.causal,
+        config=config,
+        writes_lse=problem.writes_lse,
+        varlen_q=problem.varlen_q,
+        kv_layout=problem.kv_layout,
+        seqused_k=problem.seqused_k,
+        scalar_kv_length=problem.scalar_kv_length,
+        page_box_rows=page_box_rows,
+        split=split,
+        pack_gqa_ratio=pack_ratio,
+    )
+    if variant.uses_tile_counter:
+        num_counters = 2
+    elif split:
+        num_counters = split_tiles(problem, config.tile_m, pack_ratio)
+    else:
+        num_counters = 0
+    return ForwardPlan(variant, num_splits, max_ctas, num_counters)
+
+
+def _effective_config(
+    config: AttentionConfig, problem: Problem, pack_ratio: int, split: bool, max_ctas: int
+) -> AttentionConfig:
+    """The config as the kernel runs it (see the module docstring)."""
+    changes = {}
+    if split and config.scheduler != "single_tile":
+        changes["scheduler"] = "single_tile"
+    elif (
+        config.scheduler == "dynamic_persistent"
+        and not split
+        and not problem.varlen_q
+        and padded_tiles(problem, config.tile_m, pack_ratio) <= max_ctas
+    ):
+        # CTA i takes tile i and none takes a second under either scheduler; the static one
+        # needs no tile counter (one per-stream buffer fewer per call: small problems are
+        # where host time matters).
+        changes["scheduler"] = "static_persistent"
+    if (split or problem.varlen_q) and not config.store_o_from_registers:
+        changes["store_o_from_registers"] = True
+    if config.pingpong and config.num_mma_warpgroups < 2:
+        changes["pingpong"] = False
+    if config.rescale_o_before_pv and not config.intra_wg_overlap:
+        changes["rescale_o_before_pv"] = False
+    return config.replace(**changes) if changes else config
+
+
+def padded_tiles(problem: Problem, tile_m: int, pack_ratio: int) -> int:
+    """Query tiles of every (batch, kv-or-q head) with max_seqlen_q rows each: a fixed-length
+    problem's grid (the host's estimate for a varlen one)."""
+    m_blocks = math.ceil(problem.max_seqlen_q * pack_ratio / tile_m)
+    return m_blocks * (problem.nheads // pack_ratio) * problem.batch
+
+
+def split_tiles(problem: Problem, tile_m: int, pack_ratio: int) -> int:
+    """Tiles of a split launch, one arrival counter each: its grid without the split factor
+    (kernels/tile_scheduler.py, TileSpace.block_grid)."""
+    heads = problem.nheads // pack_ratio
+    if problem.varlen_q:  # every sequence's query tiles, flattened, plus one spare per sequence
+        return (math.ceil(problem.total_q * pack_ratio / tile_m) + problem.batch) * heads
+    return padded_tiles(problem, tile_m, pack_ratio)
+
+
+def num_splits_heuristic(
+    num_tiles: int, num_n_blocks: int, num_sms: int, max_splits: int = MAX_SPLITS
+) -> int:
+    """Splits of the key range for `num_tiles` work tiles of `num_n_blocks` key blocks each on
+    `num_sms` SMs (split-KV pays when the grid leaves SMs idle: few tiles, long keys).
+
+    1 when the tiles already fill most SMs or the key range is short; otherwise the smallest
+    split count whose wave efficiency (tiles*splits/SMs over its ceiling) is within 5% of the
+    best, never more than the key blocks (a split gets at least one block). FlashAttention-3's
+    rule, from host-known sizes only, so a call stays capturable in a CUDA graph.
+    """
+    if num_tiles <= 0 or num_n_blocks <= 4 or num_tiles >= 0.8 * num_sms:
+        return 1
+    limit = max(1, min(max_splits, num_sms, num_n_blocks))
+    efficiency = []
+    for splits in range(1, limit + 1):
+        waves = num_tiles * splits / num_sms
+        efficiency.append(waves / math.ceil(waves))
+    best = max(efficiency)
+    for splits, eff in enumerate(efficiency, start=1):
+        if eff >= 0.95 * best:
+            return splits
+    return 1  # pragma: no cover - the best itself qualifies

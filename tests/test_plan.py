@@ -1,0 +1,287 @@
+"""The plan step (CPU): which kernel variant each call launches, with which launch constants."""
+
+import dataclasses
+import inspect
+import pickle
+
+import pytest
+
+from flash_cute import DECODE_CONFIGS, FORWARD_CONFIGS, SHORT_SEQUENCE_CONFIGS, AttentionConfig
+from flash_cute.plan import ForwardVariant, Problem, plan_forward, split_tiles
+
+SMS = 132
+BF16 = "bfloat16"
+
+
+def prefill(batch=4, seqlen=4096, nheads=16, nheads_kv=None, head_dim=128, causal=True, **kw):
+    """flash_attn_func's problem for q (batch, seqlen, nheads, head_dim) and keys as long
+    (nheads_kv: nheads unless given)."""
+    return Problem(
+        batch=batch,
+        nheads=nheads,
+        nheads_kv=nheads_kv or nheads,
+        head_dim=head_dim,
+        dtype=kw.pop("dtype", BF16),
+        max_seqlen_q=seqlen,
+        max_seqlen_k=kw.pop("seqlen_k", seqlen),
+        kv_capacity=kw.pop("kv_capacity", kw.get("seqlen_k", seqlen)),
+        causal=causal,
+        **kw,
+    )
+
+
+def func_plan(problem, config=None):
+    """As flash_attn_func plans: the prefill table, no packed GQA, no split."""
+    return plan_forward(problem, SMS, config, num_splits=1, pack_gqa=False, decode_rows=False)
+
+
+def decode(batch=1, nheads=32, nheads_kv=8, head_dim=128, keys=8192, **kw):
+    """flash_attn_with_kvcache's problem for one new token per sequence."""
+    return Problem(
+        batch=batch,
+        nheads=nheads,
+        nheads_kv=nheads_kv,
+        head_dim=head_dim,
+        dtype=BF16,
+        max_seqlen_q=kw.pop("seqlen_q", 1),
+        max_seqlen_k=keys,
+        kv_capacity=kw.pop("kv_capacity", keys),
+        **kw,
+    )
+
+
+# (call, plan_forward arguments) -> the variant's config and flags, and the launch constants.
+CASES = {
+    "prefill, many waves: the table's row as it is": (
+        prefill(),
+        dict(decode_rows=False, pack_gqa=False),
+        dict(config=FORWARD_CONFIGS[(128, BF16, True)], split=False, pack_gqa_ratio=1),
+        dict(num_splits=1, num_counters=2),
+    ),
+    "prefill, one wave of tiles: the dynamic row's static twin, no counter": (
+        prefill(batch=1, seqlen=1000, nheads=8),  # 8 query tiles x 8 heads
+        dict(decode_rows=False, pack_gqa=False),
+        dict(config=FORWARD_CONFIGS[(128, BF16, True)].replace(scheduler="static_persistent")),
+        dict(num_splits=1, num_counters=0),
+    ),
+    "prefill, short non-causal sequences: the short-sequence row": (
+        prefill(seqlen=2048, causal=False),
+        dict(decode_rows=False, pack_gqa=False),
+        dict(config=SHORT_SEQUENCE_CONFIGS[(128, BF16, False)][1]),
+        dict(num_counters=2),
+    ),
+    "flash_attn_func, one query row: still the prefill table, GQA not packed": (
+        prefill(batch=1, seqlen=1, nheads=32, nheads_kv=8, causal=False, seqlen_k=4096),
+        dict(decode_rows=False, pack_gqa=False),
+        dict(
+            config=SHORT_SEQUENCE_CONFIGS[(128, BF16, False)][1].replace(
+                scheduler="static_persistent"
+            ),
+            pack_gqa_ratio=1,
+        ),
+        dict(num_splits=1),
+    ),
+    "decode step: the decode row, GQA packed, split for wave efficiency": (
+        decode(seqused_k=True),  # 8 tiles of 64 rows over 64 key blocks
+        dict(num_splits=0),
+        dict(
+            config=DECODE_CONFIGS[(128, BF16)].replace(store_o_from_registers=True),
+            split=True,
+            pack_gqa_ratio=4,
+            seqused_k=True,
+        ),
+        dict(num_splits=16, num_counters=8, max_ctas=SMS),
+    ),
+    "decode step with an int length, not split": (
+        decode(scalar_kv_length=True),
+        dict(num_splits=1),
+        dict(config=DECODE_CONFIGS[(128, BF16)], split=False, scalar_kv_length=True),
+        dict(num_splits=1, num_counters=0),
+    ),
+    "decode step, q heads per kv head not dividing the tile: not packed": (
+        decode(nheads=24, nheads_kv=8, seqlen_q=3),  # 3 x 3 rows; 64 % 3 != 0
+        dict(num_splits=1),
+        dict(config=DECODE_CONFIGS[(128, BF16)], pack_gqa_ratio=1),
+        dict(),
+    ),
+    "split prefill: one CTA per tile, O from registers, one arrival counter per tile": (
+        prefill(batch=1, seqlen=256, nheads=4, seqlen_k=16384, causal=False),
+        dict(num_splits=4, pack_gqa=False, decode_rows=False),
+        dict(
+            config=SHORT_SEQUENCE_CONFIGS[(128, BF16, False)][1].replace(
+                scheduler="single_tile", store_o_from_registers=True
+            ),
+            split=True,
+        ),
+        dict(num_splits=4, num_counters=2 * 4),  # 2 query tiles of 128 rows x 4 heads
+    ),
+    "varlen: O from registers, the dynamic scheduler kept (no one-wave twin)": (
+        prefill(batch=2, seqlen=100, nheads=8, varlen_q=True, total_q=150),
+        dict(num_splits=1),
+        dict(
+            config=FORWARD_CONFIGS[(128, BF16, True)].replace(store_o_from_registers=True),
+            varlen_q=True,
+        ),
+        dict(num_counters=2),
+    ),
+    "paged cache: TMA boxes of gcd(page size, tile_n) rows": (
+        decode(kv_layout="paged", page_size=48, seqused_k=True),
+        dict(num_splits=1),
+        dict(kv_layout="paged", page_box_rows=16),
+        dict(),
+    ),
+    "a config with one MMA warpgroup runs without ping-pong": (
+        prefill(batch=1, seqlen=4096, nheads=64),
+        dict(config=AttentionConfig(64, 128), decode_rows=False, pack_gqa=False),
+        dict(config=AttentionConfig(64, 128, pingpong=False)),
+        dict(),
+    ),
+    "the O rescale under Q K^T needs the overlap": (
+        prefill(),
+        dict(
+            config=AttentionConfig(128, 128, intra_wg_overlap=False, rescale_o_before_pv=True),
+            decode_rows=False,
+            pack_gqa=False,
+        ),
+        dict(config=AttentionConfig(128, 128, intra_wg_overlap=False)),
+        dict(),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_call_gets_variant(case):
+    problem, arguments, variant_fields, plan_fields = CASES[case]
+    plan = plan_forward(problem, SMS, **arguments)
+    for name, want in variant_fields.items():
+        assert getattr(plan.variant, name) == want, name
+    for name, want in plan_fields.items():
+        assert getattr(plan, name) == want, name
+    assert plan.variant.dtype == problem.dtype and plan.variant.causal == problem.causal
+
+
+def test_no_keys_launch_nothing():
+    plan = plan_forward(decode(kv_capacity=0, keys=0), SMS, num_splits=0)
+    assert plan.variant is None
+
+
+def test_pack_gqa_refused_when_the_ratio_does_not_divide_the_tile():
+    with pytest.raises(ValueError, match=r"pack_gqa=True needs nheads / nheads_kv \(3\)"):
+        plan_forward(decode(nheads=24, nheads_kv=8), SMS, pack_gqa=True)
+
+
+def test_single_wave_boundary():
+    """The static twin exactly while the tiles fit in one wave of SMs x CTAs per SM."""
+    dynamic = AttentionConfig(128, 128, scheduler="dynamic_persistent")
+
+    def scheduler(problem, config=dynamic, **kw):
+        return plan_forward(problem, SMS, config, pack_gqa=kw.pop("pack_gqa", False), **kw)
+
+    one_wave = prefill(batch=2, seqlen=1000, nheads=8)  # 8 query tiles x 8 heads x 2 = 128
+    assert scheduler(one_wave).variant.config.scheduler == "static_persistent"
+    assert scheduler(prefill(batch=2, seqlen=1100, nheads=8)).variant.config == dynamic  # 144
+    packed = dict(nheads=16, nheads_kv=2, batch=1)  # 8 q heads per kv head folded
+    assert scheduler(prefill(seqlen=1000, **packed), pack_gqa=True).variant.config != dynamic
+    assert scheduler(prefill(seqlen=1100, **packed), pack_gqa=True).variant.config == dynamic
+    two_ctas = dynamic.replace(tile_m=64, ctas_per_sm=2, pingpong=False)
+    # 16 query tiles of 64 rows x 8 heads x 2 = 256 tiles: one wave of 2 x 132 CTAs
+    assert scheduler(one_wave, two_ctas).variant.config.scheduler == "static_persistent"
+    for other in ("single_tile", "static_persistent"):
+        config = dynamic.replace(scheduler=other)
+        assert scheduler(one_wave, config).variant.config == config
+
+
+def test_split_tile_counts_for_hand_counted_shapes():
+    """The host's count of a split launch's tiles (one arrival counter each) on shapes counted
+    by hand from the kernel's grid; test_kvcache_gpu checks it against the kernel itself."""
+    padded = decode(batch=3, nheads=32, nheads_kv=8, seqlen_q=17, keys=900)
+    assert split_tiles(padded, 64, 4) == 2 * 8 * 3  # ceil(17 * 4 / 64) m-blocks
+    assert split_tiles(padded, 64, 1) == 1 * 32 * 3
+    varlen = decode(batch=5, seqlen_q=400, keys=900, varlen_q=True, total_q=1000)
+    # every sequence's tiles flattened: ceil(1000 * 4 / 64) + one spare per sequence, per kv head
+    assert split_tiles(varlen, 64, 4) == (63 + 5) * 8
+
+
+def variant(**changes) -> ForwardVariant:
+    base = ForwardVariant(BF16, 128, False, AttentionConfig(128, 128), False)
+    return dataclasses.replace(base, **changes)
+
+
+def test_variants_that_cannot_run_are_refused():
+    dynamic = AttentionConfig(128, 128, scheduler="dynamic_persistent")
+    refused = {
+        "scheduler 'single_tile'": dict(
+            split=True, config=dynamic.replace(store_o_from_registers=True)
+        ),
+        "store O from registers": dict(varlen_q=True),
+        "page_box_rows is set exactly for paged": dict(kv_layout="paged"),
+        "page_box_rows must divide tile_n": dict(kv_layout="paged", page_box_rows=48),
+        "exclude each other": dict(seqused_k=True, scalar_kv_length=True),
+        "pack_gqa_ratio must divide tile_m": dict(pack_gqa_ratio=3),
+        "pingpong needs two MMA warpgroups": dict(config=AttentionConfig(64, 128)),
+    }
+    for message, changes in refused.items():
+        with pytest.raises(ValueError, match=message):
+            variant(**changes)
+
+
+def test_only_variants_without_optional_arguments_take_the_short_signature():
+    """takes_optionals: a variant that uses any optional argument (LSE, varlen offsets, packed
+    or paged K/V, seqused_k, split scratch, tile counter) takes the whole signature."""
+    base = variant()
+    static = base.config.replace(scheduler="static_persistent")
+    assert not base.takes_optionals
+    assert not variant(config=static, scalar_kv_length=True, causal=True).takes_optionals
+    ragged = base.config.replace(store_o_from_registers=True)
+    for changes in (
+        {"writes_lse": True},
+        {"varlen_q": True, "config": ragged},
+        {"kv_layout": "packed"},
+        {"kv_layout": "paged", "page_box_rows": 64},
+        {"seqused_k": True},
+        {"split": True, "config": ragged},
+        {"config": base.config.replace(scheduler="dynamic_persistent")},
+    ):
+        assert variant(**changes).takes_optionals, changes
+
+
+def test_variant_pickles_with_a_fresh_hash():
+    """Variants go to compile workers by pickle; the hash is cached per process."""
+    v = variant(writes_lse=True)
+    clone = pickle.loads(pickle.dumps(v))
+    assert clone == v and hash(clone) == hash(v) and {v: 1}[clone] == 1
+
+
+def test_each_signature_is_the_kernel_method_it_names():
+    """compile_cache's SHORT and FULL are read off the kernel's entry points, and the fakes
+    cover every argument (compile_forward builds them by name)."""
+    from flash_cute.kernels import FlashAttentionForwardSm90
+
+    from flash_cute.compile_cache import FULL, SHORT, fake_arguments, signature
+
+    for sig in (SHORT, FULL):
+        params = list(inspect.signature(getattr(FlashAttentionForwardSm90, sig.method)).parameters)
+        assert params == ["self", *sig.args, "stream"]
+        assert set(sig.args) <= set(fake_arguments(variant()))
+    assert set(SHORT.args) < set(FULL.args)
+    assert signature(variant()) is SHORT and signature(variant(writes_lse=True)) is FULL
+
+
+def test_kernel_derives_its_o_store_from_the_variant():
+    """The effective config's O store reaches the kernel: through smem and TMA (its own smem
+    tile when a persistent config fits one, else over Q's tile), or from registers."""
+    from flash_cute.kernels import FlashAttentionForwardSm90
+
+    cfg = AttentionConfig(192, 128, scheduler="static_persistent")
+    tma = FlashAttentionForwardSm90(ForwardVariant(BF16, 64, False, cfg))
+    assert tma.tma_store_o and tma.separate_o_smem and not tma.o_overwrites_q
+    over_q_cfg = AttentionConfig(
+        128, 80, pingpong=False, rescale_o_before_pv=True, scheduler="static_persistent"
+    )
+    over_q = FlashAttentionForwardSm90(ForwardVariant(BF16, 256, False, over_q_cfg))
+    assert over_q.tma_store_o and over_q.o_overwrites_q
+    on = cfg.replace(store_o_from_registers=True)
+    for flags in ({}, {"varlen_q": True}, {"split": True, "seqused_k": True}):
+        config = on.replace(scheduler="single_tile") if "split" in flags else on
+        kernel = FlashAttentionForwardSm90(ForwardVariant(BF16, 64, False, config, **flags))
+        assert not (kernel.tma_store_o or kernel.separate_o_smem or kernel.o_overwrites_q)

@@ -1,0 +1,230 @@
+"""The launch runtime on the CPU, with the stream queries stubbed: the buffers kept per
+(device, stream) between calls (what is reused, what grows, what a CUDA-graph capture gets
+instead, what empty_cache() drops), and what a launch plan passes its kernel."""
+
+import pytest
+import torch
+
+import flash_cute
+from flash_cute import AttentionConfig, runtime
+from flash_cute.compile_cache import FULL, SHORT
+from flash_cute.plan import ForwardPlan, ForwardVariant
+
+
+@pytest.fixture
+def streams(monkeypatch):
+    """A fake current stream (settable) and capture flag; the caches start empty."""
+    state = {"stream": 7, "capturing": False}
+    monkeypatch.setattr(runtime, "current_raw_stream", lambda index: state["stream"])
+    monkeypatch.setattr(runtime, "stream_capturing", lambda: state["capturing"])
+    flash_cute.empty_cache()
+    yield state
+    flash_cute.empty_cache()
+
+
+CPU = torch.device("cpu")
+BUFFERS = runtime.BUFFERS
+
+
+def stream():
+    """The per-stream buffers' key, as a call queries it once for all of them."""
+    return runtime.stream_key(CPU.index)
+
+
+def layout(num_splits, out_shape=(2, 3, 4, 64), lse_shape=(2, 4, 3)):
+    return runtime.SplitScratchLayout.for_shapes(num_splits, out_shape, lse_shape)
+
+
+def test_split_scratch_reused_per_stream_and_layout(streams):
+    small = layout(2)
+    o1, l1 = BUFFERS.split_scratch(CPU, small, stream())
+    o2, l2 = BUFFERS.split_scratch(CPU, small, stream())
+    assert o1 is o2 and l1 is l2, "the same layout on the same stream reuses its views"
+    assert o1.shape == (2, 2, 3, 4, 64) and l1.shape == (2, 2, 4, 3)
+    assert l1.data_ptr() == o1.data_ptr() + 4 * o1.numel(), "the LSE follows O in one buffer"
+    # A larger layout grows the stream's buffer; the smaller one then gets views of the new one.
+    big = layout(8)
+    ob, _ = BUFFERS.split_scratch(CPU, big, stream())
+    o3, _ = BUFFERS.split_scratch(CPU, small, stream())
+    assert o3.data_ptr() == ob.data_ptr() and o3 is not o1
+    # Another stream has its own buffer.
+    streams["stream"] = 9
+    o4, _ = BUFFERS.split_scratch(CPU, small, stream())
+    assert o4.data_ptr() != o3.data_ptr()
+    assert len(BUFFERS.scratch) == 2
+
+
+def test_split_scratch_capture_and_large_layouts_allocate(streams):
+    small = layout(2)
+    cached, _ = BUFFERS.split_scratch(CPU, small, stream())
+    streams["capturing"] = True
+    captured, _ = BUFFERS.split_scratch(CPU, small, stream())
+    assert captured.data_ptr() != cached.data_ptr(), "a capture must not take the shared scratch"
+    streams["capturing"] = False
+    huge = layout(2, out_shape=(1, 1 << 12, 8, 128), lse_shape=(1, 8, 1 << 12))
+    assert huge.numel > runtime.SCRATCH_MAX_FLOATS
+    first, _ = BUFFERS.split_scratch(CPU, huge, stream())
+    assert first.shape == huge.o_shape
+    assert all(huge not in views for _, views in BUFFERS.scratch.values()), "a large one cached"
+    assert all(buf.numel() <= runtime.SCRATCH_MAX_FLOATS for buf, _ in BUFFERS.scratch.values())
+
+
+def test_zeroed_counters_grow_and_stay_zeroed(streams):
+    c2 = BUFFERS.zeroed_counters(CPU, 2, stream())
+    assert c2.dtype == torch.int32 and c2.numel() == 2 and not c2.any()
+    assert BUFFERS.zeroed_counters(CPU, 1, stream()) is c2, "a smaller need reuses the buffer"
+    c40 = BUFFERS.zeroed_counters(CPU, 40, stream())
+    assert c40.numel() >= 40 and not c40.any() and c40 is not c2
+    assert BUFFERS.zeroed_counters(CPU, 2, stream()) is c40
+    streams["capturing"] = True
+    assert BUFFERS.zeroed_counters(CPU, 2, stream()) is not c40, "a capture gets its own"
+
+
+def test_empty_cache_drops_everything(streams):
+    BUFFERS.split_scratch(CPU, layout(2), stream())
+    BUFFERS.zeroed_counters(CPU, 2, stream())
+    assert BUFFERS.scratch and BUFFERS.counters
+    flash_cute.empty_cache()
+    assert not BUFFERS.scratch and not BUFFERS.counters
+
+
+class Recorder:
+    """A compiled kernel that records the arguments of each launch."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+SPLIT = ForwardVariant(
+    "bfloat16",
+    64,
+    False,
+    AttentionConfig(64, 64, pingpong=False, store_o_from_registers=True),
+    seqused_k=True,
+    split=True,
+)
+
+
+def split_plan(kernel, num_counters=8, out_shape=(1, 1, 4, 64), lse_shape=None):
+    plan = ForwardPlan(SPLIT, num_splits=2, max_ctas=132, num_counters=num_counters)
+    return runtime.LaunchPlan(
+        plan, kernel, CPU, torch.float32, out_shape, lse_shape or out_shape[:-1], 1.0
+    )
+
+
+def test_launch_passes_arguments_in_the_signature_order(streams):
+    """LaunchPlan.launch passes its values positionally: in the order of the compiled entry
+    point (compile_cache.SHORT / FULL, read off the kernel's methods)."""
+    kernel = Recorder()
+    short = ForwardPlan(
+        ForwardVariant("bfloat16", 64, False, AttentionConfig(64, 64, pingpong=False)),
+        num_splits=1,
+        max_ctas=132,
+        num_counters=0,
+    )
+    q, k, v, out = (torch.zeros(1, 1, 4, 64) for _ in range(4))
+    runtime.LaunchPlan(short, kernel, CPU, torch.float32, (1, 1, 4, 64), None, 0.5).launch(
+        q, k, v, out, kv_length=9
+    )
+    sent = dict(zip(SHORT.args, kernel.calls[-1]))
+    assert len(kernel.calls[-1]) == len(SHORT.args)
+    assert [sent[n] for n in ("q", "k", "v", "out")] == [q, k, v, out]
+    assert (sent["kv_length"], sent["scale_log2"], sent["max_ctas"]) == (9, 0.5, 132)
+
+    plan = split_plan(kernel, lse_shape=(1, 4, 1))
+    seqused, table, cu_q, cu_k = (torch.zeros(3, dtype=torch.int32) for _ in range(4))
+    out, lse = plan.launch(q, k, v, None, seqused, table, cu_q, cu_k, kv_length=5)
+    sent = dict(zip(FULL.args, kernel.calls[-1]))
+    assert len(kernel.calls[-1]) == len(FULL.args)
+    assert sent["out"] is out and sent["lse"] is lse and lse.shape == (1, 4, 1)
+    assert [sent[n] for n in ("seqused_k", "page_table", "cu_seqlens_q", "cu_seqlens_k")] == [
+        seqused,
+        table,
+        cu_q,
+        cu_k,
+    ]
+    assert (sent["kv_length"], sent["num_splits"], sent["max_ctas"]) == (5, 2, 132)
+    assert sent["counters"] == BUFFERS.counters[stream()].data_ptr()
+    assert sent["partials"] == BUFFERS.scratch[stream()][0].data_ptr()
+
+
+def test_launch_plans_memo_their_stream_buffers(streams):
+    """A plan reuses its last launch's per-stream buffers while the stream and the caches'
+    version match: the same buffers the caches would hand out, without looking them up;
+    another stream, a capture, a grown buffer or empty_cache() make it look again."""
+    kernel = Recorder()
+    plan = split_plan(kernel)
+    q = torch.zeros(1, 1, 4, 64)
+
+    def launch(kv_length=0):
+        plan.launch(q, q, q, None, kv_length=kv_length)
+        sent = dict(zip(FULL.args, kernel.calls[-1]))
+        return sent["counters"], sent["partials"], sent["kv_length"]
+
+    first = launch()
+    assert first[0] == BUFFERS.zeroed_counters(CPU, 8, stream()).data_ptr()
+    out_partial, lse_partial = BUFFERS.split_scratch(CPU, plan.scratch, stream())
+    assert first[1] == out_partial.data_ptr()
+    # The kernel finds the LSE partial right after the O partial (its __call__).
+    assert lse_partial.data_ptr() == first[1] + 4 * out_partial.numel()
+    assert lse_partial.is_contiguous()
+    lookups = []
+    real = BUFFERS.zeroed_counters
+    BUFFERS.zeroed_counters = lambda *a: lookups.append(a) or real(*a)
+    try:
+        assert launch()[:2] == first[:2] and not lookups, "the same stream looked again"
+        streams["stream"] = 9
+        other = launch()
+        assert other[0] != first[0] and len(lookups) == 1
+        streams["capturing"] = True
+        captured = launch()
+        assert captured[0] != other[0] and captured[1] != other[1]
+        streams["capturing"] = False
+        assert launch()[0] == other[0], "a capture replaced the memo"
+        grown = real(CPU, 100, stream())  # another plan needs more counters on this stream
+        assert launch()[0] == grown.data_ptr(), "the memo outlived the buffer it names"
+        assert launch(kv_length=7)[2] == 7 and launch()[2] == 0, "an int length goes as is"
+        runtime.FUNC_PLANS[("test",)] = plan
+        flash_cute.empty_cache()
+        assert plan.buffers is None
+        assert launch()[0] == BUFFERS.counters[stream()].data_ptr()
+    finally:
+        del BUFFERS.zeroed_counters
+        runtime.FUNC_PLANS.pop(("test",), None)
+    big_plan = split_plan(kernel, out_shape=(1, 1 << 12, 8, 128), lse_shape=(1, 8, 1 << 12))
+    assert big_plan.scratch.numel > runtime.SCRATCH_MAX_FLOATS
+    big_plan.launch(q, q, q, None)
+    assert big_plan.buffers is None, "a per-call scratch allocation was kept"
+
+
+def test_short_signature_plans_allocate_out_like_q():
+    kernel = Recorder()
+    plan = ForwardPlan(
+        ForwardVariant("bfloat16", 64, False, AttentionConfig(64, 64, pingpong=False)),
+        num_splits=1,
+        max_ctas=132,
+        num_counters=0,
+    )
+    launch = runtime.LaunchPlan(plan, kernel, CPU, torch.float32, (1, 1, 4, 64), None, 0.5)
+    launch.out_like_q = True
+    q = torch.zeros(1, 1, 4, 64)
+    out = launch.launch(q, q, q, None)
+    assert out.shape == q.shape and out is not q and kernel.calls[-1][3] is out
+    given = torch.empty_like(q)
+    assert launch.launch(q, q, q, given) is given and kernel.calls[-1][3] is given
+
+
+def test_default_stream_skips_the_capture_query(streams, monkeypatch):
+    """The legacy default stream (raw handle 0) cannot be captured, so calls on it do not ask
+    whether a capture is under way; any other stream does."""
+    asked = []
+    monkeypatch.setattr(
+        runtime, "stream_capturing", lambda: asked.append(1) or streams["capturing"]
+    )
+    streams["stream"] = 0
+    assert stream() == (None, 0) and not asked
+    streams["stream"], streams["capturing"] = 5, True
+    assert stream() is None and asked
