@@ -575,23 +575,18 @@ def _forward(
         lse_shape = (problem.nheads, problem.total_q)
     else:
         lse_shape = (problem.batch, problem.nheads, problem.max_seqlen_q)
-    lse = None
-    if problem.writes_lse:
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return (out, lse) if problem.writes_lse else out
-    device_index = q.device.index if q.device.index is not None else current_device()
-    plan = plan_forward(
-        problem, runtime.num_sms(device_index), config, num_splits, pack_gqa, decode_rows
-    )
-    if plan.variant is None:  # no keys anywhere: nothing for a kernel to read
+    plan = None
+    if out.numel() > 0:
+        device_index = q.device.index if q.device.index is not None else current_device()
+        plan = plan_forward(
+            problem, runtime.num_sms(device_index), config, num_splits, pack_gqa, decode_rows
+        )
+    if plan is None or plan.variant is None:  # no rows, or no keys anywhere: nothing to launch
         out.zero_()
-        if lse is not None:
-            lse.fill_(float("-inf"))
-        return (out, lse) if problem.writes_lse else out
-    launch = LaunchPlan.build(
-        plan, q, k, v, out, lse_shape if lse is not None else None, scale_log2
-    )
+        if not problem.writes_lse:
+            return out
+        return out, torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    launch = LaunchPlan.build(plan, q, k, v, out, lse_shape, scale_log2)
     # TMA reads strides of 16 bytes: a tensor with others goes in as a copy (and such a call
     # is not replayed).
     q_k, k_k, v_k = checks.for_tma(q), checks.for_tma(k), checks.for_tma(v)

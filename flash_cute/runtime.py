@@ -297,17 +297,19 @@ class LaunchPlan:
         device: torch.device,
         dtype: torch.dtype,
         out_shape: tuple,
-        lse_shape: Optional[tuple],
+        lse_shape: tuple,
         scale_log2: float,
         extents: tuple = (0, 0, 0, 0),
         out_like_q: bool = False,
     ):
         """kernel: the compiled function of plan.variant, called positionally in its
-        signature's order (compile_cache.SHORT or FULL)."""
+        signature's order (compile_cache.SHORT or FULL). lse_shape: the LSE's shape, returned
+        when the variant writes it (split scratch holds one per split either way)."""
         self.kernel = kernel
         self.short = signature(plan.variant) is SHORT
         self.device, self.device_index, self.dtype = device, device.index, dtype
-        self.out_shape, self.lse_shape = out_shape, lse_shape
+        self.out_shape = out_shape
+        self.lse_shape = lse_shape if plan.variant.writes_lse else None  # returned LSE
         self.scale_log2, self.max_ctas, self.num_splits = (
             scale_log2,
             plan.max_ctas,

@@ -2,6 +2,8 @@
 (device, stream) between calls (what is reused, what grows, what a CUDA-graph capture gets
 instead, what empty_cache() drops), and what a launch plan passes its kernel."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -108,11 +110,10 @@ SPLIT = ForwardVariant(
 )
 
 
-def split_plan(kernel, num_counters=8, out_shape=(1, 1, 4, 64), lse_shape=None):
-    plan = ForwardPlan(SPLIT, num_splits=2, max_ctas=132, num_counters=num_counters)
-    return runtime.LaunchPlan(
-        plan, kernel, CPU, torch.float32, out_shape, lse_shape or out_shape[:-1], 1.0
-    )
+def split_plan(kernel, num_counters=8, out_shape=(1, 1, 4, 64), lse_shape=(1, 4, 1), lse=False):
+    variant = dataclasses.replace(SPLIT, writes_lse=lse)
+    plan = ForwardPlan(variant, num_splits=2, max_ctas=132, num_counters=num_counters)
+    return runtime.LaunchPlan(plan, kernel, CPU, torch.float32, out_shape, lse_shape, 1.0)
 
 
 def test_launch_passes_arguments_in_the_signature_order(streams):
@@ -126,7 +127,7 @@ def test_launch_passes_arguments_in_the_signature_order(streams):
         num_counters=0,
     )
     q, k, v, out = (torch.zeros(1, 1, 4, 64) for _ in range(4))
-    runtime.LaunchPlan(short, kernel, CPU, torch.float32, (1, 1, 4, 64), None, 0.5).launch(
+    runtime.LaunchPlan(short, kernel, CPU, torch.float32, (1, 1, 4, 64), (1, 4, 1), 0.5).launch(
         q, k, v, out, kv_length=9
     )
     sent = dict(zip(SHORT.args, kernel.calls[-1]))
@@ -134,7 +135,7 @@ def test_launch_passes_arguments_in_the_signature_order(streams):
     assert [sent[n] for n in ("q", "k", "v", "out")] == [q, k, v, out]
     assert (sent["kv_length"], sent["scale_log2"], sent["max_ctas"]) == (9, 0.5, 132)
 
-    plan = split_plan(kernel, lse_shape=(1, 4, 1))
+    plan = split_plan(kernel, lse=True)
     seqused, table, cu_q, cu_k = (torch.zeros(3, dtype=torch.int32) for _ in range(4))
     out, lse = plan.launch(q, k, v, None, seqused, table, cu_q, cu_k, kv_length=5)
     sent = dict(zip(FULL.args, kernel.calls[-1]))
@@ -208,7 +209,7 @@ def test_short_signature_plans_allocate_out_like_q():
         max_ctas=132,
         num_counters=0,
     )
-    launch = runtime.LaunchPlan(plan, kernel, CPU, torch.float32, (1, 1, 4, 64), None, 0.5)
+    launch = runtime.LaunchPlan(plan, kernel, CPU, torch.float32, (1, 1, 4, 64), (1, 4, 1), 0.5)
     launch.out_like_q = True
     q = torch.zeros(1, 1, 4, 64)
     out = launch.launch(q, q, q, None)
@@ -228,3 +229,83 @@ def test_default_stream_skips_the_capture_query(streams, monkeypatch):
     assert stream() == (None, 0) and not asked
     streams["stream"], streams["capturing"] = 5, True
     assert stream() is None and asked
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, streams):
+    """The API on CPU tensors: the device checks pass, and the compiled kernel is a Recorder
+    per variant (kernels[variant])."""
+    from flash_cute import checks, interface
+
+    kernels = {}
+    monkeypatch.setattr(runtime, "get_forward_kernel", lambda v: kernels.setdefault(v, Recorder()))
+    monkeypatch.setattr(runtime, "raw_function", lambda f: f)
+    monkeypatch.setattr(checks, "check_cuda", lambda named: None)
+    monkeypatch.setattr(checks, "check_hopper", lambda device: None)
+    monkeypatch.setattr(runtime, "num_sms", lambda index: 132)
+    monkeypatch.setattr(interface, "current_device", lambda: None)
+    monkeypatch.setattr(runtime, "current_device", lambda: None)
+    for plans in (runtime.FUNC_PLANS, runtime.KVCACHE_PLANS, runtime.VARLEN_PLANS):
+        plans.clear()
+    return kernels
+
+
+def test_calls_launch_through_the_plans_they_build(fake_gpu, monkeypatch):
+    """A first call builds a launch plan and launches through it; the same call again replays
+    it without building another; an int cache_seqlens of the same bit length replays too."""
+    builds = []
+    real_build = runtime.LaunchPlan.build
+    monkeypatch.setattr(
+        runtime.LaunchPlan, "build", staticmethod(lambda *a: builds.append(1) or real_build(*a))
+    )
+    bf16 = torch.bfloat16
+    q = torch.randn(2, 100, 8, 128, dtype=bf16)
+    k, v = torch.randn(2, 300, 2, 128, dtype=bf16), torch.randn(2, 300, 2, 128, dtype=bf16)
+    for _ in range(3):
+        out, lse = flash_cute.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert len(builds) == 1 and len(runtime.FUNC_PLANS) == 1
+    (variant, kernel), *_ = fake_gpu.items()
+    assert variant.causal and variant.writes_lse and len(kernel.calls) == 3
+    sent = dict(zip(FULL.args, kernel.calls[-1]))
+    assert sent["q"] is q and sent["out"] is out and sent["lse"] is lse
+    assert out.shape == q.shape and lse.shape == (2, 8, 100)
+
+    qd = torch.randn(3, 1, 32, 128, dtype=bf16)
+    cache = torch.randn(3, 4096, 8, 128, dtype=bf16)
+    for length in (1000, 1023, 600):  # bit length 10: one plan
+        flash_cute.flash_attn_with_kvcache(qd, cache, cache, length)
+    assert len(builds) == 2 and len(runtime.KVCACHE_PLANS) == 1
+    decode = next(v for v in fake_gpu if v.scalar_kv_length)
+    assert decode.split and decode.pack_gqa_ratio == 4
+    assert [dict(zip(FULL.args, c))["kv_length"] for c in fake_gpu[decode].calls] == [
+        1000,
+        1023,
+        600,
+    ]
+    with pytest.raises(ValueError, match="exceeds the cache's capacity"):
+        flash_cute.flash_attn_with_kvcache(qd, cache, cache, 5000)
+
+
+def test_calls_with_nothing_to_compute_launch_nothing(fake_gpu):
+    bf16 = torch.bfloat16
+    qd = torch.randn(3, 1, 32, 128, dtype=bf16)
+    cache = torch.randn(3, 4096, 8, 128, dtype=bf16)
+    out, lse = flash_cute.flash_attn_with_kvcache(
+        qd, cache, cache, 0, out=torch.full_like(qd, float("nan")), return_softmax_lse=True
+    )
+    assert not fake_gpu and not out.any() and bool((lse == float("-inf")).all())
+    empty = flash_cute.flash_attn_func(qd[:0], cache[:0], cache[:0])
+    assert empty.shape == (0, 1, 32, 128) and not fake_gpu
+
+
+def test_first_call_copies_what_tma_cannot_take(fake_gpu):
+    """An out whose address TMA cannot take gets the kernel's result by a copy, and such a
+    call is not kept for replay."""
+    bf16 = torch.bfloat16
+    q = torch.randn(1, 64, 4, 64, dtype=bf16)
+    k = v = torch.randn(1, 64, 4, 64, dtype=bf16)
+    misaligned = torch.empty(q.numel() + 1, dtype=bf16)[1:].view(q.shape)
+    assert flash_cute.flash_attn_func(q, k, v, out=misaligned) is misaligned
+    (kernel,) = fake_gpu.values()
+    sent = dict(zip(SHORT.args, kernel.calls[-1]))
+    assert sent["out"].data_ptr() % 16 == 0 and not runtime.FUNC_PLANS
