@@ -142,9 +142,13 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
         "kv_length": cutlass.Int32(0),
         # Split scratch (partial O, then partial LSE) and the zeroed int32 counters (the
         # dynamic scheduler's, or a split launch's arrivals): addresses, which TVM-FFI
-        # converts for less than a tensor.
-        "partials": cute.runtime.make_ptr(cutlass.Float32, 0, gmem, assumed_align=16),
-        "counters": cute.runtime.make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),
+        # converts for less than a tensor; None where the variant has none.
+        "partials": cute.runtime.make_ptr(cutlass.Float32, 0, gmem, assumed_align=16)
+        if variant.split
+        else None,
+        "counters": cute.runtime.make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)
+        if variant.split or variant.uses_tile_counter
+        else None,
         "scale_log2": cutlass.Float32(1.0),
         "max_ctas": cutlass.Int32(1),
         "num_splits": cutlass.Int32(1),

@@ -217,13 +217,13 @@ class StreamBuffers:
     def for_launch(self, device, stream, num_counters: int, layout: Optional[SplitScratchLayout]):
         """(tensors, addresses) of a launch on `stream`: the counters and the scratch (None
         where the launch needs none), and their addresses as the kernel takes them
-        (partials, counters; 0 where unused). The caller keeps the tensors alive through the
+        (partials, counters; None where unused). The caller keeps the tensors alive through the
         launch (the caches do between calls)."""
         counters = self.zeroed_counters(device, num_counters, stream) if num_counters else None
         scratch = self.split_scratch(device, layout, stream) if layout is not None else None
         addresses = (
-            0 if scratch is None else scratch[0].data_ptr(),
-            0 if counters is None else counters.data_ptr(),
+            None if scratch is None else scratch[0].data_ptr(),
+            None if counters is None else counters.data_ptr(),
         )
         return (counters, scratch), addresses
 
@@ -387,7 +387,7 @@ class LaunchPlan:
         lse = None
         if self.lse_shape is not None:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
-        partials = counters = 0
+        partials = counters = None
         held = None  # a capture's or a large scratch's tensors, alive through the launch
         if self.num_counters or self.scratch is not None:
             # stream_key inlined (one query for every per-stream buffer); the memo holds the
