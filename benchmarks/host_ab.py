@@ -1,13 +1,14 @@
-"""Host cost per cached call, A/B in one process: an older copy of the package, importable as
-`flash_cute_old` from OLD_DIR (made with `git show REV:flash_cute/<file>` for each file; it
-imports the working tree's `flash_cute.kernels`), against the working tree's `flash_cute`, on
-tiny problems, interleaved round by round (flash_cute.bench.host_rounds_us). Prints each call's
-median / best round for both and the median of the rounds' differences (the reliable comparison
-on a shared CPU whose speed moves between rounds). Run from the repository root on a GPU:
+"""Host cost per cached call, A/B in one process: an older revision of the package, importable
+as `flash_cute_old` from OLD_DIR (benchmarks/old_package.py exports it), against the working
+tree's `flash_cute`, on tiny problems (the GPU keeps up), interleaved round by round
+(flash_cute.bench.host_rounds_us). Prints each call's median / best round for both and the
+median of the rounds' differences: the comparison that holds on a shared CPU whose speed moves
+between rounds. Exporting the working tree's own revision as OLD_DIR gives an A/A run: the
+noise of the comparison. Run from the repository root on a GPU:
 
+    python benchmarks/old_package.py REV OLD_DIR
     python benchmarks/host_ab.py OLD_DIR [CALL ...]      (no CALL: all of CALLS)
-
-The host_h100_eighth / host_h100_ninth A/B logs were taken with this call table (or a subset)."""
+"""
 
 import statistics
 import sys
@@ -61,15 +62,16 @@ def main():
     }
     fns[("torch x.add_(0)", "-")] = lambda: q.add_(0)
     res = host_rounds_us(fns, calls=500, rounds=21)
-    print(
-        f"{'call':32s} {'old med/best':>14s} {'new med/best':>14s}  new-old (median of rounds' differences)"
-    )
+    header = f"{'call':32s} {'old med/best':>14s} {'new med/best':>14s}"
+    print(header + "  new-old (median of rounds' differences)")
     for n in names:
         o, w = res[(n, "old")], res[(n, "new")]
         d = statistics.median(b - a for a, b in zip(o, w))
-        print(
-            f"{n:32s} {statistics.median(o):6.2f}/{min(o):5.2f}  {statistics.median(w):6.2f}/{min(w):5.2f}  {d:+.2f} us"
+        old, new = (
+            f"{statistics.median(o):6.2f}/{min(o):5.2f}",
+            f"{statistics.median(w):6.2f}/{min(w):5.2f}",
         )
+        print(f"{n:32s} {old}  {new}  {d:+.2f} us")
     a = res[("torch x.add_(0)", "-")]
     print(f"{'torch x.add_(0)':32s} {statistics.median(a):6.2f}/{min(a):5.2f}")
 

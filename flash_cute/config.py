@@ -51,9 +51,9 @@ class AttentionConfig:
     scheduler: how tiles reach CTAs (see TILE_SCHEDULERS). "single_tile": one CTA per tile,
         the hardware hands out CTAs. "static_persistent": at most SMs x ctas_per_sm CTAs loop
         over the tiles round-robin, so a tile's epilogue overlaps the next tile's loads (a
-        TMA-stored O gets its own shared memory when it fits). "dynamic_persistent": the same, but each CTA
-        takes its next tile from a global counter, which balances causal tiles of unequal
-        length. Both persistent kinds apply to unsplit problems, fixed-length and varlen;
+        TMA-stored O gets its own shared memory when it fits). "dynamic_persistent": the same,
+        but each CTA takes its next tile from a global counter, which balances causal tiles of
+        unequal length. Both persistent kinds apply to unsplit problems, fixed-length and varlen;
         split-KV launches keep one CTA per tile. Tile order: causal tiles longest first, in
         sections of heads whose K/V fit in l2_section_mb; otherwise query tiles of a head together.
     l2_section_mb: causal tile order: the K+V bytes (MB) of the (batch, head) pairs whose
@@ -108,7 +108,8 @@ class AttentionConfig:
                 raise TypeError(f"AttentionConfig.{name} must be an int, got {value!r}")
         if self.scheduler not in TILE_SCHEDULERS:
             raise ValueError(
-                f"AttentionConfig.scheduler must be one of {TILE_SCHEDULERS}, got {self.scheduler!r}"
+                f"AttentionConfig.scheduler must be one of {TILE_SCHEDULERS}, "
+                f"got {self.scheduler!r}"
             )
         for name in (
             "pv_from_registers",
@@ -133,12 +134,13 @@ class AttentionConfig:
             )
         if not 0 <= self.exp2_on_fma <= 16:
             raise ValueError(
-                f"AttentionConfig.exp2_on_fma must be in [0, 16] (of every 16 exponentials), got {self.exp2_on_fma}"
+                "AttentionConfig.exp2_on_fma must be in [0, 16] (of every 16 exponentials), "
+                f"got {self.exp2_on_fma}"
             )
         if not 0 <= self.rescale_threshold <= 15:
             raise ValueError(
-                f"AttentionConfig.rescale_threshold must be in [0, 15] (log2 units; probabilities reach "
-                f"2^threshold, and fp16's max is below 2^16), got {self.rescale_threshold}"
+                "AttentionConfig.rescale_threshold must be in [0, 15] (log2 units; probabilities "
+                f"reach 2^threshold, and fp16's max is below 2^16), got {self.rescale_threshold}"
             )
         if self.ctas_per_sm not in (1, 2):
             raise ValueError(f"AttentionConfig.ctas_per_sm must be 1 or 2, got {self.ctas_per_sm}")
@@ -273,13 +275,14 @@ class AttentionConfig:
             if total > pool:
                 problems.append(
                     f"register split uses {total} registers per CTA, more than the {pool} a CTA "
-                    f"gets at launch ({self.entry_registers} per thread with {self.ctas_per_sm} CTA(s) per SM)"
+                    f"gets at launch ({self.entry_registers} per thread with {self.ctas_per_sm} "
+                    "CTA(s) per SM)"
                 )
             acc = self.accumulator_registers(head_dim)
             if acc > self.mma_registers - REGISTER_HEADROOM:
                 problems.append(
-                    f"accumulators need ~{acc} registers per MMA thread, more than "
-                    f"mma_registers - {REGISTER_HEADROOM} = {self.mma_registers - REGISTER_HEADROOM}"
+                    f"accumulators need ~{acc} registers per MMA thread, more than mma_registers "
+                    f"- {REGISTER_HEADROOM} = {self.mma_registers - REGISTER_HEADROOM}"
                 )
         smem = self.smem_bytes(head_dim)
         smem_limit = self.smem_limit()
@@ -294,145 +297,77 @@ class AttentionConfig:
 
 
 # (head_dim, dtype, causal) -> config for long sequences. Starting points were FlashAttention-3
-# (hopper/tile_size.h) and FlashAttention's CuTe DSL package (_tile_size_fwd_sm90); each row
-# says what the H200 sweeps (benchmarks/sweeps, BENCHMARKS.md) measured for it.
+# (hopper/tile_size.h) and FlashAttention's CuTe DSL package; rows were chosen by
+# `python -m flash_cute.bench sweep` and A/B runs on the H100 (PERF_NOTES.md has each one).
 def _row(tile_m, tile_n, **knobs) -> AttentionConfig:
     return AttentionConfig(tile_m=tile_m, tile_n=tile_n, **knobs)
 
 
+# Lazy rescale, max lagging 8 log2 units, on every prefill row: +0.3-6% over the rows without.
+_LAZY = dict(lazy_rescale=True, rescale_threshold=8)
 _BY_HEAD_DIM = {
-    # 3 warpgroups, P in registers: best of 36 configs at 512-8k (511 TFLOP/s at 8k; the next,
-    # 192x96, 500). Ping-pong is worth 7% here. Without the lazy rescale, one CTA per tile led
-    # at 16k (H100: 536-549 against 525-533 static persistent) and a static persistent short
-    # row served up to 8k. Polling the K/V barriers before the blocking wait: +0.4-2.6% at 1k-16k (H100).
-    # Static persistent CTAs hide each tile's prologue and epilogue under the next tile's loads:
-    # +10-20% at 512-1k (H100, benchmarks/sweeps/scheduler_h100/sched64_*). Sixth session (H100):
-    # with the lazy O rescale (max lagging 8 log2 units) done under the Q K^T, +1.4-6.6% at
-    # 8k-16k, +0.6-2.3% at 4k and +2% at 1k-2k over the earlier rows (two runs, bf16 and fp16;
-    # the lazy rescale alone with one CTA per tile: +0-5%), so one row serves every length.
-    # Eighth session (H100): O stored from registers (no smem round trip, no epilogue barriers
-    # with the storing warp): +0.4 / +1 / +1.8 / +2-4 / 0-4 / +3-9% at 512 / 1k / 2k / 4k / 8k /
-    # 16k in bf16 (four runs from 8k), +0.5-2.6% in fp16; level or slower at hdim 64 causal, 96,
-    # 128, 192 and 256 (benchmarks/sweeps/o_from_registers_h100.log).
+    # Static persistent, O rescale under Q K^T, O from registers: +1.4-6.6% at 8k-16k (H100).
     (64, False): _row(
         192,
         128,
         scheduler="static_persistent",
         mbarrier_probe=True,
         rescale_o_before_pv=True,
-        lazy_rescale=True,
-        rescale_threshold=8,
         store_o_from_registers=True,
+        **_LAZY,
     ),
-    # Dynamic persistent beats one CTA per tile at every length from 2k (H100: 423 / 464 / 507 /
-    # 535 against 372 / 433 / 490 / 527 at 2k-16k).
-    # Lazy O rescale with the row max allowed to lag 8 log2 units: +1-6% at 2k-16k (two H100
-    # runs, bf16 and fp16); on the non-causal row it measured level (-1 to +1%).
-    (64, True): _row(
-        192,
-        128,
-        scheduler="dynamic_persistent",
-        mbarrier_probe=True,
-        lazy_rescale=True,
-        rescale_threshold=8,
-    ),
-    # P from registers with 192-row tiles spills at head dim 96, so P goes through smem.
-    # Dynamic persistent: +2-5% at 1k-16k (H100: 444 / 529 / 591 / 616 / 628 against 424 / 512 /
-    # 576 / 603 / 617 with one CTA per tile, benchmarks/sweeps/scheduler_h100/sched96.json).
-    # Eighth session (H100): 192 x 128 with O rescaled under the Q K^T and the lazy rescale (max
-    # lagging 8) beat 192 x 144 at every length in two interleaved runs: bf16 +8-11% / +5-6% /
-    # +3% / +2-4.5% at 2k / 4k / 8k / 16k, fp16 +10-11% / +2-4% / +1-2% at 2k / 8k / 16k (a
-    # 48-config sweep ranked 192 x 128-160 with both knobs first; benchmarks/sweeps/hdim96_h100).
+    # Dynamic persistent: +2-13% over one CTA per tile at 2k-16k (H100).
+    (64, True): _row(192, 128, scheduler="dynamic_persistent", mbarrier_probe=True, **_LAZY),
+    # P through smem (P from registers spills at 192 rows); beat 192 x 144 by 2-11% (H100).
     (96, False): _row(
         192,
         128,
         pv_from_registers=False,
         scheduler="dynamic_persistent",
         rescale_o_before_pv=True,
-        lazy_rescale=True,
-        rescale_threshold=8,
+        **_LAZY,
     ),
-    # Eighth session (H100): O rescaled under the Q K^T with the lazy rescale (max lagging 8):
-    # +2-4% at 2k-16k in two interleaved runs, bf16 and fp16 (the lazy rescale alone +1-5%;
-    # benchmarks/sweeps/hdim96_h100/knobs96c.log).
+    # O rescale under Q K^T with the lazy rescale: +2-4% at 2k-16k (H100).
     (96, True): _row(
         192,
         128,
         pv_from_registers=False,
         scheduler="dynamic_persistent",
         rescale_o_before_pv=True,
-        lazy_rescale=True,
-        rescale_threshold=8,
+        **_LAZY,
     ),
-    # 3 warpgroups with P through smem win from 4k (655 vs 628 TFLOP/s at 4k, 673 vs 660 at 8k);
-    # dynamic persistent adds 1-2% (H100: 653 / 673 / 682 against 641 / 666 / 675 at 4k-16k).
-    # Lazy O rescale, max lagging up to 8 log2 units: +0.9-1.1% at 4k-16k (H100, bf16 and fp16).
-    (128, False): _row(
-        192,
-        128,
-        pv_from_registers=False,
-        scheduler="dynamic_persistent",
-        lazy_rescale=True,
-        rescale_threshold=8,
-    ),
-    # 128x128 RS leads at every length (600 at 8k); ping-pong on or off within 1%. Dynamic
-    # persistent: +24% / +19% / +10% at 512 / 1k / 2k, +1-4% from 4k (H100, 331 / 473 / 591 /
-    # 644 / 662 against 267 / 396 / 535 / 619 / 641).
-    # Lazy O rescale, max lagging up to 8 log2 units: +0.3-5.5% at 2k-16k (two H100 runs, bf16
-    # and fp16; +3-5.5% at 4k and 16k).
-    (128, True): _row(
-        128, 128, scheduler="dynamic_persistent", lazy_rescale=True, rescale_threshold=8
-    ),
-    # Large O accumulators: no ping-pong; rescale O under the Q K^T instead.
-    # Dynamic persistent: +1-7% at 1k-16k (H100: 621 / 723 / 705 / 729 / 767 against 578 / 695 /
-    # 686 / 717 / 761; static persistent 562-633, sched192.json).
-    # Eighth session (H100): key blocks of 64 with the lazy rescale (max lagging 8) beat 128 x 112
-    # at every length in two interleaved runs: non-causal +12% / +16% / +3% / +7% at 512 / 2k / 8k
-    # / 16k (fp16 +7-13% / +3% at 2k / 8k), causal +20% / +21% / +14-19% / +8.5% / +4.5% / +5-6%
-    # at 512-16k (fp16 +20% / +12% / +4.5-8% at 512 / 2k / 8k); a 120-config causal sweep at
-    # 512-2k ranked it first (benchmarks/sweeps/hdim192_h100/).
+    # 3 warpgroups, P through smem: 655 vs 628 TFLOP/s at 4k against 128 x 128 RS (H100).
+    (128, False): _row(192, 128, pv_from_registers=False, scheduler="dynamic_persistent", **_LAZY),
+    # 128 x 128 RS, dynamic persistent: +10-24% at 512-2k, +1-4% from 4k (H100).
+    (128, True): _row(128, 128, scheduler="dynamic_persistent", **_LAZY),
+    # Key blocks of 64, no ping-pong, O rescale under Q K^T: +3-16% over 128 x 112 (H100).
     (192, False): _row(
         128,
         64,
         pingpong=False,
         rescale_o_before_pv=True,
         scheduler="dynamic_persistent",
-        lazy_rescale=True,
-        rescale_threshold=8,
+        **_LAZY,
     ),
+    # As the non-causal row: +4.5-21% over 128 x 112 at 512-16k (H100).
     (192, True): _row(
         128,
         64,
         pingpong=False,
         rescale_o_before_pv=True,
         scheduler="dynamic_persistent",
-        lazy_rescale=True,
-        rescale_threshold=8,
+        **_LAZY,
     ),
-    # 128 x 80 is the largest tile whose two-stage K/V ring fits in shared memory; rescaling O
-    # before P V is worth 24% at 8k (753 vs 609), ping-pong costs 7%. Non-causal from 8k: one
-    # CTA per tile (persistent level at 8k, 0.5-2.3% behind at 16k; up to 4k SHORT_SEQUENCE_CONFIGS).
-    # Ninth session (H100): key blocks of 64 with the lazy rescale (max lagging 8) beat 128 x 80
-    # at all 28 points of two interleaved runs (bf16 and fp16, causal and not, 512-16k): +5.5% at
-    # 512, +2% at 1k, +2-3% at 2k, +1-2% at 4k, +1-3% at 8k, +0.2-0.3% at 16k non-causal; causal
-    # +2.6-3.9% at 512-2k, +0.7-1.8% at 4k-8k, +0.3-6% at 16k (after two eighth-session runs at
-    # +0.2-3.3%, one point -0.7%; benchmarks/sweeps/hdim256_tile64_lazy_h100*.log).
-    (256, False): _row(
-        128, 64, pingpong=False, rescale_o_before_pv=True, lazy_rescale=True, rescale_threshold=8
-    ),
-    # Dynamic persistent: +2-5% at every length (H100: 307 / 476 / 616 / 649 / 696 / 715
-    # against 300 / 453 / 596 / 638 / 687 / 710 at 512-16k).
-    # Lazy O rescale, max lagging up to 8 log2 units: level on the padded grid (+0.1-0.6% at
-    # 4k-16k, H100, bf16 and fp16), +5-6% on the varlen causal batch (8 x 500-4000, two runs).
-    # Ninth session: key blocks of 64 (see the non-causal row).
+    # Key blocks of 64, one CTA per tile from 8k: +0.2-5.5% over 128 x 80 at 512-16k (H100).
+    (256, False): _row(128, 64, pingpong=False, rescale_o_before_pv=True, **_LAZY),
+    # Key blocks of 64, dynamic persistent: +0.3-6% over 128 x 80 at 512-16k (H100).
     (256, True): _row(
         128,
         64,
         pingpong=False,
         rescale_o_before_pv=True,
         scheduler="dynamic_persistent",
-        lazy_rescale=True,
-        rescale_threshold=8,
+        **_LAZY,
     ),
 }
 
@@ -445,31 +380,14 @@ FORWARD_CONFIGS = {
 # (head_dim, causal) -> (longest seqlen_q it serves, config): fewer, shorter tiles win while
 # there are few query rows per (batch, head).
 _SHORT_BY_HEAD_DIM = {
-    # 128x128 dynamic: 242 / 327 at 512 / 1k against 214 / 292 for 192x128 dynamic and 172 /
-    # 263 for 128x128 with one CTA per tile (H100).
-    # Lazy O rescale (max lagging up to 8 log2 units): +0.6-0.9% at 512 / 1k.
+    # 128 x 128 dynamic: 242 / 327 against 214 / 292 TFLOP/s at 512 / 1k for 192 x 128 (H100).
     (64, True): (
         1024,
-        _row(
-            128,
-            128,
-            scheduler="dynamic_persistent",
-            mbarrier_probe=True,
-            lazy_rescale=True,
-            rescale_threshold=8,
-        ),
+        _row(128, 128, scheduler="dynamic_persistent", mbarrier_probe=True, **_LAZY),
     ),
-    # 128x128 RS dynamic: 523 / 587 / 631 at 512 / 1k / 2k against 456 / 526 / 598 for 192x128
-    # SS dynamic and 439 / 531 / 590 for 128x128 RS with one CTA per tile (H100).
-    # Lazy O rescale (max lagging up to 8 log2 units): +2-6% at 512-2k (H100, bf16 and fp16).
-    (128, False): (
-        2048,
-        _row(128, 128, scheduler="dynamic_persistent", lazy_rescale=True, rescale_threshold=8),
-    ),
-    # Dynamic persistent: 513 / 662 at 512 / 1k against 500 / 651 (H100); up to 4k in two
-    # fifth-session sweeps, 729 / 714 and 702 / 694 at 2k / 4k against 716 / 704 and 696 / 686
-    # with one CTA per tile, which is level at 8k and ahead at 16k (benchmarks/sweeps/hdim256_h100).
-    # Ninth session: key blocks of 64 with the lazy rescale (see the long row).
+    # 128 x 128 RS dynamic: 523-631 against 456-598 TFLOP/s at 512-2k for 192 x 128 SS (H100).
+    (128, False): (2048, _row(128, 128, scheduler="dynamic_persistent", **_LAZY)),
+    # Dynamic persistent: +0.9-1.8% over one CTA per tile at 2k-4k (H100).
     (256, False): (
         4096,
         _row(
@@ -478,8 +396,7 @@ _SHORT_BY_HEAD_DIM = {
             pingpong=False,
             rescale_o_before_pv=True,
             scheduler="dynamic_persistent",
-            lazy_rescale=True,
-            rescale_threshold=8,
+            **_LAZY,
         ),
     ),
 }
