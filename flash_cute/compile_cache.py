@@ -1,9 +1,10 @@
-"""Compile forward kernels on fake tensors, once per static configuration, into a cache.
+"""Compile forward kernels on fake arguments, once per variant, into a cache.
 
-A compiled kernel depends only on its static key (dtype, head_dim, causal, config, variant
-flags): batch, sequence lengths, head counts and strides are run-time values, so a new shape
-never recompiles. Kernels are compiled for the TVM-FFI calling convention: the compiled
-function takes torch tensors directly and launches on torch's current CUDA stream.
+A compiled kernel depends only on its variant (flash_cute.plan.ForwardVariant, the cache key):
+batch, sequence lengths, head counts and strides are run-time values, so a new shape never
+recompiles. Each compiled signature is one of the kernel's entry points (`Signature`: SHORT or
+FULL, read off the method). Kernels are compiled for the TVM-FFI calling convention: the
+compiled function takes torch tensors directly and launches on torch's current CUDA stream.
 
 Compiled kernels also persist on disk as object files, so another process loads them in
 milliseconds instead of compiling for seconds. The directory is FLASH_CUTE_CACHE_DIR (default
