@@ -116,20 +116,19 @@ def split_plan(kernel, num_counters=8, out_shape=(1, 1, 4, 64), lse_shape=(1, 4,
     return runtime.LaunchPlan(plan, kernel, CPU, torch.float32, out_shape, lse_shape, 1.0)
 
 
+def short_plan(kernel):
+    """A launch plan of a variant that takes the short signature (no optional argument)."""
+    variant = ForwardVariant("bfloat16", 64, False, AttentionConfig(64, 64, pingpong=False))
+    plan = ForwardPlan(variant, num_splits=1, max_ctas=132, num_counters=0)
+    return runtime.LaunchPlan(plan, kernel, CPU, torch.float32, (1, 1, 4, 64), (1, 4, 1), 0.5)
+
+
 def test_launch_passes_arguments_in_the_signature_order(streams):
     """LaunchPlan.launch passes its values positionally: in the order of the compiled entry
     point (compile_cache.SHORT / FULL, read off the kernel's methods)."""
     kernel = Recorder()
-    short = ForwardPlan(
-        ForwardVariant("bfloat16", 64, False, AttentionConfig(64, 64, pingpong=False)),
-        num_splits=1,
-        max_ctas=132,
-        num_counters=0,
-    )
     q, k, v, out = (torch.zeros(1, 1, 4, 64) for _ in range(4))
-    runtime.LaunchPlan(short, kernel, CPU, torch.float32, (1, 1, 4, 64), (1, 4, 1), 0.5).launch(
-        q, k, v, out, kv_length=9
-    )
+    short_plan(kernel).launch(q, k, v, out, kv_length=9)
     sent = dict(zip(SHORT.args, kernel.calls[-1]))
     assert len(kernel.calls[-1]) == len(SHORT.args)
     assert [sent[n] for n in ("q", "k", "v", "out")] == [q, k, v, out]
@@ -203,13 +202,7 @@ def test_launch_plans_memo_their_stream_buffers(streams):
 
 def test_short_signature_plans_allocate_out_like_q():
     kernel = Recorder()
-    plan = ForwardPlan(
-        ForwardVariant("bfloat16", 64, False, AttentionConfig(64, 64, pingpong=False)),
-        num_splits=1,
-        max_ctas=132,
-        num_counters=0,
-    )
-    launch = runtime.LaunchPlan(plan, kernel, CPU, torch.float32, (1, 1, 4, 64), (1, 4, 1), 0.5)
+    launch = short_plan(kernel)
     launch.out_like_q = True
     q = torch.zeros(1, 1, 4, 64)
     out = launch.launch(q, q, q, None)
