@@ -296,9 +296,9 @@ class AttentionConfig:
         return self
 
 
-# (head_dim, dtype, causal) -> config for long sequences. Starting points were FlashAttention-3
-# (hopper/tile_size.h) and FlashAttention's CuTe DSL package; rows were chosen by
-# `python -m flash_cute.bench sweep` and A/B runs on the H100 (PERF_NOTES.md has each one).
+# (head_dim, causal) -> config for long sequences, from FlashAttention-3's (hopper/tile_size.h)
+# and FlashAttention-4's SM90 tiles, then `python -m flash_cute.bench sweep` and interleaved A/B
+# runs on the H100; PERF_NOTES.md has each change's prediction and outcome.
 def _row(tile_m, tile_n, **knobs) -> AttentionConfig:
     return AttentionConfig(tile_m=tile_m, tile_n=tile_n, **knobs)
 
@@ -306,7 +306,7 @@ def _row(tile_m, tile_n, **knobs) -> AttentionConfig:
 # Lazy rescale, max lagging 8 log2 units, on every prefill row: +0.3-6% over the rows without.
 _LAZY = dict(lazy_rescale=True, rescale_threshold=8)
 _BY_HEAD_DIM = {
-    # Static persistent, O rescale under Q K^T, O from registers: +1.4-6.6% at 8k-16k (H100).
+    # Static persistent + lazy rescale: +1.4-6.6% at 8k-16k; O from registers: +0.4-9% (H100).
     (64, False): _row(
         192,
         128,
@@ -316,7 +316,7 @@ _BY_HEAD_DIM = {
         store_o_from_registers=True,
         **_LAZY,
     ),
-    # Dynamic persistent: +2-13% over one CTA per tile at 2k-16k (H100).
+    # Dynamic persistent: +1.5-14% over one CTA per tile at 2k-16k; lazy rescale +1-6% (H100).
     (64, True): _row(192, 128, scheduler="dynamic_persistent", mbarrier_probe=True, **_LAZY),
     # P through smem (P from registers spills at 192 rows); beat 192 x 144 by 2-11% (H100).
     (96, False): _row(
