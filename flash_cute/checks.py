@@ -226,6 +226,46 @@ def _check_int32_vector(name: str, t, length: Optional[int], what: str) -> None:
         raise ValueError(f"{name} must have shape {want} ({what}), got {tuple(t.shape)}")
 
 
+def check_window_size(window_size) -> Tuple[int, int]:
+    """(left, right) ints, each -1 (unbounded) or >= 0."""
+    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2
+    if not ok or any(isinstance(w, bool) or not isinstance(w, int) for w in window_size):
+        raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size sides must be -1 (unbounded) or >= 0, got ({left}, {right})")
+    return left, right
+
+
+def check_softcap(softcap) -> float:
+    """A finite float >= 0 (0: off)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be finite and >= 0 (0: off), got {softcap}")
+    return float(softcap)
+
+
+SINK_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def check_learnable_sink(sink, nheads: int) -> Optional[str]:
+    """None, or a contiguous (nheads,) float32/bfloat16/float16 tensor: its dtype's name."""
+    if sink is None:
+        return None
+    if not isinstance(sink, torch.Tensor):
+        raise TypeError(f"learnable_sink must be a torch.Tensor or None, got {type(sink).__name__}")
+    if sink.dtype not in SINK_DTYPES:
+        raise TypeError(f"learnable_sink must be float32, bfloat16 or float16, got {sink.dtype}")
+    if tuple(sink.shape) != (nheads,):
+        raise ValueError(
+            f"learnable_sink must have shape ({nheads},) (nheads), got {tuple(sink.shape)}"
+        )
+    if nheads > 1 and sink.stride(0) != 1:
+        raise ValueError(f"learnable_sink must be contiguous, got stride {sink.stride()}")
+    return SINK_DTYPES[sink.dtype]
+
+
 def check_cu_seqlens(name: str, t, batch: Optional[int]) -> int:
     """cu_seqlens: (batch + 1,) int32. Returns batch. Contents are not read (no host sync)."""
     _check_int32_vector(name, t, None if batch is None else batch + 1, "batch + 1 prefix sums")

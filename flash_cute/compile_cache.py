@@ -68,7 +68,9 @@ import cutlass.cute  # noqa: E402,F401
 
 
 def _cutlass_dtype(name: str):
-    return {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[name]
+    return {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}[
+        name
+    ]
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,14 @@ class Signature:
 # TVM-FFI a conversion on the host, so the common call passes seven.
 SHORT = Signature.of("call_short")
 FULL = Signature.of("__call__")
-OPTIONAL_TENSORS = ("lse", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table")
+OPTIONAL_TENSORS = (
+    "lse",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "seqused_k",
+    "page_table",
+    "learnable_sink",
+)
 
 
 def signature(variant: ForwardVariant) -> Signature:
@@ -140,6 +149,12 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
         "cu_seqlens_k": int32_tensor(1) if variant.kv_layout == "packed" else None,
         "seqused_k": int32_tensor(1) if variant.seqused_k else None,
         "page_table": int32_tensor(2) if variant.kv_layout == "paged" else None,
+        # (nheads,) sink logits, contiguous
+        "learnable_sink": None
+        if variant.learnable_sink is None
+        else cute.runtime.make_fake_tensor(
+            _cutlass_dtype(variant.learnable_sink), (nheads,), stride=(1,), assumed_align=2
+        ),
         "kv_length": cutlass.Int32(0),
         # Split scratch (partial O, then partial LSE) and the zeroed int32 counters (the
         # dynamic scheduler's, or a split launch's arrivals): addresses, which TVM-FFI

@@ -9,7 +9,7 @@ plan step, and a new launch plan, through which it launches.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -44,6 +44,10 @@ def flash_attn_func(
     return_lse: bool = False,
     out: Optional[torch.Tensor] = None,
     config: Optional[AttentionConfig] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    attention_chunk: int = 0,
+    softcap: float = 0.0,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """Scaled dot-product attention forward on Hopper.
 
@@ -61,10 +65,23 @@ def flash_attn_func(
         return_lse: also return the log-sum-exp of each row.
         out: optional preallocated output, shape and dtype of q, last dim contiguous.
         config: optional `AttentionConfig` overriding the per-head-dim table (validated).
+        window_size: (left, right) local attention, -1 meaning unbounded on that side: query i
+            sees key j iff i + sk - sq - left <= j <= i + sk - sq + right (bottom-right
+            aligned; with causal, the right side is 0). Key blocks outside every row's window
+            are never loaded.
+        attention_chunk: c > 0 also restricts query i to the keys j with
+            floor((i + sk - sq) / c) == floor(j / c) (chunked local attention); 0: off.
+        softcap: scores become softcap * tanh(s * softmax_scale / softcap) before masking and
+            the softmax; 0: off.
+        learnable_sink: (nheads,) float32, bfloat16 or float16 logits, one per head: an extra
+            term exp(sink) in each row's softmax denominator with no value row (not scaled by
+            softmax_scale). The returned LSE includes it; a row that sees no key gets out = 0
+            and lse = its sink.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim) in q's dtype, and with return_lse also
-        lse (batch, nheads, seqlen_q) float32 (natural log; -inf for rows with no keys).
+        lse (batch, nheads, seqlen_q) float32 (natural log; -inf for rows with no keys and no
+        sink).
 
     Runs on torch's current CUDA stream, with no host synchronization, so a call can be
     captured in a CUDA graph after one warm-up call (which compiles the kernel).
@@ -85,9 +102,15 @@ def flash_attn_func(
             causal,
             return_lse,
             config,
+            window_size,
+            attention_chunk,
+            softcap,
+            None if learnable_sink is None else (learnable_sink.shape, learnable_sink.dtype),
             type(softmax_scale),
             type(causal),
             type(return_lse),
+            type(attention_chunk),
+            type(softcap),
         )  # True == 1 == 1.0 as keys
         plan = FUNC_PLANS.get(key)
     except (AttributeError, TypeError):
@@ -96,7 +119,9 @@ def flash_attn_func(
         plan.device_index == current_device() if out is None else plan.usable(q, k, v, out)
     ):
         try:
-            return plan.launch(q, k, v, out)
+            if learnable_sink is None:
+                return plan.launch(q, k, v, out)
+            return plan.launch(q, k, v, out, None, None, None, None, 0, learnable_sink)
         except Exception:  # an argument the compiled function refused: the checks below name it
             pass
     checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
@@ -121,10 +146,24 @@ def flash_attn_func(
         kv_capacity=k.shape[1],
         causal=checks.optional_bool("causal", causal),
         writes_lse=checks.optional_bool("return_lse", return_lse),
+        **_mask_options(window_size, attention_chunk, softcap, learnable_sink, nheads),
     )
     # The prefill table whatever seqlen_q is, and no packed GQA: the padded API's kernels.
     return _forward(
-        FUNC_PLANS, key, problem, q, k, v, out, softmax_scale, config, 1, False, decode_rows=False
+        FUNC_PLANS,
+        key,
+        problem,
+        q,
+        k,
+        v,
+        out,
+        softmax_scale,
+        config,
+        1,
+        False,
+        decode_rows=False,
+        named=(("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink)),
+        learnable_sink=learnable_sink,
     )
 
 
@@ -145,6 +184,10 @@ def flash_attn_varlen_func(
     return_softmax_lse: bool = False,
     out: Optional[torch.Tensor] = None,
     config: Optional[AttentionConfig] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    attention_chunk: int = 0,
+    softcap: float = 0.0,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """Attention over a batch of variable-length sequences packed along one token dimension.
 
@@ -167,6 +210,8 @@ def flash_attn_varlen_func(
         pack_gqa: fold the q heads of a kv head into one tile (None: when it helps).
         config: optional `AttentionConfig` overriding the tables (validated); split-KV
             launches keep one CTA per query tile whatever its scheduler says.
+        window_size, attention_chunk, softcap, learnable_sink: as in flash_attn_func, per
+            sequence (i and j count within the sequence).
         Other arguments as in flash_attn_func.
 
     Returns:
@@ -201,6 +246,10 @@ def flash_attn_varlen_func(
             pack_gqa,
             return_softmax_lse,
             config,
+            window_size,
+            attention_chunk,
+            softcap,
+            None if learnable_sink is None else (learnable_sink.shape, learnable_sink.dtype),
             type(max_seqlen_q),
             type(max_seqlen_k),
             type(softmax_scale),
@@ -208,6 +257,8 @@ def flash_attn_varlen_func(
             type(num_splits),
             type(pack_gqa),
             type(return_softmax_lse),
+            type(attention_chunk),
+            type(softcap),
         )
         plan = VARLEN_PLANS.get(key)
     except (AttributeError, TypeError):
@@ -216,7 +267,9 @@ def flash_attn_varlen_func(
         plan.device_index == current_device() if out is None else plan.usable(q, k, v, out)
     ):
         try:
-            return plan.launch(q, k, v, out, seqused_k, page_table, cu_seqlens_q, cu_seqlens_k)
+            return plan.launch(
+                q, k, v, out, seqused_k, page_table, cu_seqlens_q, cu_seqlens_k, 0, learnable_sink
+            )
         except Exception:  # an argument the compiled function refused: the checks below name it
             pass
     checks.check_tensor("q", q, 3, "(total_q, nheads, headdim)")
@@ -280,6 +333,7 @@ def flash_attn_varlen_func(
         kv_layout=kv_layout,
         page_size=k.shape[1] if kv_layout == "paged" else None,
         seqused_k=seqused_k is not None,
+        **_mask_options(window_size, attention_chunk, softcap, learnable_sink, nheads),
     )
     return _forward(
         VARLEN_PLANS,
@@ -301,11 +355,13 @@ def flash_attn_varlen_func(
             ("cu_seqlens_k", cu_seqlens_k),
             ("seqused_k", seqused_k),
             ("page_table", page_table),
+            ("learnable_sink", learnable_sink),
         ),
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
         seqused_k=seqused_k,
         page_table=page_table,
+        learnable_sink=learnable_sink,
     )
 
 
@@ -322,6 +378,10 @@ def flash_attn_with_kvcache(
     return_softmax_lse: bool = False,
     out: Optional[torch.Tensor] = None,
     config: Optional[AttentionConfig] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    attention_chunk: int = 0,
+    softcap: float = 0.0,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """Attention of new queries over a KV cache (decoding, and prefill against a cache).
 
@@ -342,6 +402,8 @@ def flash_attn_with_kvcache(
             once for all of them (None: on whenever nheads > nheads_kv and it fits the tile).
         config: optional `AttentionConfig` overriding the decode and prefill tables
             (validated); persistent schedulers apply only when the call does not split.
+        window_size, attention_chunk, softcap, learnable_sink: as in flash_attn_func, per
+            sequence (i and j count within the sequence).
         Other arguments as in flash_attn_func.
 
     Returns:
@@ -379,11 +441,17 @@ def flash_attn_with_kvcache(
             pack_gqa,
             return_softmax_lse,
             config,
+            window_size,
+            attention_chunk,
+            softcap,
+            None if learnable_sink is None else (learnable_sink.shape, learnable_sink.dtype),
             type(softmax_scale),
             type(causal),
             type(num_splits),
             type(pack_gqa),
             type(return_softmax_lse),
+            type(attention_chunk),
+            type(softcap),
         )
         plan = KVCACHE_PLANS.get(key)
     except (AttributeError, TypeError):
@@ -395,11 +463,15 @@ def flash_attn_with_kvcache(
     ):
         try:
             if plan.int_capacity is None:
-                return plan.launch(q, k_cache, v_cache, out, cache_seqlens, page_table)
+                return plan.launch(
+                    q, k_cache, v_cache, out, cache_seqlens, page_table, None, None, 0,
+                    learnable_sink,
+                )  # fmt: skip
             if 0 <= cache_seqlens <= plan.int_capacity:  # otherwise the checks below raise
                 return plan.launch(
-                    q, k_cache, v_cache, out, None, page_table, None, None, cache_seqlens
-                )
+                    q, k_cache, v_cache, out, None, page_table, None, None, cache_seqlens,
+                    learnable_sink,
+                )  # fmt: skip
         except Exception:  # an argument the compiled function refused: the checks below name it
             pass
     checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
@@ -457,6 +529,7 @@ def flash_attn_with_kvcache(
         # The kernel takes an int length as a scalar (also for a contiguous cache, rather than
         # a slice of it, which costs two views per call).
         scalar_kv_length=int_length is not None,
+        **_mask_options(window_size, attention_chunk, softcap, learnable_sink, nheads),
     )
     return _forward(
         KVCACHE_PLANS,
@@ -476,11 +549,13 @@ def flash_attn_with_kvcache(
             ("v_cache", v_cache),
             ("page_table", page_table),
             ("cache_seqlens", seqused_k),
+            ("learnable_sink", learnable_sink),
         ),
         seqused_k=seqused_k,
         page_table=page_table,
         kv_length=int_length,
         int_capacity=capacity,
+        learnable_sink=learnable_sink,
     )
 
 
@@ -554,6 +629,7 @@ def _forward(
     page_table=None,
     kv_length=None,
     int_capacity=None,
+    learnable_sink=None,
 ):
     """The forward path every entry point shares once its own arguments are checked and its
     call is described by `problem`: the common checks, the plan step, a launch plan (kept in
@@ -594,7 +670,7 @@ def _forward(
     with runtime.on_device(q.device):  # (its buffers follow q's device's current stream)
         result = launch.launch(
             q_k, k_k, v_k, out_k, seqused_k, page_table, cu_seqlens_q, cu_seqlens_k,
-            0 if kv_length is None else kv_length,
+            0 if kv_length is None else kv_length, learnable_sink,
         )  # fmt: skip
     out_k, lse = result if problem.writes_lse else (result, None)
     if out_k.data_ptr() != out.data_ptr():
@@ -604,6 +680,18 @@ def _forward(
             launch.int_capacity = int_capacity  # replays check their length against it
         plans.remember(key, launch)
     return (out, lse) if problem.writes_lse else out
+
+
+def _mask_options(window_size, attention_chunk, softcap, learnable_sink, nheads) -> dict:
+    """The Problem fields of the local mask, softcap and sink arguments, checked."""
+    window_left, window_right = checks.check_window_size(window_size)
+    return dict(
+        window_left=window_left,
+        window_right=window_right,
+        attention_chunk=checks.check_host_int("attention_chunk", attention_chunk),
+        softcap=checks.check_softcap(softcap),
+        learnable_sink=checks.check_learnable_sink(learnable_sink, nheads),
+    )
 
 
 def _int_meta(t):

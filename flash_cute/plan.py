@@ -12,7 +12,9 @@ Every rewrite of a config happens here and nowhere else:
 - the scheduler: split launches run one CTA per tile; a dynamic persistent config whose tiles
   fit in one wave of CTAs runs its static twin (same tile order, no tile counter);
 - the O store: split and varlen launches store O from registers (their rows are ragged);
-- ping-pong needs two MMA warpgroups, and the O rescale under Q K^T needs the overlap.
+- ping-pong needs two MMA warpgroups, and the O rescale under Q K^T needs the overlap;
+- the mask (attention_mask): causal, a local window or chunk, or none; a local mask takes the
+  causal rows, and its split count counts only the keys a tile can see.
 
 The kernel takes the variant whole and derives only device-side facts from it. Nothing here
 reads a tensor or a device: the SM count is an argument, so a plan is a pure function.
@@ -38,7 +40,8 @@ class Problem:
     rows. kv_layout: "padded" (batch, seqlen_k, ...), "packed" (total_k, ...) with
     cu_seqlens_k, or "paged" (num_pages, page_size, ...) with a page table. seqused_k: the
     valid keys of each sequence come from a (batch,) tensor; scalar_kv_length: from one int
-    for every sequence.
+    for every sequence. causal is bottom-right aligned; a window given with it keeps its left
+    side and gets a right side of 0.
     """
 
     batch: int
@@ -57,6 +60,14 @@ class Problem:
     page_size: Optional[int] = None
     seqused_k: bool = False
     scalar_kv_length: bool = False
+    # FlashAttention-3's local attention: query i sees key j iff
+    # i + sk - sq - window_left <= j <= i + sk - sq + window_right (-1: unbounded), and with
+    # attention_chunk c also floor((i + sk - sq) / c) == floor(j / c).
+    window_left: int = -1
+    window_right: int = -1
+    attention_chunk: int = 0
+    softcap: float = 0.0  # scores become softcap * tanh(s * scale / softcap); 0: off
+    learnable_sink: Optional[str] = None  # the (nheads,) sink logits' dtype; None: no sink
 
     @property
     def qheads_per_kvhead(self) -> int:
@@ -85,6 +96,14 @@ class ForwardVariant:
     page_box_rows: Optional[int] = None
     split: bool = False
     pack_gqa_ratio: int = 1
+    # Local attention (Problem's semantics), baked into the kernel: window sides (-1:
+    # unbounded) and chunk (0: none). A variant with any of them is local and not causal
+    # (causal with a window is the window with a right side of 0).
+    window_left: int = -1
+    window_right: int = -1
+    attention_chunk: int = 0
+    softcap: float = 0.0
+    learnable_sink: Optional[str] = None  # the sink logits' dtype
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -112,6 +131,12 @@ class ForwardVariant:
             problems.append("pingpong needs two MMA warpgroups")
         if c.rescale_o_before_pv and not c.intra_wg_overlap:
             problems.append("rescale_o_before_pv needs intra_wg_overlap")
+        if self.local and self.causal:
+            problems.append("a local variant carries causality as window_right = 0")
+        if min(self.window_left, self.window_right) < -1 or self.attention_chunk < 0:
+            problems.append("window sides are -1 or >= 0, the chunk >= 0")
+        if not self.softcap >= 0:
+            problems.append("softcap must be >= 0")
         if problems:
             raise ValueError(f"invalid {self}: " + "; ".join(problems))
         # Hashed once: the compile cache looks variants up on every first call.
@@ -127,6 +152,11 @@ class ForwardVariant:
         for name, value in state.items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_hash", hash(tuple(state[f] for f in _VARIANT_FIELDS)))
+
+    @property
+    def local(self) -> bool:
+        """A sliding window or chunked local attention (not plain causal)."""
+        return self.window_left >= 0 or self.window_right >= 0 or self.attention_chunk > 0
 
     def describe(self) -> str:
         """A short label: head dim, dtype, causal, tile, scheduler, and the problem flags."""
@@ -145,6 +175,11 @@ class ForwardVariant:
         )
         flags += ["split"] if self.split else []
         flags += [f"pack{self.pack_gqa_ratio}"] if self.pack_gqa_ratio > 1 else []
+        if self.local:
+            flags.append(f"window({self.window_left},{self.window_right})")
+        flags += [f"chunk{self.attention_chunk}"] if self.attention_chunk else []
+        flags += [f"softcap{self.softcap:g}"] if self.softcap else []
+        flags += [f"sink-{self.learnable_sink}"] if self.learnable_sink else []
         return " ".join(flags)
 
     @property
@@ -155,8 +190,8 @@ class ForwardVariant:
     @property
     def takes_optionals(self) -> bool:
         """Whether the kernel uses any optional argument (LSE, varlen offsets, packed or paged
-        K/V, seqused_k, split scratch, tile counter); one that uses none is compiled with the
-        short signature (compile_cache.SHORT)."""
+        K/V, seqused_k, learnable sink, split scratch, tile counter); one that uses none is
+        compiled with the short signature (compile_cache.SHORT)."""
         return (
             self.writes_lse
             or self.varlen_q
@@ -164,6 +199,7 @@ class ForwardVariant:
             or self.seqused_k
             or self.split
             or self.uses_tile_counter
+            or self.learnable_sink is not None
         )
 
 
@@ -199,13 +235,15 @@ def plan_forward(
     problems take the decode table (flash_attn_func always takes the prefill table).
     """
     ratio = problem.qheads_per_kvhead
+    causal, window_left, window_right, chunk = attention_mask(problem)
+    local = window_left >= 0 or window_right >= 0 or chunk > 0
     if config is None:
         decode_like = decode_rows and problem.max_seqlen_q * ratio <= DECODE_ROWS
         if decode_like:
             config = decode_config(problem.head_dim, problem.dtype)
-        else:
+        else:  # a local mask takes the causal rows (a band of the causal triangle, usually)
             config = default_config(
-                problem.head_dim, problem.dtype, problem.causal, problem.max_seqlen_q
+                problem.head_dim, problem.dtype, causal or local, problem.max_seqlen_q
             )
     if pack_gqa is None:  # K/V tiles read once for all q heads of a kv head
         pack_gqa = ratio > 1 and config.tile_m % ratio == 0
@@ -217,7 +255,14 @@ def plan_forward(
     pack_ratio = ratio if pack_gqa else 1
     max_ctas = num_sms * config.ctas_per_sm
     if num_splits == 0:
-        n_blocks = math.ceil(problem.max_seqlen_k / config.tile_n)
+        visible = problem.max_seqlen_k
+        if local:  # the keys a tile's rows can see: the splits share those out
+            tile_tokens = math.ceil(config.tile_m / pack_ratio)
+            sides = [w if w >= 0 else problem.max_seqlen_k for w in (window_left, window_right)]
+            visible = min(visible, sum(sides) + 1 + tile_tokens)
+            if chunk:
+                visible = min(visible, chunk + tile_tokens)
+        n_blocks = math.ceil(visible / config.tile_n)
         num_splits = num_splits_heuristic(
             padded_tiles(problem, config.tile_m, pack_ratio), n_blocks, max_ctas
         )
@@ -229,7 +274,7 @@ def plan_forward(
     variant = ForwardVariant(
         dtype=problem.dtype,
         head_dim=problem.head_dim,
-        causal=problem.causal,
+        causal=causal,
         config=config,
         writes_lse=problem.writes_lse,
         varlen_q=problem.varlen_q,
@@ -239,6 +284,11 @@ def plan_forward(
         page_box_rows=page_box_rows,
         split=split,
         pack_gqa_ratio=pack_ratio,
+        window_left=window_left,
+        window_right=window_right,
+        attention_chunk=chunk,
+        softcap=float(problem.softcap),
+        learnable_sink=problem.learnable_sink,
     )
     if variant.uses_tile_counter:
         num_counters = 2
@@ -247,6 +297,29 @@ def plan_forward(
     else:
         num_counters = 0
     return ForwardPlan(variant, num_splits, max_ctas, num_counters)
+
+
+def attention_mask(problem: Problem) -> tuple:
+    """(causal, window_left, window_right, attention_chunk) as the kernel takes them. causal
+    with a window is the window with a right side of 0; a side reaching past every key is
+    unbounded (-1), so a window covering every key is no window; what is left is plain causal
+    ((-1, 0) and no chunk), no mask, or a local mask."""
+    left, right, chunk = problem.window_left, problem.window_right, problem.attention_chunk
+    if left < 0 and right < 0 and chunk == 0:
+        return problem.causal, -1, -1, 0
+    if problem.causal:
+        right = 0
+    # Bounds on any sequence's key and query counts (a varlen call's max_seqlen_q is the
+    # caller's word; its packed row count is not).
+    keys = problem.kv_capacity
+    queries = problem.total_q if problem.varlen_q else problem.max_seqlen_q
+    if left >= keys - 1:  # row i's window starts at i + sk - sq - left <= 0
+        left = -1
+    if right >= queries - 1:  # and ends at i + sk - sq + right >= sk - 1
+        right = -1
+    if chunk == 0 and left < 0 and right <= 0:
+        return right == 0, -1, -1, 0
+    return False, left, right, chunk
 
 
 def _effective_config(

@@ -22,6 +22,31 @@ def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     return cols > rows + (seqlen_k - seqlen_q)
 
 
+def local_mask(
+    seqlen_q: int,
+    seqlen_k: int,
+    window_size: Tuple[int, int] = (-1, -1),
+    attention_chunk: int = 0,
+    device=None,
+) -> torch.Tensor:
+    """True where query i may NOT attend key j under FlashAttention-3's local attention: with
+    x = i + seqlen_k - seqlen_q, j must satisfy x - left <= j <= x + right (a side of -1 is
+    unbounded) and, with a chunk of c keys, lie in x's chunk: floor(j / c) == floor(x / c)."""
+    rows = torch.arange(seqlen_q, device=device).unsqueeze(1)
+    cols = torch.arange(seqlen_k, device=device).unsqueeze(0)
+    x = rows + (seqlen_k - seqlen_q)
+    masked = torch.zeros(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    left, right = window_size
+    if left >= 0:
+        masked |= cols < x - left
+    if right >= 0:
+        masked |= cols > x + right
+    if attention_chunk > 0:
+        start = x - x % attention_chunk  # floor: torch's % takes the divisor's sign
+        masked |= (cols < start) | (cols >= start + attention_chunk)
+    return masked
+
+
 def attention_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -29,12 +54,20 @@ def attention_ref(
     softmax_scale: Optional[float] = None,
     causal: bool = False,
     upcast: bool = True,
+    window_size: Tuple[int, int] = (-1, -1),
+    attention_chunk: int = 0,
+    softcap: float = 0.0,
+    learnable_sink: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Attention over q (batch, seqlen_q, nheads, d) and k, v (batch, seqlen_k, nheads_kv, d).
+    """Attention over q (batch, seqlen_q, nheads, d) and k, v (batch, seqlen_k, nheads_kv, d),
+    with FlashAttention-3's semantics: causal bottom-right aligned (with a window: its right
+    side 0), local windows and chunks (`local_mask`), softcap (scores become softcap *
+    tanh(s * scale / softcap) before masking), and learnable sinks ((nheads,) logits, one more
+    term exp(sink) in each row's denominator with no value row, in the LSE too).
 
     Returns out (batch, seqlen_q, nheads, d), float32 when upcast else q's dtype, and lse
-    (batch, nheads, seqlen_q) in float32 (natural log; -inf for a row with no keys, whose out
-    is 0).
+    (batch, nheads, seqlen_q) in float32 (natural log). A row with no keys gets out = 0 and
+    lse = -inf, or its sink.
     """
     dtype = q.dtype
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -48,11 +81,22 @@ def attention_ref(
         v = v.repeat_interleave(nheads // nheads_kv, dim=2)
     # Scale q first, in the working dtype, as an input-precision implementation would.
     scores = torch.einsum("bthd,bshd->bhts", q * softmax_scale, k).float()
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    left, right = window_size
     if causal:
-        scores = scores.masked_fill(causal_mask(seqlen_q, seqlen_k, q.device), float("-inf"))
+        right = 0
+    if left >= 0 or right >= 0 or attention_chunk > 0:
+        masked = local_mask(seqlen_q, seqlen_k, (left, right), attention_chunk, q.device)
+        scores = scores.masked_fill(masked, float("-inf"))
+    if learnable_sink is not None:  # one more column, dropped after the softmax
+        sink = learnable_sink.float().view(1, nheads, 1, 1).expand(batch, nheads, seqlen_q, 1)
+        scores = torch.cat([scores, sink], dim=-1)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.softmax(scores, dim=-1)
     probs = torch.nan_to_num(probs, nan=0.0)  # rows with no keys
+    if learnable_sink is not None:
+        probs = probs[..., :-1]
     out = torch.einsum("bhts,bshd->bthd", probs.to(v.dtype), v)
     return (out if upcast else out.to(dtype)), lse
 

@@ -44,6 +44,7 @@ Problem variants (static; each is a separate compiled kernel, flash_cute.plan.Fo
   (row = token * ratio + head), so each K/V tile is read once for all of them.
 """
 
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional, Tuple
@@ -56,11 +57,11 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import hopper_mma
-from .block_range import KeyBlockRange
+from .block_range import KeyBlockRange, LocalWindow
 from .masking import AttentionMask
 from .named_barriers import NamedBarrier
 from .seqlen_info import SeqlenInfo
-from .softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_any_changed
+from .softmax import OnlineSoftmax, apply_softcap, rescale_rows, rescale_rows_if_any_changed
 from .split_merge import lanes_per_row, merge_row
 from .tile_scheduler import (
     PersistentTileScheduler,
@@ -71,6 +72,8 @@ from .tile_scheduler import (
 from .tma_loads import TmaBlockLoader, TmaPagedBlockLoader
 
 THREADS_PER_WARPGROUP = 128
+LOG2_E = math.log2(math.e)
+LN2 = math.log(2.0)
 
 
 def _row_major_wide(shape) -> Tuple[cute.Layout, cutlass.Int64]:
@@ -122,6 +125,7 @@ class MainloopOperands:
     acc_S_shape: object
     acc_O: cute.Tensor
     softmax: OnlineSoftmax
+    softcap_prescale: Optional[Float32]  # softmax_scale / softcap, where softcap is on
     pending_scale: Optional[cute.Tensor]
     mask: AttentionMask
     m_block: Int32
@@ -136,8 +140,8 @@ class MainloopOperands:
 @dataclass(frozen=True)
 class ProblemShapes:
     """What every tile reads of the launch's run-time problem: q and k in kernel mode order
-    (their shapes), the per-sequence tensors, the split count, and the scalar key count of
-    scalar_kv_length variants (None otherwise)."""
+    (their shapes), the per-sequence tensors, the per-head sink logits, the split count, and
+    the scalar key count of scalar_kv_length variants (None otherwise)."""
 
     mQ: cute.Tensor
     mK: cute.Tensor
@@ -145,6 +149,7 @@ class ProblemShapes:
     mCuSeqlensK: Optional[cute.Tensor]
     mSeqUsedK: Optional[cute.Tensor]
     mPageTable: Optional[cute.Tensor]
+    mLearnableSink: Optional[cute.Tensor]
     num_splits: Int32
     kv_length: Optional[Int32]
 
@@ -190,6 +195,9 @@ class FlashAttentionForwardSm90:
         self.num_mma_warpgroups = config.num_mma_warpgroups
         self.num_mma_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
         self.num_threads = THREADS_PER_WARPGROUP * (1 + self.num_mma_warpgroups)
+        self.window = LocalWindow(
+            variant.window_left, variant.window_right, variant.attention_chunk
+        )
         # Whether K/V rows past a sequence's end can be loaded (see _clear_v_tail).
         self.clears_v_tail = (
             variant.kv_layout != "padded" or variant.seqused_k or variant.scalar_kv_length
@@ -256,6 +264,7 @@ class FlashAttentionForwardSm90:
         cu_seqlens_k: Optional[cute.Tensor],
         seqused_k: Optional[cute.Tensor],
         page_table: Optional[cute.Tensor],
+        learnable_sink: Optional[cute.Tensor],
         kv_length: Int32,
         partials: Optional[cute.Pointer],
         counters: Optional[cute.Pointer],
@@ -284,8 +293,9 @@ class FlashAttentionForwardSm90:
             # never read.
             mCounters = cute.make_tensor(counters, cute.make_layout(1 << 30))
         self._launch(
-            q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, kv_length,
-            out_partial, lse_partial, mCounters, scale_log2, max_ctas, num_splits, stream,
+            q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, learnable_sink,
+            kv_length, out_partial, lse_partial, mCounters, scale_log2, max_ctas, num_splits,
+            stream,
         )  # fmt: skip
 
     @cute.jit
@@ -303,7 +313,7 @@ class FlashAttentionForwardSm90:
         """The signature of a variant that uses none of the optional arguments: a call passes
         eight arguments fewer through TVM-FFI, which converts each on the host."""
         self._launch(
-            q, k, v, out, None, None, None, None, None, kv_length,
+            q, k, v, out, None, None, None, None, None, None, kv_length,
             None, None, None, scale_log2, max_ctas, Int32(1), stream,
         )  # fmt: skip
 
@@ -319,6 +329,7 @@ class FlashAttentionForwardSm90:
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
         mPageTable: Optional[cute.Tensor],
+        mLearnableSink: Optional[cute.Tensor],
         kv_length: Int32,
         mOPartial: Optional[cute.Tensor],
         mLSEPartial: Optional[cute.Tensor],
@@ -445,6 +456,7 @@ class FlashAttentionForwardSm90:
             mCuSeqlensK,
             mSeqUsedK,
             mPageTable,
+            mLearnableSink,
             mCounters,
             num_splits,
             max_ctas,
@@ -490,6 +502,7 @@ class FlashAttentionForwardSm90:
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
         mPageTable: Optional[cute.Tensor],
+        mLearnableSink: Optional[cute.Tensor],
         mCounters: Optional[cute.Tensor],
         num_splits: Int32,
         max_ctas: Int32,
@@ -572,6 +585,7 @@ class FlashAttentionForwardSm90:
             mCuSeqlensK=mCuSeqlensK,
             mSeqUsedK=mSeqUsedK,
             mPageTable=mPageTable,
+            mLearnableSink=mLearnableSink,
             num_splits=num_splits,
             kv_length=kv_length if const_expr(self.variant.scalar_kv_length) else None,
         )
@@ -689,6 +703,7 @@ class FlashAttentionForwardSm90:
             self.variant.pack_gqa_ratio,
             seqlen.seqlen_q,
             seqlen.seqlen_k,
+            self.window,
         )
         n_block_min, n_block_max = block_range.bounds(
             tile.m_block,
@@ -876,6 +891,7 @@ class FlashAttentionForwardSm90:
             self.variant.pack_gqa_ratio,
             seqlen.seqlen_q,
             seqlen.seqlen_k,
+            self.window,
         )
         m_block = tile.m_block
         # WGMMA operands are per warpgroup: slice at the warpgroup's first thread.
@@ -895,6 +911,13 @@ class FlashAttentionForwardSm90:
                 tidx
             )
             tPsP = smem_copy_P.partition_D(sP)
+        # Softcap: the scores become tanh(s * scale / softcap), and the softmax's scale is
+        # softcap * log2(e).
+        softcap_prescale = None
+        if const_expr(self.variant.softcap > 0):
+            softcap_log2 = self.variant.softcap * LOG2_E
+            softcap_prescale = softmax_scale_log2 * (1.0 / softcap_log2)
+            softmax_scale_log2 = Float32(softcap_log2)
         softmax = OnlineSoftmax.create(
             softmax_scale_log2,
             cute.size(hopper_mma.acc_as_rows_cols(acc_O), mode=[0]),
@@ -916,6 +939,7 @@ class FlashAttentionForwardSm90:
             acc_S_shape=wg_mma_qk.partition_shape_C((self.config.tile_m, self.config.tile_n)),
             acc_O=acc_O,
             softmax=softmax,
+            softcap_prescale=softcap_prescale,
             # With rescale_o_before_pv, the O rescale owed by the last softmax step.
             pending_scale=cute.make_rmem_tensor(softmax.num_rows, Float32)
             if const_expr(self.config.rescale_o_before_pv)
@@ -933,6 +957,11 @@ class FlashAttentionForwardSm90:
         acc_O.fill(0.0)
         lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
         lse.fill(-Float32.inf)  # an empty tile or split: out = 0, lse = -inf
+        sink_log2 = None
+        if const_expr(shapes.mLearnableSink is not None):
+            sink_log2 = self._row_sinks_log2(shapes.mLearnableSink, tiled_mma_pv, tidx, tile)
+            for r in cutlass.range_constexpr(softmax.num_rows):
+                lse[r] = sink_log2[r] * LN2  # a row that sees no key: lse = its sink
         # Who frees Q when: after the mainloop, except in a persistent kernel whose O
         # overwrites Q's smem (then the epilogue's storing warp does, after the store).
         release_q_after_mainloop = const_expr(not self.o_overwrites_q)
@@ -947,14 +976,7 @@ class FlashAttentionForwardSm90:
                 self._wait_full(pipeline_k, kv_state)
                 acc_S = self._qk_gemm(ctx, kv_state.index, 0)
                 pipeline_k.consumer_release(kv_state)
-                mask.apply(
-                    acc_S,
-                    ctx.thr_mma_qk,
-                    m_block,
-                    n_block_max - 1,
-                    mask_seqlen=True,
-                    mask_causal=self.variant.causal,
-                )
+                self._mask_scores(ctx, acc_S, n_block_max - 1, mask_seqlen=True, masked=True)
                 softmax.step(acc_S, is_first=True)
                 self._scores_to_p(ctx, acc_S)
                 if const_expr(self.config.rescale_o_before_pv):
@@ -962,7 +984,7 @@ class FlashAttentionForwardSm90:
             else:
                 self._schedule_wait(warpgroup_idx)
                 kv_state = self._block_no_overlap(
-                    ctx, kv_state, n_block_max - 1, self.variant.causal, is_first=True
+                    ctx, kv_state, n_block_max - 1, True, is_first=True
                 )
             kv_state = self._mainloop_rest(ctx, block_range, kv_state, n_block_min, n_block_max - 1)
             if const_expr(release_q_after_mainloop):
@@ -983,7 +1005,7 @@ class FlashAttentionForwardSm90:
 
             # A split's partial O is normalized by its own row sum; the merge (_merge_splits)
             # weighs it by exp(lse_split - lse).
-            inv_row_sum, row_lse = softmax.finalize()
+            inv_row_sum, row_lse = softmax.finalize(sink_log2)
             rescale_rows(acc_O, inv_row_sum)
             lse.store(row_lse.load())
         else:
@@ -1000,7 +1022,9 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def _mainloop_rest(self, ctx, block_range, kv_state, n_block_min: Int32, n_block_next: Int32):
-        """Key blocks n_block_next - 1 down to n_block_min: the causally masked ones first."""
+        """Key blocks n_block_next - 1 down to n_block_min: those crossing the diagonal (causal)
+        or the window's right edge (local) first, masked, then the unmasked ones, then those
+        crossing the window's left edge, masked."""
         m_block = ctx.m_block
         block_step = (
             self._block_overlap
@@ -1014,9 +1038,57 @@ class FlashAttentionForwardSm90:
             for i in cutlass.range(n_block_next - n_block_masked_min, unroll=1):
                 kv_state = block_step(ctx, kv_state, n_block_next - 1 - i, True)
             n_block_next = cutlass.min(n_block_next, n_block_masked_min)
-        for i in cutlass.range(n_block_next - n_block_min, unroll=1):
+        n_block_unmasked_min = n_block_min
+        if const_expr(self.variant.local):
+            right_from = cutlass.max(block_range.first_right_masked_block(m_block), n_block_min)
+            for i in cutlass.range(cutlass.max(n_block_next - right_from, 0), unroll=1):
+                kv_state = block_step(ctx, kv_state, n_block_next - 1 - i, True)
+            n_block_next = cutlass.min(n_block_next, right_from)
+            n_block_unmasked_min = cutlass.min(
+                cutlass.max(block_range.left_masked_blocks_end(m_block), n_block_min),
+                n_block_next,
+            )
+        for i in cutlass.range(n_block_next - n_block_unmasked_min, unroll=1):
             kv_state = block_step(ctx, kv_state, n_block_next - 1 - i, False)
+        if const_expr(self.variant.local):
+            for i in cutlass.range(n_block_unmasked_min - n_block_min, unroll=1):
+                kv_state = block_step(ctx, kv_state, n_block_unmasked_min - 1 - i, True)
         return kv_state
+
+    def _mask_scores(self, ctx, acc_S, n_block, mask_seqlen: bool, masked: bool):
+        """Scores of key block n_block, softcapped where the variant says so, then masked: keys
+        past seqlen_k where mask_seqlen, and where masked (a block crossing the diagonal or an
+        edge of the window) the variant's causal or local mask."""
+        if const_expr(self.variant.softcap > 0):
+            apply_softcap(acc_S, ctx.softcap_prescale)
+        ctx.mask.apply(
+            acc_S,
+            ctx.thr_mma_qk,
+            ctx.m_block,
+            n_block,
+            mask_seqlen=mask_seqlen,
+            mask_causal=masked and self.variant.causal,
+            mask_local=masked and self.variant.local,
+        )
+
+    @cute.jit
+    def _row_sinks_log2(self, mLearnableSink: cute.Tensor, tiled_mma_pv, tidx: Int32, tile):
+        """Per row of the thread's accumulator, its head's sink logit times log2(e); -inf in
+        splits other than the first, so that a split launch counts each sink once."""
+        coords = hopper_mma.acc_as_rows_cols(
+            tiled_mma_pv.get_slice(tidx).partition_C(
+                cute.make_identity_tensor((self.config.tile_m, self.variant.head_dim))
+            )
+        )
+        num_rows = cute.size(coords, mode=[0])
+        sinks = cute.make_rmem_tensor(num_rows, Float32)
+        for r in cutlass.range_constexpr(num_rows):
+            _, head = self._row_of_tile(coords[r, 0][0], tile)
+            sinks[r] = mLearnableSink[head].to(Float32) * LOG2_E
+            if const_expr(self.variant.split):
+                if tile.split_idx != 0:
+                    sinks[r] = -Float32.inf
+        return sinks
 
     def _qk_gemm(self, ctx, stage, wait_groups):
         acc_S = cute.make_rmem_tensor(ctx.acc_S_shape, Float32)
@@ -1060,7 +1132,7 @@ class FlashAttentionForwardSm90:
             cute.arch.fence_view_async_shared()
             cute.arch.sync_warp()
 
-    def _block_overlap(self, ctx, kv_state, n_block, mask_causal: bool):
+    def _block_overlap(self, ctx, kv_state, n_block, masked: bool):
         """Issue S = Q K(n), then O += P(n+1) V(n+1); the softmax of S(n) runs under P V."""
         v_state = kv_state.clone()
         kv_state.advance()
@@ -1076,9 +1148,7 @@ class FlashAttentionForwardSm90:
         self._schedule_signal_next(ctx.warpgroup_idx)
         warpgroup.wait_group(1)
         ctx.pipeline_k.consumer_release(kv_state)
-        ctx.mask.apply(
-            acc_S, ctx.thr_mma_qk, ctx.m_block, n_block, mask_seqlen=False, mask_causal=mask_causal
-        )
+        self._mask_scores(ctx, acc_S, n_block, mask_seqlen=False, masked=masked)
         row_scale = ctx.softmax.step(acc_S, is_first=False)
         warpgroup.wait_group(0)
         ctx.pipeline_v.consumer_release(v_state)
@@ -1089,7 +1159,7 @@ class FlashAttentionForwardSm90:
             self._rescale_o(ctx.acc_O, row_scale)
         return kv_state
 
-    def _block_no_overlap(self, ctx, kv_state, n_block, mask_causal: bool, is_first: bool = False):
+    def _block_no_overlap(self, ctx, kv_state, n_block, masked: bool, is_first: bool = False):
         """S = Q K(n); softmax; O += P V(n). A warpgroup's ping-pong turn spans this block's
         P V and the next block's Q K^T: the caller waits before the first block and signals
         after the last."""
@@ -1098,14 +1168,7 @@ class FlashAttentionForwardSm90:
         self._schedule_signal_next(ctx.warpgroup_idx)
         warpgroup.wait_group(0)
         ctx.pipeline_k.consumer_release(kv_state)
-        ctx.mask.apply(
-            acc_S,
-            ctx.thr_mma_qk,
-            ctx.m_block,
-            n_block,
-            mask_seqlen=is_first,
-            mask_causal=mask_causal,
-        )
+        self._mask_scores(ctx, acc_S, n_block, mask_seqlen=is_first, masked=masked)
         row_scale = ctx.softmax.step(acc_S, is_first=is_first)
         self._scores_to_p(ctx, acc_S)
         self._rescale_o(ctx.acc_O, row_scale)

@@ -200,21 +200,53 @@ class OnlineSoftmax:
         return row_scale
 
     @cute.jit
-    def finalize(self) -> tuple:
-        """Return (1/row_sum, natural-log LSE) per row; an empty row gives (1, -inf)."""
+    def finalize(self, sink_log2: cute.Tensor = None) -> tuple:
+        """Return (1/row_sum, natural-log LSE) per row; an empty row gives (1, -inf).
+
+        sink_log2: per row, a learnable sink logit times log2(e) (-inf where a row has none),
+        one more term of the softmax's denominator with no value row: the rows' output is
+        divided by it too and their LSE includes it. A row that saw no key then gets out = 0
+        and lse = the sink. The sum is taken against max(row max, sink), so a sink far above
+        the scores cannot overflow it."""
         inv_sum = cute.make_rmem_tensor(self.num_rows, Float32)
         lse = cute.make_rmem_tensor(self.num_rows, Float32)
         for r in cutlass.range_constexpr(self.num_rows):
             row_sum = _quad_allreduce_sum(self.row_sum[r])
             empty = row_sum == 0.0 or row_sum != row_sum
-            inv_sum[r] = cute.arch.rcp_approx(Float32(1.0) if empty else row_sum)
-            lse[r] = (
-                -Float32.inf
-                if empty
-                else (self.row_max[r] * self.scale_log2 + cute.math.log2(row_sum, fastmath=True))
-                * LN2
-            )
+            if const_expr(sink_log2 is None):
+                inv_sum[r] = cute.arch.rcp_approx(Float32(1.0) if empty else row_sum)
+                lse[r] = (
+                    -Float32.inf
+                    if empty
+                    else (
+                        self.row_max[r] * self.scale_log2 + cute.math.log2(row_sum, fastmath=True)
+                    )
+                    * LN2
+                )
+            else:
+                row_max = -Float32.inf if empty else self.row_max[r] * self.scale_log2
+                sink = sink_log2[r]
+                top = cute.arch.fmax(row_max, sink)
+                if top == -Float32.inf:  # no key and no sink
+                    inv_sum[r] = Float32(1.0)
+                    lse[r] = -Float32.inf
+                else:
+                    # O holds sum exp2(s - row_max) v: divide by the sum over the scores and
+                    # the sink, both taken against top.
+                    scores_weight = cute.math.exp2(row_max - top, fastmath=True)
+                    denom = (Float32(0.0) if empty else row_sum) * scores_weight
+                    denom = denom + cute.math.exp2(sink - top, fastmath=True)
+                    inv_sum[r] = scores_weight * cute.arch.rcp_approx(denom)
+                    lse[r] = (top + cute.math.log2(denom, fastmath=True)) * LN2
         return inv_sum, lse
+
+
+@cute.jit
+def apply_softcap(acc_S: cute.Tensor, prescale: Float32):
+    """Scores in place to tanh(s * prescale), prescale = softmax_scale / softcap: the softmax
+    then takes softcap * log2(e) as its scale, so s' = softcap * tanh(s * scale / softcap)."""
+    for i in cutlass.range_constexpr(cute.size(acc_S)):
+        acc_S[i] = cute.math.tanh(acc_S[i] * prescale, fastmath=True)
 
 
 @cute.jit
