@@ -726,12 +726,17 @@ def run_sweep(
     configs,
     workers: int,
     reps: int = 20,
+    window_left: int = -1,
 ) -> List[SweepRow]:
+    """With window_left, a causal window (window_left, 0); TFLOP/s then count the visible
+    (query, key) pairs only."""
     import flash_cute
     from flash_cute.precompile import func_variant
 
     dtype_name = "bfloat16" if dtype == "bf16" else "float16"
-    variants = [func_variant(cfg, head_dim, dtype_name, causal) for cfg in configs]
+    variants = [
+        func_variant(cfg, head_dim, dtype_name, causal, window_left=window_left) for cfg in configs
+    ]
     failed = precompile_parallel(variants, workers)
     for cfg, variant in zip(configs, variants):
         if variant in failed:
@@ -749,11 +754,19 @@ def run_sweep(
             for _ in range(3)
         )
         flops = prefill_flops(batch, nheads, seqlen, head_dim, causal)
+        window = {}
+        if window_left >= 0:
+            from flash_cute.bench_local import visible_pairs
+
+            window = dict(window_size=(window_left, 0))
+            flops = 4 * head_dim * visible_pairs(seqlen, seqlen, window_left, 0) * nheads * batch
         # Configs take turns in rounds, so drift hits them alike (up to 4 rounds: with many
         # configs, the orders are not balanced the way the prefill peers' are).
         fns = {
             row.label: (
-                lambda cfg=cfg: flash_cute.flash_attn_func(q, k, v, causal=causal, config=cfg)
+                lambda cfg=cfg: flash_cute.flash_attn_func(
+                    q, k, v, causal=causal, config=cfg, **window
+                )
             )
             for row, cfg in zip(rows, configs)
         }
@@ -1027,6 +1040,9 @@ def main(argv=None) -> int:
     sw = sub.add_parser("sweep", help="rank a grid of configs on one problem")
     sw.add_argument("--hdim", type=int, default=128)
     sw.add_argument("--causal", action="store_true")
+    sw.add_argument(
+        "--window", type=int, default=-1, help="a causal sliding window of this many keys back"
+    )
     sw.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     sw.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     sw.add_argument("--tile-m", type=int, nargs="+", default=[64, 128, 192])
@@ -1109,6 +1125,16 @@ def main(argv=None) -> int:
         "--list", action="store_true", help="print the cases' lengths and exit (no GPU)"
     )
     var.add_argument("--json", default=None)
+    loc = sub.add_parser("local", help="windows, softcap and sinks (flash_cute.bench_local)")
+    loc.add_argument(
+        "--part",
+        choices=["prefill", "softcap", "sinks", "decode"],
+        nargs="+",
+        default=["prefill", "softcap", "sinks", "decode"],
+    )
+    loc.add_argument("--seqlens", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    loc.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="decode batch sizes")
+    loc.add_argument("--json", default=None)
     plot = sub.add_parser("plot", help="draw a sweep's JSON as a PNG (no GPU needed)")
     plot.add_argument("json_path")
     plot.add_argument("png_path")
@@ -1167,11 +1193,13 @@ def main(argv=None) -> int:
             configs,
             args.compile_workers,
             args.reps,
+            args.window if args.causal else -1,
         )
         title = (
             f"flash_cute config sweep: hdim {args.hdim}, "
             f"{'causal' if args.causal else 'non-causal'}, "
-            f"{args.dtype}, {torch.cuda.get_device_name()}"
+            + (f"window {args.window}, " if args.causal and args.window >= 0 else "")
+            + f"{args.dtype}, {torch.cuda.get_device_name()}"
         )
         print(f"\n{title}\n")
         print(sweep_table(rows, args.seqlens))
@@ -1186,6 +1214,23 @@ def main(argv=None) -> int:
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
         for line in run_host():
             print(line)
+        return 0
+    if args.command == "local":
+        from flash_cute import bench_local
+
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+        results = {}
+        if "prefill" in args.part:
+            results["prefill"] = bench_local.run_prefill(args.seqlens)
+        if "softcap" in args.part:
+            results["softcap"] = bench_local.run_softcap([s for s in args.seqlens if s <= 16384])
+        if "sinks" in args.part:
+            results["sinks"] = bench_local.run_sinks()
+        if "decode" in args.part:
+            results["decode"] = bench_local.run_decode(args.batch)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
         return 0
     if args.command == "decode":
         copy_gbs = copy_bandwidth_gbs()

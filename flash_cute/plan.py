@@ -243,7 +243,11 @@ def plan_forward(
             config = decode_config(problem.head_dim, problem.dtype)
         else:  # a local mask takes the causal rows (a band of the causal triangle, usually)
             config = default_config(
-                problem.head_dim, problem.dtype, causal or local, problem.max_seqlen_q
+                problem.head_dim,
+                problem.dtype,
+                causal or local,
+                problem.max_seqlen_q,
+                window_span(window_left, window_right, chunk) if local else None,
             )
     if pack_gqa is None:  # K/V tiles read once for all q heads of a kv head
         pack_gqa = ratio > 1 and config.tile_m % ratio == 0
@@ -258,8 +262,11 @@ def plan_forward(
         visible = problem.max_seqlen_k
         if local:  # the keys a tile's rows can see: the splits share those out
             tile_tokens = math.ceil(config.tile_m / pack_ratio)
-            sides = [w if w >= 0 else problem.max_seqlen_k for w in (window_left, window_right)]
-            visible = min(visible, sum(sides) + 1 + tile_tokens)
+            # An unbounded right side reaches at most the last key, max_seqlen_q - 1 keys past
+            # the first row's diagonal.
+            left = window_left if window_left >= 0 else problem.max_seqlen_k
+            right = window_right if window_right >= 0 else problem.max_seqlen_q - 1
+            visible = min(visible, left + right + 1 + tile_tokens)
             if chunk:
                 visible = min(visible, chunk + tile_tokens)
         n_blocks = math.ceil(visible / config.tile_n)
@@ -320,6 +327,16 @@ def attention_mask(problem: Problem) -> tuple:
     if chunk == 0 and left < 0 and right <= 0:
         return right == 0, -1, -1, 0
     return False, left, right, chunk
+
+
+def window_span(window_left: int, window_right: int, attention_chunk: int) -> Optional[int]:
+    """The most keys one row of a local mask can see (None: unbounded)."""
+    spans = []
+    if window_left >= 0 and window_right >= 0:
+        spans.append(window_left + window_right + 1)
+    if attention_chunk > 0:
+        spans.append(attention_chunk)
+    return min(spans) if spans else None
 
 
 def _effective_config(

@@ -60,10 +60,12 @@ def func_variant(
     causal: bool,
     writes_lse: bool = False,
     single_wave: bool = False,
+    window_left: int = -1,
 ) -> ForwardVariant:
     """The variant flash_attn_func launches with `config` on a problem of many waves of tiles
-    (4096 tiles of 128 rows), or with single_wave on one of a single tile."""
-    nheads, seqlen = (1, 64) if single_wave else (64, 1024)
+    (4096 tiles of 128 rows), or with single_wave on one of a single tile; with window_left,
+    on a causal problem long enough for that window to stay a window."""
+    nheads, seqlen = (1, 64) if single_wave else (64, max(1024, window_left + 2))
     problem = Problem(
         batch=1 if single_wave else 8,
         nheads=nheads,
@@ -75,6 +77,7 @@ def func_variant(
         kv_capacity=seqlen,
         causal=causal,
         writes_lse=writes_lse,
+        window_left=window_left,
     )
     plan = plan_forward(problem, PLANNED_SMS, config, pack_gqa=False, decode_rows=False)
     return plan.variant

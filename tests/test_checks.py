@@ -327,3 +327,66 @@ def test_kvcache_contiguous_batch_mismatch():
 def test_combine_bad_inputs(out_p, lse_p, kwargs, exc, message):
     with pytest.raises(exc, match=message):
         flash_cute.flash_attn_combine(out_p, lse_p, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, message",
+    [
+        (dict(window_size=5), TypeError, r"window_size must be a \(left, right\) pair of ints"),
+        (dict(window_size=(1.5, 0)), TypeError, "window_size must be a"),
+        (dict(window_size=(4, 0, 1)), TypeError, "window_size must be a"),
+        (dict(window_size=(-2, 0)), ValueError, r"window_size sides must be -1 .* got \(-2, 0\)"),
+        (dict(window_size=(0, -5)), ValueError, "window_size sides must be -1"),
+        (dict(attention_chunk=-1), ValueError, "attention_chunk must be >= 0"),
+        (dict(attention_chunk=64.0), TypeError, "attention_chunk must be a Python int"),
+        (dict(softcap=-1.0), ValueError, "softcap must be finite and >= 0"),
+        (dict(softcap=float("inf")), ValueError, "softcap must be finite"),
+        (dict(softcap="30"), TypeError, "softcap must be a float"),
+        (dict(learnable_sink=[0.0] * 4), TypeError, "learnable_sink must be a torch.Tensor"),
+        (
+            dict(learnable_sink=torch.zeros(4, dtype=torch.float64)),
+            TypeError,
+            "learnable_sink must be float32, bfloat16 or float16",
+        ),
+        (dict(learnable_sink=torch.zeros(2)), ValueError, r"learnable_sink must have shape \(4,\)"),
+        (dict(learnable_sink=torch.zeros(1, 4)), ValueError, "learnable_sink must have shape"),
+        (
+            dict(learnable_sink=torch.zeros(8)[::2]),
+            ValueError,
+            "learnable_sink must be contiguous",
+        ),
+    ],
+)
+def test_bad_mask_options(kwargs, exc, message):
+    """Windows, chunks, softcap and sinks are checked in every entry point before the GPU."""
+    q, k, v = qkv()  # 4 q heads
+    with pytest.raises(exc, match=message):
+        flash_cute.flash_attn_func(q, k, v, **kwargs)
+    with pytest.raises(exc, match=message):
+        flash_cute.flash_attn_with_kvcache(q, k, v, **kwargs)
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    with pytest.raises(exc, match=message):
+        flash_cute.flash_attn_varlen_func(
+            q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, 8, cu_seqlens_k=cu, **kwargs
+        )
+
+
+def test_good_mask_options_reach_the_device_check():
+    q, k, v = qkv()
+    for kwargs in (
+        dict(window_size=(-1, -1)),
+        dict(window_size=[0, 0]),
+        dict(window_size=(128, -1), attention_chunk=64, softcap=0),
+        dict(softcap=30, learnable_sink=torch.zeros(4, dtype=torch.bfloat16)),
+    ):
+        with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+            flash_cute.flash_attn_func(q, k, v, causal=True, **kwargs)
+
+
+def test_sink_must_be_on_q_device():
+    from types import SimpleNamespace
+
+    gpu0 = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    cpu = SimpleNamespace(is_cuda=False, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="learnable_sink must be on q's device"):
+        checks.check_cuda((("q", gpu0), ("learnable_sink", cpu)))

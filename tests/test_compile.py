@@ -9,7 +9,7 @@ import pytest
 
 from flash_cute import AttentionConfig, decode_config
 from flash_cute.compile_cache import CombineKernelKey, compile_combine
-from flash_cute.config import FORWARD_CONFIGS
+from flash_cute.config import FORWARD_CONFIGS, SHORT_WINDOW_CONFIGS
 from flash_cute.plan import ForwardVariant
 from flash_cute.precompile import compile_with_ptx_report, decode_variants, table_variants
 
@@ -253,6 +253,71 @@ SPLITKV_KEYS = [
 ]
 
 
+# Local masks, softcap and sinks: the short-window row (3 CTAs per SM), the causal rows with
+# a long window and a sink, softcap at hdim 256, P through smem with a window and a chunk, a
+# windowed split decode with a sink, a chunked varlen call.
+LOCAL_KEYS = [
+    ForwardVariant(
+        "bfloat16",
+        64,
+        False,
+        SHORT_WINDOW_CONFIGS[(64, "bfloat16")][1],
+        True,
+        window_left=128,
+        window_right=0,
+    ),
+    ForwardVariant(
+        "bfloat16",
+        64,
+        False,
+        FORWARD_CONFIGS[(64, "bfloat16", True)],
+        True,
+        window_left=4096,
+        window_right=0,
+        learnable_sink="float32",
+    ),
+    ForwardVariant(
+        "float16", 256, True, FORWARD_CONFIGS[(256, "float16", True)], True, softcap=50.0
+    ),
+    ForwardVariant(
+        "bfloat16",
+        96,
+        False,
+        FORWARD_CONFIGS[(96, "bfloat16", True)],
+        True,
+        window_left=3,
+        window_right=3,
+        attention_chunk=128,
+    ),
+    ragged(
+        "bfloat16",
+        128,
+        False,
+        _DECODE_128,
+        True,
+        kv_layout="paged",
+        seqused_k=True,
+        page_box_rows=16,
+        split=True,
+        pack_gqa_ratio=8,
+        window_left=4096,
+        learnable_sink="bfloat16",
+        softcap=30.0,
+    ),
+    ragged(
+        "bfloat16",
+        128,
+        False,
+        FORWARD_CONFIGS[(128, "bfloat16", True)],
+        True,
+        varlen_q=True,
+        kv_layout="packed",
+        window_right=0,
+        attention_chunk=8192,
+    ),
+]
+
+
 def _id(variant):
     c = variant.config
     knobs = (
@@ -265,7 +330,7 @@ def _id(variant):
     return variant.describe().replace(" ", "-") + "-" + knobs
 
 
-@pytest.mark.parametrize("key", TABLE_KEYS + KNOB_KEYS + SPLITKV_KEYS, ids=_id)
+@pytest.mark.parametrize("key", TABLE_KEYS + KNOB_KEYS + SPLITKV_KEYS + LOCAL_KEYS, ids=_id)
 def test_variant_compiles_clean(key):
     report = compile_with_ptx_report(key)
     assert not report.problems(), report.problems()

@@ -138,15 +138,21 @@ def test_decode_rows(key):
     assert config.tile_m == 64  # one query tile covers the packed heads of a decode step
 
 
-def test_two_ctas_per_sm_budget():
+def test_ctas_per_sm_budget():
     config = AttentionConfig(64, 64, num_stages=3, pingpong=False, ctas_per_sm=2)
     assert config.entry_registers == 128
     assert config.producer_registers + config.mma_registers == 256
     config.validate(128)
     with pytest.raises(ValueError, match="2 CTA"):
         AttentionConfig(64, 128, num_stages=3, pingpong=False, ctas_per_sm=2).validate(128)
-    with pytest.raises(ValueError, match="ctas_per_sm"):
-        AttentionConfig(64, 64, ctas_per_sm=3)
+    three = AttentionConfig(64, 64, num_stages=3, pingpong=False, ctas_per_sm=3)
+    assert three.entry_registers == 80  # 65536 / (3 x 256), rounded down to 8
+    assert three.producer_registers + three.mma_registers <= 2 * 80
+    three.validate(64)
+    with pytest.raises(ValueError, match="3 CTA"):
+        three.replace(tile_n=128).validate(64)  # its K/V ring needs more smem than a third
+    with pytest.raises(ValueError, match="ctas_per_sm must be 1, 2, 3 or 4"):
+        AttentionConfig(64, 64, ctas_per_sm=5)
 
 
 def test_config_pickles_with_a_fresh_hash():

@@ -7,6 +7,7 @@ import pickle
 import pytest
 
 from flash_cute import DECODE_CONFIGS, FORWARD_CONFIGS, SHORT_SEQUENCE_CONFIGS, AttentionConfig
+from flash_cute.config import SHORT_WINDOW_CONFIGS
 from flash_cute.plan import ForwardVariant, Problem, plan_forward, split_tiles
 
 SMS = 132
@@ -158,6 +159,68 @@ def test_call_gets_variant(case):
     for name, want in plan_fields.items():
         assert getattr(plan, name) == want, name
     assert plan.variant.dtype == problem.dtype and plan.variant.causal == problem.causal
+
+
+# Local masks, softcap and sinks: (problem, plan_forward arguments) -> the variant's fields.
+GPT_OSS = dict(nheads=64, nheads_kv=8, head_dim=64)
+LOCAL_CASES = {
+    "a causal window covering every key is plain causal": (
+        prefill(seqlen=4096, window_left=4095),
+        dict(
+            causal=True, window_left=-1, window_right=-1, config=FORWARD_CONFIGS[(128, BF16, True)]
+        ),
+    ),
+    "a window past the keys on both sides is no mask": (
+        prefill(seqlen=1000, causal=False, window_left=5000, window_right=999),
+        dict(causal=False, window_left=-1, window_right=-1),
+    ),
+    "(-1, 0) without causal is causal": (
+        prefill(seqlen=1000, causal=False, window_left=-1, window_right=0),
+        dict(causal=True, window_left=-1, window_right=-1),
+    ),
+    "a causal window: the window with a right side of 0, the causal row": (
+        prefill(seqlen=32768, batch=1, window_left=4096, window_right=7, **GPT_OSS),
+        dict(
+            causal=False, window_left=4096, window_right=0, config=FORWARD_CONFIGS[(64, BF16, True)]
+        ),
+    ),
+    "a short window at hdim 64: the short-window row": (
+        prefill(seqlen=8192, window_left=128, **GPT_OSS),
+        dict(window_left=128, window_right=0, config=SHORT_WINDOW_CONFIGS[(64, BF16)][1]),
+    ),
+    "a short window at hdim 128: the causal row": (
+        prefill(seqlen=8192, causal=False, window_left=3, window_right=3),
+        dict(window_left=3, window_right=3, config=FORWARD_CONFIGS[(128, BF16, True)]),
+    ),
+    "a short chunk at hdim 64: the short-window row": (
+        prefill(seqlen=8192, attention_chunk=256, **GPT_OSS),
+        dict(window_left=-1, window_right=0, attention_chunk=256),
+    ),
+    "softcap and sink are the variant's": (
+        prefill(softcap=30.0, learnable_sink="float16"),
+        dict(causal=True, softcap=30.0, learnable_sink="float16"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LOCAL_CASES))
+def test_local_call_gets_variant(case):
+    problem, fields = LOCAL_CASES[case]
+    variant = func_plan(problem).variant
+    for name, want in fields.items():
+        assert getattr(variant, name) == want, name
+    if problem.learnable_sink is not None:
+        assert variant.takes_optionals
+
+
+def test_windowed_decode_splits_the_visible_keys():
+    """A 512 window over a 128k cache: the split heuristic counts the keys a tile's rows see
+    (512 + 1 + 16 tokens of a 64-row tile packing 4 heads each), not the cache."""
+    windowed = plan_forward(decode(keys=131072, causal=True, window_left=512), SMS, num_splits=0)
+    assert windowed.variant.window_left == 512
+    visible = plan_forward(decode(keys=512 + 1 + 16, causal=True), SMS, num_splits=0)
+    whole = plan_forward(decode(keys=131072, causal=True), SMS, num_splits=0)
+    assert windowed.num_splits == visible.num_splits < whole.num_splits
 
 
 def test_no_keys_launch_nothing():
