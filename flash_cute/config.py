@@ -411,12 +411,13 @@ SHORT_SEQUENCE_CONFIGS = {
 
 
 # Short sliding windows (each row sees at most `span` keys): a tile's rows span few key blocks,
-# so per-tile latency dominates and several CTAs per SM hide it. hdim 64, causal window 128:
-# 162-165 TFLOP/s on visible pairs against 120-123 for the best one-CTA tile (128 x 128) and
-# 97-101 for the causal row's 192 x 128 at 4k-16k (H100).
+# so per-tile latency dominates and several CTAs per SM hide it. hdim 64, causal windows of
+# 128 / 256 / 512 / 1024 keys at 8k, TFLOP/s on visible pairs: 165 / 260 / 338 / 394 against
+# 101 / 163 / 254 / 355 for the causal row's 192 x 128 (H100). Longer windows keep the causal
+# row (465-480 at 4096, within 5% of flash-attn-4); this row is unmeasured there.
 _SHORT_WINDOW_BY_HEAD_DIM = {
     64: (
-        256,
+        1025,
         _row(
             64,
             64,
