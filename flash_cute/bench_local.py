@@ -178,9 +178,11 @@ def run_sinks(seqlen: int = 8192, tokens: int = 32768, reps: int = 30) -> List[d
             ),
         }
         if fa4 is not None:
-            fns["fa4"] = lambda: fa4.flash_attn_func(q, k, v, causal=True, window_size=window)
-            fns["fa4 sinks"] = lambda: fa4.flash_attn_func(
-                q, k, v, causal=True, window_size=window, learnable_sink=sink
+            # fa4 takes a slow local path for window_size=(-1, 0): pass only a bounded window.
+            fa4_kw = dict(causal=True, window_size=window) if left >= 0 else dict(causal=True)
+            fns["fa4"] = lambda kw=fa4_kw: fa4.flash_attn_func(q, k, v, **kw)
+            fns["fa4 sinks"] = lambda kw=fa4_kw: fa4.flash_attn_func(
+                q, k, v, learnable_sink=sink, **kw
             )
         row = dict(
             case=f"gpt-oss 64/8 hdim 64 causal{'' if left < 0 else f', window {left}'}",

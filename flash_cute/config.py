@@ -413,8 +413,9 @@ SHORT_SEQUENCE_CONFIGS = {
 # Short sliding windows (each row sees at most `span` keys): a tile's rows span few key blocks,
 # so per-tile latency dominates and several CTAs per SM hide it. hdim 64, causal windows of
 # 128 / 256 / 512 / 1024 keys at 8k, TFLOP/s on visible pairs: 165 / 260 / 338 / 394 against
-# 101 / 163 / 254 / 355 for the causal row's 192 x 128 (H100). Longer windows keep the causal
-# row (465-480 at 4096, within 5% of flash-attn-4); this row is unmeasured there.
+# 101 / 163 / 254 / 355 for the causal row's 192 x 128 (H100; gpt-oss 64/8 heads: 1.6x / 1.2x /
+# 1.0x flash-attn-4 at 128 / 512 / 1024). Longer windows keep the causal row (0.96-0.98x of
+# flash-attn-4 at 4096); this row is unmeasured there.
 _SHORT_WINDOW_BY_HEAD_DIM = {
     64: (
         1025,
