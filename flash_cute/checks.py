@@ -278,22 +278,26 @@ def check_cu_seqlens(name: str, t, batch: Optional[int]) -> int:
     return t.shape[0] - 1
 
 
-def check_seqused(name: str, t, batch: int) -> None:
-    _check_int32_vector(name, t, batch, "keys used per sequence")
+def check_seqused(name: str, t, batch: int, what: str = "keys used per sequence") -> None:
+    """A (batch,) contiguous int32 tensor of per-sequence counts (seqused_k/q, cache_seqlens,
+    cache_leftpad, cache_batch_idx)."""
+    _check_int32_vector(name, t, batch, what)
     if t.stride(0) != 1 and t.shape[0] > 1:
         raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")
 
 
-def check_page_table(page_table, batch: int, k_cache: torch.Tensor) -> int:
-    """page_table (batch, max_pages) int32 over k_cache (num_pages, page_size, ...).
-    Returns the key capacity per sequence, max_pages * page_size."""
+def check_page_table(page_table, batch: Optional[int], k_cache: torch.Tensor) -> int:
+    """page_table (batch, max_pages) int32 over k_cache (num_pages, page_size, ...); batch
+    None: any number of rows (cache_batch_idx picks them). Returns the key capacity per
+    sequence, max_pages * page_size."""
     if not isinstance(page_table, torch.Tensor):
         raise TypeError(f"page_table must be a torch.Tensor, got {type(page_table).__name__}")
     if page_table.dtype != torch.int32:
         raise TypeError(f"page_table must be int32, got {page_table.dtype}")
-    if page_table.dim() != 2 or page_table.shape[0] != batch:
+    if page_table.dim() != 2 or (batch is not None and page_table.shape[0] != batch):
         raise ValueError(
-            f"page_table must have shape (batch={batch}, max_pages_per_seq), "
+            f"page_table must have shape (batch={batch if batch is not None else 'any'}, "
+            "max_pages_per_seq), "
             f"got {tuple(page_table.shape)}"
         )
     if page_table.shape[1] > 1 and page_table.stride(1) != 1:

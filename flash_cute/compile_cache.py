@@ -103,6 +103,9 @@ OPTIONAL_TENSORS = (
     "seqused_k",
     "page_table",
     "learnable_sink",
+    "seqused_q",
+    "kv_batch_idx",
+    "leftpad_k",
 )
 
 
@@ -155,6 +158,9 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
         else cute.runtime.make_fake_tensor(
             _cutlass_dtype(variant.learnable_sink), (nheads,), stride=(1,), assumed_align=2
         ),
+        "seqused_q": int32_tensor(1) if variant.seqused_q else None,
+        "kv_batch_idx": int32_tensor(1) if variant.kv_batch_idx else None,
+        "leftpad_k": int32_tensor(1) if variant.leftpad_k else None,
         "kv_length": cutlass.Int32(0),
         # Split scratch (partial O, then partial LSE) and the zeroed int32 counters (the
         # dynamic scheduler's, or a split launch's arrivals): addresses, which TVM-FFI

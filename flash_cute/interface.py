@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import checks, runtime
+from . import checks, ops, runtime
 from .config import AttentionConfig
 from .plan import Problem, plan_forward
 from .runtime import (
@@ -25,6 +25,10 @@ from .runtime import (
     current_device,
     empty_cache,
 )
+
+# A torch.compile trace (or export) calls the custom ops (flash_cute.ops); eager calls take the
+# fast paths below. (torch.compiler.is_compiling itself: dynamo knows the function.)
+_is_compiling = torch.compiler.is_compiling
 
 __all__ = [
     "empty_cache",
@@ -86,6 +90,11 @@ def flash_attn_func(
     Runs on torch's current CUDA stream, with no host synchronization, so a call can be
     captured in a CUDA graph after one warm-up call (which compiles the kernel).
     """
+    if _is_compiling():
+        return ops.traced_func(
+            q, k, v, softmax_scale, causal, return_lse, out, config, window_size,
+            attention_chunk, softcap, learnable_sink,
+        )  # fmt: skip
     try:  # a call like an earlier one replays its launch plan (runtime.LaunchPlan); hot
         # The compiled function checks the rest of q, k, v and out (LaunchPlan.launch); without
         # out, whether q is contiguous picks how out is allocated; with out, the strides give the
@@ -188,6 +197,7 @@ def flash_attn_varlen_func(
     attention_chunk: int = 0,
     softcap: float = 0.0,
     learnable_sink: Optional[torch.Tensor] = None,
+    seqused_q: Optional[torch.Tensor] = None,
 ):
     """Attention over a batch of variable-length sequences packed along one token dimension.
 
@@ -203,8 +213,11 @@ def flash_attn_varlen_func(
         cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 prefix sums of the lengths.
         max_seqlen_q: int, the longest query length (host value; picks the tile config — the
             grid covers every sequence's tiles whatever it says).
-        seqused_k: (batch,) int32 valid keys per sequence (clamped to the cache's capacity).
+        seqused_k: (batch,) int32 valid keys per sequence (clamped to the sequence's keys:
+            its cu_seqlens_k length when packed, the cache's capacity otherwise).
         max_seqlen_k: int, the longest key length; only guides the split heuristic.
+        seqused_q: (batch,) int32: sequence b's queries are its first seqused_q[b] rows (the
+            rest of its span is neither read as queries nor written).
         page_table: (batch, max_pages_per_seq) int32 page indices.
         num_splits: 1 (default) no split-KV; n forces n; 0 picks with the heuristic.
         pack_gqa: fold the q heads of a kv head into one tile (None: when it helps).
@@ -222,6 +235,12 @@ def flash_attn_varlen_func(
     be non-decreasing and stay within q/k. Rows of q past cu_seqlens_q[-1] are not written.
     The call has no host synchronization.
     """
+    if _is_compiling():
+        return ops.traced_varlen(
+            q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k,
+            page_table, softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out,
+            config, window_size, attention_chunk, softcap, learnable_sink, seqused_q,
+        )  # fmt: skip
     try:  # a call like an earlier one replays its launch plan (runtime.LaunchPlan); hot
         # As in flash_attn_func: the compiled function checks the rest of the arguments (the
         # int32 tensors' contiguity and device included); the key holds their shapes and dtypes.
@@ -238,6 +257,7 @@ def flash_attn_varlen_func(
             _int_meta(cu_seqlens_k),
             _int_meta(seqused_k),
             _int_meta(page_table),
+            _int_meta(seqused_q),
             max_seqlen_q,
             max_seqlen_k,
             softmax_scale,
@@ -268,16 +288,15 @@ def flash_attn_varlen_func(
     ):
         try:
             return plan.launch(
-                q, k, v, out, seqused_k, page_table, cu_seqlens_q, cu_seqlens_k, 0, learnable_sink
-            )
+                q, k, v, out, seqused_k, page_table, cu_seqlens_q, cu_seqlens_k, 0, learnable_sink,
+                seqused_q,
+            )  # fmt: skip
         except Exception:  # an argument the compiled function refused: the checks below name it
             pass
     checks.check_tensor("q", q, 3, "(total_q, nheads, headdim)")
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if cu_seqlens_k is not None and seqused_k is not None:
-        raise ValueError("give either cu_seqlens_k or seqused_k, not both")
     if cu_seqlens_k is not None and page_table is not None:
         raise ValueError(
             "page_table cannot be combined with cu_seqlens_k (paged keys use seqused_k)"
@@ -303,6 +322,8 @@ def flash_attn_varlen_func(
         checks.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch)
     if seqused_k is not None:
         checks.check_seqused("seqused_k", seqused_k, batch)
+    if seqused_q is not None:
+        checks.check_seqused("seqused_q", seqused_q, batch, "queries used per sequence")
     if kv_layout == "paged":
         capacity = checks.check_page_table(page_table, batch, k)
     elif kv_layout == "padded":
@@ -333,6 +354,7 @@ def flash_attn_varlen_func(
         kv_layout=kv_layout,
         page_size=k.shape[1] if kv_layout == "paged" else None,
         seqused_k=seqused_k is not None,
+        seqused_q=seqused_q is not None,
         **_mask_options(window_size, attention_chunk, softcap, learnable_sink, nheads),
     )
     return _forward(
@@ -356,12 +378,14 @@ def flash_attn_varlen_func(
             ("seqused_k", seqused_k),
             ("page_table", page_table),
             ("learnable_sink", learnable_sink),
+            ("seqused_q", seqused_q),
         ),
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
         seqused_k=seqused_k,
         page_table=page_table,
         learnable_sink=learnable_sink,
+        seqused_q=seqused_q,
     )
 
 
@@ -382,6 +406,8 @@ def flash_attn_with_kvcache(
     attention_chunk: int = 0,
     softcap: float = 0.0,
     learnable_sink: Optional[torch.Tensor] = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
 ):
     """Attention of new queries over a KV cache (decoding, and prefill against a cache).
 
@@ -404,6 +430,11 @@ def flash_attn_with_kvcache(
             (validated); persistent schedulers apply only when the call does not split.
         window_size, attention_chunk, softcap, learnable_sink: as in flash_attn_func, per
             sequence (i and j count within the sequence).
+        cache_batch_idx: (batch,) int32: sequence b reads cache row cache_batch_idx[b] (or
+            page-table row, when paged); k_cache (or page_table) may then have any number of
+            rows. Indices are clamped to the rows there are (checking needs a host sync).
+        cache_leftpad: (batch,) int32: sequence b's keys are cache slots cache_leftpad[b] ..
+            cache_seqlens[b] - 1 (padded caches only, for now).
         Other arguments as in flash_attn_func.
 
     Returns:
@@ -414,6 +445,12 @@ def flash_attn_with_kvcache(
     one warm-up call a decode step can be captured in a CUDA graph and replayed with new
     cache_seqlens and page_table contents.
     """
+    if _is_compiling():
+        return ops.traced_kvcache(
+            q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, causal, num_splits,
+            pack_gqa, return_softmax_lse, out, config, window_size, attention_chunk, softcap,
+            learnable_sink, cache_batch_idx, cache_leftpad,
+        )  # fmt: skip
     try:  # a call like an earlier one replays its launch plan (runtime.LaunchPlan); hot
         if isinstance(cache_seqlens, torch.Tensor):
             # dtype too: the compiled function takes uint32 as int32
@@ -431,7 +468,9 @@ def flash_attn_with_kvcache(
             q.get_device(),
             k_cache.shape,
             seqlens_meta,
-            None if page_table is None else (page_table.shape, page_table.dtype),
+            _int_meta(page_table),
+            _int_meta(cache_batch_idx),
+            _int_meta(cache_leftpad),
             q.is_contiguous()
             if out is None
             else (q.stride(), k_cache.stride(), v_cache.stride(), out.stride()),
@@ -465,12 +504,12 @@ def flash_attn_with_kvcache(
             if plan.int_capacity is None:
                 return plan.launch(
                     q, k_cache, v_cache, out, cache_seqlens, page_table, None, None, 0,
-                    learnable_sink,
+                    learnable_sink, None, cache_batch_idx, cache_leftpad,
                 )  # fmt: skip
             if 0 <= cache_seqlens <= plan.int_capacity:  # otherwise the checks below raise
                 return plan.launch(
                     q, k_cache, v_cache, out, None, page_table, None, None, cache_seqlens,
-                    learnable_sink,
+                    learnable_sink, None, cache_batch_idx, cache_leftpad,
                 )  # fmt: skip
         except Exception:  # an argument the compiled function refused: the checks below name it
             pass
@@ -490,14 +529,27 @@ def flash_attn_with_kvcache(
         raise ValueError(
             f"k_cache must have headdim {head_dim} (that of q), got shape {tuple(k_cache.shape)}"
         )
+    if cache_batch_idx is not None:
+        checks.check_seqused("cache_batch_idx", cache_batch_idx, batch, "cache row per sequence")
+    if cache_leftpad is not None:
+        checks.check_seqused("cache_leftpad", cache_leftpad, batch, "first key per sequence")
+        if paged:
+            raise NotImplementedError(
+                "cache_leftpad with page_table is not supported yet (a left-padded paged row "
+                "needs the gather path for K/V)"
+            )
+    # With cache_batch_idx the cache (or page table) has its own batch size.
+    cache_batch = None if cache_batch_idx is not None else batch
     if paged:
-        capacity = checks.check_page_table(page_table, batch, k_cache)
+        capacity = checks.check_page_table(page_table, cache_batch, k_cache)
     else:
-        if k_cache.shape[0] != batch:
+        if cache_batch is not None and k_cache.shape[0] != batch:
             raise ValueError(
                 f"k_cache must have batch size {batch} (that of q), "
                 f"got shape {tuple(k_cache.shape)}"
             )
+        if cache_batch is None and k_cache.shape[0] == 0 and batch > 0:
+            raise ValueError("cache_batch_idx needs a k_cache with at least one cache row")
         capacity = k_cache.shape[1]
     seqused_k = int_length = None
     max_seqlen_k = capacity
@@ -529,6 +581,8 @@ def flash_attn_with_kvcache(
         # The kernel takes an int length as a scalar (also for a contiguous cache, rather than
         # a slice of it, which costs two views per call).
         scalar_kv_length=int_length is not None,
+        kv_batch_idx=cache_batch_idx is not None,
+        leftpad_k=cache_leftpad is not None,
         **_mask_options(window_size, attention_chunk, softcap, learnable_sink, nheads),
     )
     return _forward(
@@ -550,12 +604,16 @@ def flash_attn_with_kvcache(
             ("page_table", page_table),
             ("cache_seqlens", seqused_k),
             ("learnable_sink", learnable_sink),
+            ("cache_batch_idx", cache_batch_idx),
+            ("cache_leftpad", cache_leftpad),
         ),
         seqused_k=seqused_k,
         page_table=page_table,
         kv_length=int_length,
         int_capacity=capacity,
         learnable_sink=learnable_sink,
+        kv_batch_idx=cache_batch_idx,
+        leftpad_k=cache_leftpad,
     )
 
 
@@ -582,6 +640,8 @@ def flash_attn_combine(
 
     A row whose splits are all empty gets out = 0, lse = -inf.
     """
+    if _is_compiling():
+        return ops.traced_combine(out_partial, lse_partial, out, out_dtype, return_lse)
     checks.check_combine_partials(out_partial, lse_partial)
     if out_dtype is None:
         out_dtype = out.dtype if isinstance(out, torch.Tensor) else torch.float32
@@ -630,6 +690,9 @@ def _forward(
     kv_length=None,
     int_capacity=None,
     learnable_sink=None,
+    seqused_q=None,
+    kv_batch_idx=None,
+    leftpad_k=None,
 ):
     """The forward path every entry point shares once its own arguments are checked and its
     call is described by `problem`: the common checks, the plan step, a launch plan (kept in
@@ -670,7 +733,8 @@ def _forward(
     with runtime.on_device(q.device):  # (its buffers follow q's device's current stream)
         result = launch.launch(
             q_k, k_k, v_k, out_k, seqused_k, page_table, cu_seqlens_q, cu_seqlens_k,
-            0 if kv_length is None else kv_length, learnable_sink,
+            0 if kv_length is None else kv_length, learnable_sink, seqused_q, kv_batch_idx,
+            leftpad_k,
         )  # fmt: skip
     out_k, lse = result if problem.writes_lse else (result, None)
     if out_k.data_ptr() != out.data_ptr():

@@ -60,6 +60,9 @@ class Problem:
     page_size: Optional[int] = None
     seqused_k: bool = False
     scalar_kv_length: bool = False
+    seqused_q: bool = False  # a packed sequence's queries are the first seqused_q[b] rows
+    kv_batch_idx: bool = False  # batch b reads cache row kv_batch_idx[b]
+    leftpad_k: bool = False  # a padded cache row's keys start at leftpad_k[b]
     # FlashAttention-3's local attention: query i sees key j iff
     # i + sk - sq - window_left <= j <= i + sk - sq + window_right (-1: unbounded), and with
     # attention_chunk c also floor((i + sk - sq) / c) == floor(j / c).
@@ -93,6 +96,9 @@ class ForwardVariant:
     kv_layout: str = "padded"
     seqused_k: bool = False
     scalar_kv_length: bool = False
+    seqused_q: bool = False
+    kv_batch_idx: bool = False
+    leftpad_k: bool = False
     page_box_rows: Optional[int] = None
     split: bool = False
     pack_gqa_ratio: int = 1
@@ -121,6 +127,12 @@ class ForwardVariant:
             problems.append("page_box_rows must divide tile_n and be a multiple of 16")
         if self.seqused_k and self.scalar_kv_length:
             problems.append("seqused_k and scalar_kv_length exclude each other")
+        if self.seqused_q and not self.varlen_q:
+            problems.append("seqused_q shortens packed (varlen) queries")
+        if self.leftpad_k and self.kv_layout != "padded":
+            problems.append("leftpad_k offsets padded cache rows")
+        if self.kv_batch_idx and self.kv_layout == "packed":
+            problems.append("kv_batch_idx picks padded cache rows or page-table rows")
         if c.tile_m % self.pack_gqa_ratio:
             problems.append("pack_gqa_ratio must divide tile_m")
         if self.split and c.scheduler != "single_tile":
@@ -168,7 +180,18 @@ class ForwardVariant:
             f"{c.tile_m}x{c.tile_n}",
             c.scheduler,
         ]
-        flags += [name for name in ("writes_lse", "varlen_q", "seqused_k") if getattr(self, name)]
+        flags += [
+            name
+            for name in (
+                "writes_lse",
+                "varlen_q",
+                "seqused_q",
+                "seqused_k",
+                "kv_batch_idx",
+                "leftpad_k",
+            )
+            if getattr(self, name)
+        ]
         flags += ["kv_length"] if self.scalar_kv_length else []
         flags += (
             [] if self.kv_layout == "padded" else [f"{self.kv_layout}{self.page_box_rows or ''}"]
@@ -190,13 +213,16 @@ class ForwardVariant:
     @property
     def takes_optionals(self) -> bool:
         """Whether the kernel uses any optional argument (LSE, varlen offsets, packed or paged
-        K/V, seqused_k, learnable sink, split scratch, tile counter); one that uses none is
-        compiled with the short signature (compile_cache.SHORT)."""
+        K/V, seqused_k/q, cache batch index or left padding, learnable sink, split scratch, tile
+        counter); one that uses none is compiled with the short signature (compile_cache.SHORT)."""
         return (
             self.writes_lse
             or self.varlen_q
             or self.kv_layout != "padded"
             or self.seqused_k
+            or self.seqused_q
+            or self.kv_batch_idx
+            or self.leftpad_k
             or self.split
             or self.uses_tile_counter
             or self.learnable_sink is not None
@@ -288,6 +314,9 @@ def plan_forward(
         kv_layout=problem.kv_layout,
         seqused_k=problem.seqused_k,
         scalar_kv_length=problem.scalar_kv_length,
+        seqused_q=problem.seqused_q,
+        kv_batch_idx=problem.kv_batch_idx,
+        leftpad_k=problem.leftpad_k,
         page_box_rows=page_box_rows,
         split=split,
         pack_gqa_ratio=pack_ratio,

@@ -35,7 +35,9 @@ Problem variants (static; each is a separate compiled kernel, flash_cute.plan.Fo
 - kv_layout "padded" (batch, seqlen_k, nheads_kv, d), "packed" (total_k, ...) with
   cu_seqlens_k, or "paged" (num_pages, page_size, nheads_kv, d) with a page table; with
   seqused_k the valid key count per batch comes from a tensor, with scalar_kv_length from the
-  kv_length argument (one count for every batch: an int cache_seqlens).
+  kv_length argument (one count for every batch: an int cache_seqlens). kv_batch_idx: batch b
+  reads cache row (or page-table row) kv_batch_idx[b]; leftpad_k: a padded cache row's keys
+  start at leftpad_k[b]; seqused_q: a packed sequence's first seqused_q[b] rows are its queries.
 - split: grid.y covers nheads x num_splits; split s takes the s-th share of the key blocks and
   writes its partial O (fp32, normalized over its own keys) and LSE (-inf for an empty split).
   The last of a tile's splits to finish (a per-tile arrival counter) merges the tile's
@@ -152,6 +154,9 @@ class ProblemShapes:
     mLearnableSink: Optional[cute.Tensor]
     num_splits: Int32
     kv_length: Optional[Int32]
+    mSeqUsedQ: Optional[cute.Tensor] = None
+    mKvBatchIdx: Optional[cute.Tensor] = None
+    mLeftPadK: Optional[cute.Tensor] = None
 
 
 class FlashAttentionForwardSm90:
@@ -174,6 +179,9 @@ class FlashAttentionForwardSm90:
       lse:  (B, nheads, seqlen_q) or (nheads, total_q) fp32, or None
       cu_seqlens_q / cu_seqlens_k: (B + 1,) int32; seqused_k: (B,) int32;
       page_table: (B, max_pages_per_seq) int32 (None where the variant has none of them)
+      learnable_sink: (nheads,) sink logits
+      seqused_q, kv_batch_idx, leftpad_k: (B,) int32 (None where the variant has none); with
+            kv_batch_idx, k/v (padded) and page_table have the cache's own batch size
       kv_length: the keys of every sequence (scalar_kv_length variants); unused by others
       partials: split variants' fp32 scratch, 16-byte aligned: the partial O (S, *out.shape)
             and right after it the partial LSE (S, *lse.shape), both contiguous; unused by
@@ -200,7 +208,10 @@ class FlashAttentionForwardSm90:
         )
         # Whether K/V rows past a sequence's end can be loaded (see _clear_v_tail).
         self.clears_v_tail = (
-            variant.kv_layout != "padded" or variant.seqused_k or variant.scalar_kv_length
+            variant.kv_layout != "padded"
+            or variant.seqused_k
+            or variant.scalar_kv_length
+            or variant.leftpad_k
         )
         # Persistent: a grid of at most max_ctas CTAs, each looping over tiles, so one tile's
         # epilogue overlaps the next tile's Q and K/V loads (kernels/tile_scheduler.py).
@@ -265,6 +276,9 @@ class FlashAttentionForwardSm90:
         seqused_k: Optional[cute.Tensor],
         page_table: Optional[cute.Tensor],
         learnable_sink: Optional[cute.Tensor],
+        seqused_q: Optional[cute.Tensor],
+        kv_batch_idx: Optional[cute.Tensor],
+        leftpad_k: Optional[cute.Tensor],
         kv_length: Int32,
         partials: Optional[cute.Pointer],
         counters: Optional[cute.Pointer],
@@ -294,8 +308,8 @@ class FlashAttentionForwardSm90:
             mCounters = cute.make_tensor(counters, cute.make_layout(1 << 30))
         self._launch(
             q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, learnable_sink,
-            kv_length, out_partial, lse_partial, mCounters, scale_log2, max_ctas, num_splits,
-            stream,
+            seqused_q, kv_batch_idx, leftpad_k, kv_length, out_partial, lse_partial, mCounters,
+            scale_log2, max_ctas, num_splits, stream,
         )  # fmt: skip
 
     @cute.jit
@@ -313,7 +327,7 @@ class FlashAttentionForwardSm90:
         """The signature of a variant that uses none of the optional arguments: a call passes
         eight arguments fewer through TVM-FFI, which converts each on the host."""
         self._launch(
-            q, k, v, out, None, None, None, None, None, None, kv_length,
+            q, k, v, out, None, None, None, None, None, None, None, None, None, kv_length,
             None, None, None, scale_log2, max_ctas, Int32(1), stream,
         )  # fmt: skip
 
@@ -330,6 +344,9 @@ class FlashAttentionForwardSm90:
         mSeqUsedK: Optional[cute.Tensor],
         mPageTable: Optional[cute.Tensor],
         mLearnableSink: Optional[cute.Tensor],
+        mSeqUsedQ: Optional[cute.Tensor],
+        mKvBatchIdx: Optional[cute.Tensor],
+        mLeftPadK: Optional[cute.Tensor],
         kv_length: Int32,
         mOPartial: Optional[cute.Tensor],
         mLSEPartial: Optional[cute.Tensor],
@@ -457,6 +474,9 @@ class FlashAttentionForwardSm90:
             mSeqUsedK,
             mPageTable,
             mLearnableSink,
+            mSeqUsedQ,
+            mKvBatchIdx,
+            mLeftPadK,
             mCounters,
             num_splits,
             max_ctas,
@@ -503,6 +523,9 @@ class FlashAttentionForwardSm90:
         mSeqUsedK: Optional[cute.Tensor],
         mPageTable: Optional[cute.Tensor],
         mLearnableSink: Optional[cute.Tensor],
+        mSeqUsedQ: Optional[cute.Tensor],
+        mKvBatchIdx: Optional[cute.Tensor],
+        mLeftPadK: Optional[cute.Tensor],
         mCounters: Optional[cute.Tensor],
         num_splits: Int32,
         max_ctas: Int32,
@@ -588,6 +611,9 @@ class FlashAttentionForwardSm90:
             mLearnableSink=mLearnableSink,
             num_splits=num_splits,
             kv_length=kv_length if const_expr(self.variant.scalar_kv_length) else None,
+            mSeqUsedQ=mSeqUsedQ,
+            mKvBatchIdx=mKvBatchIdx,
+            mLeftPadK=mLeftPadK,
         )
 
         pipeline.pipeline_init_wait()
@@ -695,6 +721,8 @@ class FlashAttentionForwardSm90:
             shapes.mCuSeqlensK,
             shapes.mSeqUsedK,
             shapes.kv_length,
+            shapes.mSeqUsedQ,
+            shapes.mLeftPadK,
         )
         block_range = KeyBlockRange(
             self.config.tile_m,
@@ -712,13 +740,18 @@ class FlashAttentionForwardSm90:
         )
         return seqlen, block_range, n_block_min, n_block_max
 
-    def _rows_of(self, mX: cute.Tensor, head: Int32, batch: Int32, offset: Int32) -> cute.Tensor:
+    def _rows_of(
+        self, mX: cute.Tensor, head: Int32, batch: Int32, offset: Int32, padded_offset=False
+    ) -> cute.Tensor:
         """The (rows, head_dim) slice of a q/k/v-like tensor in kernel mode order for one
-        head and batch; packed (varlen) tensors are offset to the batch's first row."""
+        head and batch; packed (varlen) tensors are offset to the batch's first row, padded
+        ones only with padded_offset (a left-padded cache row)."""
         if const_expr(cute.rank(mX) == 3):
             x = mX[None, None, head]
             row_offset = (0, offset) if const_expr(cute.rank(x.shape[0]) == 2) else offset
             return cute.domain_offset((row_offset, 0), x)
+        if const_expr(padded_offset):
+            return cute.domain_offset((offset, 0), mX[None, None, head, batch])
         return mX[None, None, head, batch]
 
     @cute.jit
@@ -765,8 +798,17 @@ class FlashAttentionForwardSm90:
             cute.group_modes(sQ, 0, 2),
             cute.group_modes(gQ, 0, 2),
         )
+        # The cache row of this batch (cache_batch_idx picks it; the lengths stay per batch).
+        kv_batch = tile.batch_idx
+        if const_expr(shapes.mKvBatchIdx is not None):  # clamped: a bad index reads a real row
+            rows = (
+                mPageTable.shape[0]
+                if const_expr(self.variant.kv_layout == "paged")
+                else shapes.mK.shape[3]
+            )
+            kv_batch = cutlass.max(cutlass.min(shapes.mKvBatchIdx[tile.batch_idx], rows - 1), 0)
         if const_expr(self.variant.kv_layout == "paged"):
-            page_table_row = mPageTable[tile.batch_idx, None]
+            page_table_row = mPageTable[kv_batch, None]
             k_loader = TmaPagedBlockLoader.create(
                 tma_atom_K,
                 mK[None, None, tile.head_kv_idx, None],
@@ -790,7 +832,9 @@ class FlashAttentionForwardSm90:
             k_loader = TmaBlockLoader.create(
                 tma_atom_K,
                 cute.local_tile(
-                    self._rows_of(mK, tile.head_kv_idx, tile.batch_idx, seqlen.offset_k),
+                    self._rows_of(
+                        mK, tile.head_kv_idx, kv_batch, seqlen.offset_k, self.variant.leftpad_k
+                    ),
                     tile_kv,
                     (None, 0),
                 ),
@@ -800,7 +844,9 @@ class FlashAttentionForwardSm90:
             v_loader = TmaBlockLoader.create(
                 tma_atom_V,
                 cute.local_tile(
-                    self._rows_of(mV, tile.head_kv_idx, tile.batch_idx, seqlen.offset_k),
+                    self._rows_of(
+                        mV, tile.head_kv_idx, kv_batch, seqlen.offset_k, self.variant.leftpad_k
+                    ),
                     tile_kv,
                     (None, 0),
                 ),
@@ -1284,8 +1330,7 @@ class FlashAttentionForwardSm90:
             shapes.mQ.shape[0],
             Int32(0),
             shapes.mCuSeqlensQ,
-            None,
-            None,
+            mSeqUsedQ=shapes.mSeqUsedQ,
         )
         # The tile's rows that hold a token (a prefix of the tile).
         valid_rows = cutlass.min(

@@ -3,8 +3,9 @@
 Queries are either padded (batch, seqlen_q, ...) or packed (total_q, ...) with cu_seqlens_q.
 Keys are padded (batch, seqlen_k, ...), packed (total_k, ...) with cu_seqlens_k, or paged;
 with seqused_k the number of valid keys of each batch comes from that tensor instead, or with
-kv_length from one scalar for all of them (either clamped to the cache's capacity, so a bad
-value cannot read past the cache).
+kv_length from one scalar for all of them (either clamped to the sequence's keys, so a bad
+value cannot read past them). seqused_q likewise shortens a packed query span. With leftpad_k
+a padded cache row's keys start at leftpad_k[b] (offset_k) and end at the valid count.
 """
 
 from dataclasses import dataclass
@@ -31,19 +32,26 @@ class SeqlenInfo:
         mCuSeqlensK: Optional[cute.Tensor] = None,
         mSeqUsedK: Optional[cute.Tensor] = None,
         kv_length: Optional[Int32] = None,
+        mSeqUsedQ: Optional[cute.Tensor] = None,
+        mLeftPadK: Optional[cute.Tensor] = None,
     ) -> "SeqlenInfo":
         offset_q = Int32(0)
         seqlen_q = seqlen_q_padded
         if const_expr(mCuSeqlensQ is not None):
             offset_q = mCuSeqlensQ[batch_idx]
             seqlen_q = mCuSeqlensQ[batch_idx + 1] - offset_q
+        if const_expr(mSeqUsedQ is not None):  # the first rows of the sequence's span
+            seqlen_q = cutlass.max(cutlass.min(mSeqUsedQ[batch_idx], seqlen_q), 0)
         offset_k = Int32(0)
         seqlen_k = seqlen_k_capacity
         if const_expr(mCuSeqlensK is not None):
             offset_k = mCuSeqlensK[batch_idx]
             seqlen_k = mCuSeqlensK[batch_idx + 1] - offset_k
         if const_expr(mSeqUsedK is not None):
-            seqlen_k = cutlass.max(cutlass.min(mSeqUsedK[batch_idx], seqlen_k_capacity), 0)
+            seqlen_k = cutlass.max(cutlass.min(mSeqUsedK[batch_idx], seqlen_k), 0)
         if const_expr(kv_length is not None):  # the same count for every batch
             seqlen_k = cutlass.max(cutlass.min(kv_length, seqlen_k_capacity), 0)
+        if const_expr(mLeftPadK is not None):  # keys leftpad .. seqlen_k - 1 of the cache row
+            offset_k = cutlass.min(cutlass.max(mLeftPadK[batch_idx], 0), seqlen_k)
+            seqlen_k = seqlen_k - offset_k
         return SeqlenInfo(offset_q, seqlen_q, offset_k, seqlen_k)

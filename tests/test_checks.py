@@ -163,13 +163,11 @@ def varlen_args(total_q=10, batch=3, h=4, hk=2, d=64):
         (dict(max_seqlen_q=torch.tensor(5)), TypeError, "max_seqlen_q must be a Python int"),
         (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q must be >= 0"),
         (
-            dict(
-                cu_seqlens_k=torch.tensor([0, 5, 9, 20], dtype=torch.int32),
-                seqused_k=torch.tensor([5, 4, 11], dtype=torch.int32),
-            ),
+            dict(seqused_q=torch.tensor([5, 4], dtype=torch.int32)),
             ValueError,
-            "either cu_seqlens_k or seqused_k",
+            r"seqused_q must have shape \(3,\) \(queries used per sequence\)",
         ),
+        (dict(seqused_q=torch.tensor([5, 4, 1])), TypeError, "seqused_q must be int32"),
         (
             dict(cu_seqlens_k=torch.tensor([0, 5, 20], dtype=torch.int32)),
             ValueError,

@@ -170,6 +170,44 @@ KNOB_KEYS = [
         kv_layout="padded",
         seqused_k=True,
     ),
+    # FlashAttention-3's cache options: cache rows picked by index and left-padded (split decode
+    # with an int length), a paged cache's table rows picked by index, and varlen queries
+    # shortened by seqused_q over packed keys shortened by seqused_k.
+    ragged(
+        "bfloat16",
+        128,
+        True,
+        decode_config(128, "bfloat16"),
+        True,
+        scalar_kv_length=True,
+        kv_batch_idx=True,
+        leftpad_k=True,
+        split=True,
+        pack_gqa_ratio=4,
+    ),
+    ragged(
+        "float16",
+        128,
+        False,
+        decode_config(128, "float16"),
+        False,
+        kv_layout="paged",
+        seqused_k=True,
+        kv_batch_idx=True,
+        page_box_rows=16,
+        pack_gqa_ratio=8,
+    ),
+    ragged(
+        "bfloat16",
+        64,
+        True,
+        AttentionConfig(192, 128, scheduler="dynamic_persistent"),
+        True,
+        varlen_q=True,
+        seqused_q=True,
+        kv_layout="packed",
+        seqused_k=True,
+    ),
 ]
 
 

@@ -135,8 +135,13 @@ def test_launch_passes_arguments_in_the_signature_order(streams):
     assert (sent["kv_length"], sent["scale_log2"], sent["max_ctas"]) == (9, 0.5, 132)
 
     plan = split_plan(kernel, lse=True)
-    seqused, table, cu_q, cu_k = (torch.zeros(3, dtype=torch.int32) for _ in range(4))
-    out, lse = plan.launch(q, k, v, None, seqused, table, cu_q, cu_k, kv_length=5)
+    seqused, table, cu_q, cu_k, used_q, idx, pad = (
+        torch.zeros(3, dtype=torch.int32) for _ in range(7)
+    )
+    out, lse = plan.launch(
+        q, k, v, None, seqused, table, cu_q, cu_k, kv_length=5, seqused_q=used_q,
+        kv_batch_idx=idx, leftpad_k=pad,
+    )  # fmt: skip
     sent = dict(zip(FULL.args, kernel.calls[-1]))
     assert len(kernel.calls[-1]) == len(FULL.args)
     assert sent["out"] is out and sent["lse"] is lse and lse.shape == (1, 4, 1)
@@ -146,6 +151,7 @@ def test_launch_passes_arguments_in_the_signature_order(streams):
         cu_q,
         cu_k,
     ]
+    assert [sent[n] for n in ("seqused_q", "kv_batch_idx", "leftpad_k")] == [used_q, idx, pad]
     assert (sent["kv_length"], sent["num_splits"], sent["max_ctas"]) == (5, 2, 132)
     assert sent["counters"] == BUFFERS.counters[stream()].data_ptr()
     assert sent["partials"] == BUFFERS.scratch[stream()][0].data_ptr()
