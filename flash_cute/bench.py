@@ -872,6 +872,32 @@ def run_host() -> List[str]:
             qv, kp, vp, cu_q, 1, seqused_k=used, max_seqlen_k=256, page_table=pages, num_splits=4
         )
     )
+    # The same calls through FlashAttention-3's interface module, and through the custom ops
+    # (the dispatcher: what a torch.compile graph calls; eager calls skip it).
+    from flash_cute import flash_attn_interface as fa3
+
+    calls["flash_attn_interface.flash_attn_func"] = lambda: fa3.flash_attn_func(q, k, v)
+    calls["flash_attn_interface.flash_attn_with_kvcache (no split)"] = lambda: (
+        fa3.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=seqlens, num_splits=1)
+    )
+    calls["flash_attn_interface.flash_attn_with_kvcache (paged decode, varlen q, 4 splits)"] = (
+        lambda: fa3.flash_attn_with_kvcache(
+            qv, kp, vp, cache_seqlens=used, page_table=pages, cu_seqlens_q=cu_q, max_seqlen_q=1,
+            num_splits=4,
+        )
+    )  # fmt: skip
+    out_d = torch.empty_like(qd)
+    calls["torch.ops.flash_cute.flash_attn_func (out=)"] = lambda: (
+        torch.ops.flash_cute.flash_attn_func(
+            q, k, v, out, None, False, False, None, [-1, -1], 0, 0.0, None
+        )
+    )
+    calls["torch.ops.flash_cute.flash_attn_with_kvcache (no split, out=)"] = lambda: (
+        torch.ops.flash_cute.flash_attn_with_kvcache(
+            qd, kc, vc, seqlens, None, None, None, False, 1, None, False, out_d, None, [-1, -1],
+            0, 0.0, None, None, None,
+        )
+    )  # fmt: skip
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))

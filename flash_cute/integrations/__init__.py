@@ -1,0 +1,1 @@
+"""Integrations of flash_cute with frameworks (optional dependencies, imported on demand)."""

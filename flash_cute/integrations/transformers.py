@@ -1,0 +1,130 @@
+"""Hugging Face transformers: `attn_implementation="cute_attention"`.
+
+    import flash_cute.integrations.transformers as fc_transformers
+    fc_transformers.register()
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="cute_attention",
+                                                 dtype=torch.bfloat16, device_map="cuda")
+
+The name has no "flash" in it on purpose: transformers takes every implementation whose name
+contains "flash" for a FlashAttention kernel (it tries to load one from the hub, and swaps in
+another for models that list their FlashAttention kernels, gpt-oss among them).
+
+`register()` adds flash_cute to transformers' AttentionInterface (and its mask interface, the
+one FlashAttention uses: no mask unless a row is padded). Each attention layer then runs
+flash_cute's forward kernel, in prefill and in generate with transformers' caches, with the
+layer's sliding window, logit softcap and attention sinks (gpt-oss's `s_aux`) passed through.
+
+Forward only (inference): a call that needs gradients, dropout, attention probabilities, or a
+mask other than left padding raises an error naming it, as do layers whose value head dim
+differs from the query's (MLA) and head dims or dtypes the kernels do not serve. Nothing falls
+back to another implementation.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import interface
+
+NAME = "cute_attention"
+
+
+def register(name: str = NAME) -> str:
+    """Register flash_cute as `attn_implementation=name` in transformers (idempotent). Returns
+    the name."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "flash_cute.integrations.transformers needs transformers: "
+            "pip install 'flash-cute[transformers]'"
+        ) from err
+    AttentionInterface.register(name, flash_cute_attention_forward)
+    AttentionMaskInterface.register(name, flash_attention_mask)
+    return name
+
+
+def _refuse(feature: str) -> None:
+    raise NotImplementedError(f"attn_implementation='{NAME}' (flash_cute) does not serve {feature}")
+
+
+def flash_cute_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    s_aux: Optional[torch.Tensor] = None,
+    **kwargs,
+):
+    """transformers' attention function: query (batch, nheads, seqlen_q, head_dim), key and
+    value (batch, nheads_kv, seqlen_k, head_dim), attention_mask None or a (batch, seqlen_k)
+    bool mask of left padding. Returns ((batch, seqlen_q, nheads, head_dim), None)."""
+    if dropout and module.training:
+        _refuse(f"attention dropout (p={dropout}) in training")
+    if kwargs.get("output_attentions"):
+        _refuse("output_attentions=True (use attn_implementation='eager')")
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
+        _refuse("gradients (forward kernels only; run under torch.no_grad or inference_mode)")
+    if value.shape[-1] != query.shape[-1]:
+        _refuse(
+            f"a value head dim ({value.shape[-1]}) other than the query's ({query.shape[-1]}), "
+            "as in MLA"
+        )
+    if query.dtype == torch.float32:
+        # A 16-bit model whose rotary embedding or norms left fp32 activations (as
+        # transformers' FlashAttention path does: back to the weights' or autocast's dtype).
+        dtype = _half_dtype_of(module, query.device.type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        _refuse(f"{query.dtype} activations (load the model in float16 or bfloat16)")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    window = (-1, -1)
+    if sliding_window is not None and sliding_window > 0:
+        # transformers' sliding window W: a query sees itself and the W - 1 keys before it.
+        window = (sliding_window - 1, 0 if is_causal else sliding_window - 1)
+    mask_options = dict(
+        softmax_scale=scaling,
+        causal=bool(is_causal),
+        window_size=window,
+        softcap=float(softcap) if softcap else 0.0,
+        learnable_sink=s_aux,
+    )
+    # The cache entry point serves prefill and decode alike (decode steps get its split-KV
+    # heuristic and decode tiles); a left-padded batch gives each row's first key.
+    leftpad = None if attention_mask is None else _left_padding(attention_mask, k.shape[1])
+    return interface.flash_attn_with_kvcache(q, k, v, cache_leftpad=leftpad, **mask_options), None
+
+
+def _half_dtype_of(module: torch.nn.Module, device_type: str) -> torch.dtype:
+    """The 16-bit dtype fp32 activations go back to: autocast's, else the layer's weights'
+    (float32 weights stay float32, which the caller then refuses)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    for param in module.parameters():
+        return param.dtype
+    return torch.float32
+
+
+def _left_padding(attention_mask: torch.Tensor, kv_length: int) -> torch.Tensor:
+    """(batch,) int32 first valid key of each row of a (batch, kv_length) bool mask that pads
+    on the left only; anything else is refused (one host sync, as transformers' own
+    FlashAttention path takes to unpad)."""
+    if attention_mask.dim() != 2 or attention_mask.shape[1] != kv_length:
+        _refuse(f"an attention mask of shape {tuple(attention_mask.shape)} (a 2-D padding mask)")
+    mask = attention_mask.bool()
+    first = mask.int().argmax(dim=1)
+    cols = torch.arange(kv_length, device=mask.device)
+    if not torch.equal(mask, cols.unsqueeze(0) >= first.unsqueeze(1)) or not mask[:, -1].all():
+        _refuse("attention masks other than left padding (pad on the left to batch prompts)")
+    return first.to(torch.int32)

@@ -1,0 +1,63 @@
+"""flash_cute.integrations.transformers on the CPU: registration, and the calls it refuses by
+name before any kernel runs."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from flash_cute.integrations import transformers as fc_transformers  # noqa: E402
+
+
+class Layer(torch.nn.Module):
+    is_causal = True
+
+
+def qkv(d=64, dv=64, dtype=torch.bfloat16, grad=False):
+    q = torch.randn(2, 4, 10, d, dtype=dtype, requires_grad=grad)
+    k = torch.randn(2, 2, 10, d, dtype=dtype)
+    v = torch.randn(2, 2, 10, dv, dtype=dtype)
+    return q, k, v
+
+
+def test_register():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    assert fc_transformers.register() == "cute_attention"
+    assert AttentionInterface._global_mapping["cute_attention"] is (
+        fc_transformers.flash_cute_attention_forward
+    )
+    assert "cute_attention" in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, message",
+    [
+        (qkv(dv=128), {}, r"value head dim \(128\) other than the query's \(64\)"),
+        (qkv(dtype=torch.float32), {}, "float32 activations"),
+        (qkv(grad=True), {}, "gradients"),
+        (qkv(), dict(output_attentions=True), "output_attentions"),
+        (
+            qkv(),
+            dict(attention_mask=torch.tensor([[1] * 9 + [0], [1] * 10], dtype=torch.bool)),
+            "other than left padding",
+        ),
+        (qkv(), dict(attention_mask=torch.ones(2, 1, 10, 10, dtype=torch.bool)), "2-D padding"),
+    ],
+)
+def test_refused_calls_name_the_feature(args, kwargs, message):
+    mask = kwargs.pop("attention_mask", None)
+    with pytest.raises(NotImplementedError, match=message):
+        fc_transformers.flash_cute_attention_forward(Layer(), *args, mask, **kwargs)
+
+
+def test_dropout_in_training_is_refused():
+    layer = Layer().train()
+    with pytest.raises(NotImplementedError, match="dropout"):
+        fc_transformers.flash_cute_attention_forward(layer, *qkv(), None, dropout=0.1)
+
+
+def test_left_padding():
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]], dtype=torch.bool)
+    assert fc_transformers._left_padding(mask, 4).tolist() == [2, 0, 3]
