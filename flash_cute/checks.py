@@ -305,10 +305,8 @@ def check_page_table(page_table, batch: Optional[int], k_cache: torch.Tensor) ->
             f"page_table must have a contiguous last dimension, got strides {page_table.stride()}"
         )
     page_size = k_cache.shape[1]
-    if page_size == 0 or page_size % 16:
-        raise ValueError(
-            f"page size (k_cache.shape[1]) must be a positive multiple of 16, got {page_size}"
-        )
+    if page_size == 0:
+        raise ValueError("page size (k_cache.shape[1]) must be positive, got 0")
     return page_table.shape[1] * page_size if k_cache.shape[0] > 0 else 0
 
 

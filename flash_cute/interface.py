@@ -208,8 +208,9 @@ def flash_attn_varlen_func(
             (batch, seqlen_k, nheads_kv, headdim) padded, with seqused_k (valid keys per
                 sequence) or without (all seqlen_k keys);
             (num_pages, page_size, nheads_kv, headdim) paged, with page_table and usually
-                seqused_k (without it, every slot of the table's pages is a key). page_size
-                must be a multiple of 16; pages need not be contiguous or ordered.
+                seqused_k (without it, every slot of the table's pages is a key). Any page
+                size; pages need not be contiguous or ordered. Sizes whose pages a TMA box of
+                a multiple of 16 rows cannot follow (1, 8, 24, ...) are gathered row by row.
         cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 prefix sums of the lengths.
         max_seqlen_q: int, the longest query length (host value; picks the tile config — the
             grid covers every sequence's tiles whatever it says).
@@ -414,7 +415,8 @@ def flash_attn_with_kvcache(
     Args:
         q: (batch, seqlen_q, nheads, headdim).
         k_cache, v_cache: (batch, seqlen_cache, nheads_kv, headdim), or with page_table
-            (num_pages, page_size, nheads_kv, headdim) with page_size a multiple of 16.
+            (num_pages, page_size, nheads_kv, headdim), any page size (see
+            flash_attn_varlen_func).
         cache_seqlens: valid keys per sequence: an int, a (batch,) int32 tensor, or None for
             the whole cache. Tensor values above the cache's capacity are clamped (checking
             them would need a host sync); an int is checked. Slots past the length may hold
@@ -434,7 +436,7 @@ def flash_attn_with_kvcache(
             page-table row, when paged); k_cache (or page_table) may then have any number of
             rows. Indices are clamped to the rows there are (checking needs a host sync).
         cache_leftpad: (batch,) int32: sequence b's keys are cache slots cache_leftpad[b] ..
-            cache_seqlens[b] - 1 (padded caches only, for now).
+            cache_seqlens[b] - 1 (of its cache row, or of its pages in table order).
         Other arguments as in flash_attn_func.
 
     Returns:
@@ -533,11 +535,6 @@ def flash_attn_with_kvcache(
         checks.check_seqused("cache_batch_idx", cache_batch_idx, batch, "cache row per sequence")
     if cache_leftpad is not None:
         checks.check_seqused("cache_leftpad", cache_leftpad, batch, "first key per sequence")
-        if paged:
-            raise NotImplementedError(
-                "cache_leftpad with page_table is not supported yet (a left-padded paged row "
-                "needs the gather path for K/V)"
-            )
     # With cache_batch_idx the cache (or page table) has its own batch size.
     cache_batch = None if cache_batch_idx is not None else batch
     if paged:

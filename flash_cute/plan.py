@@ -11,6 +11,8 @@ Every rewrite of a config happens here and nowhere else:
 - the split count: the wave-efficiency heuristic when asked for (num_splits=0);
 - the scheduler: split launches run one CTA per tile; a dynamic persistent config whose tiles
   fit in one wave of CTAs runs its static twin (same tile order, no tile counter);
+- paged K/V: TMA boxes where a box of a multiple of 16 rows divides the page size and the key
+  block, otherwise (and for left-padded pages) rows gathered with cp.async, one CTA per tile;
 - the O store: split and varlen launches store O from registers (their rows are ragged);
 - ping-pong needs two MMA warpgroups, and the O rescale under Q K^T needs the overlap;
 - the mask (attention_mask): causal, a local window or chunk, or none; a local mask takes the
@@ -83,8 +85,10 @@ class ForwardVariant:
     all take whole. `config` is the effective config, what the kernel runs (the plan step has
     applied every rewrite); the other fields are the problem's static shape.
 
-    pack_gqa_ratio: q heads per kv head folded into a tile's rows (1: none). page_box_rows:
-    the TMA box rows of a paged K/V load, gcd(page_size, tile_n).
+    pack_gqa_ratio: q heads per kv head folded into a tile's rows (1: none). A paged K/V load
+    takes TMA boxes of page_box_rows rows (gcd(page_size, tile_n), a multiple of 16), or with
+    gather_page_size (the page size, when no such box exists or rows start at an offset) is
+    gathered row by row with cp.async (kernels/paged_kv_gather.py).
     """
 
     dtype: str  # "float16" | "bfloat16"
@@ -100,6 +104,7 @@ class ForwardVariant:
     kv_batch_idx: bool = False
     leftpad_k: bool = False
     page_box_rows: Optional[int] = None
+    gather_page_size: Optional[int] = None
     split: bool = False
     pack_gqa_ratio: int = 1
     # Local attention (Problem's semantics), baked into the kernel: window sides (-1:
@@ -119,8 +124,12 @@ class ForwardVariant:
         problems = []
         if self.kv_layout not in KV_LAYOUTS:
             problems.append(f"kv_layout must be one of {KV_LAYOUTS}")
-        if (self.kv_layout == "paged") != (self.page_box_rows is not None):
-            problems.append("page_box_rows is set exactly for paged K/V")
+        if (self.kv_layout == "paged") != (
+            (self.page_box_rows is not None) != (self.gather_page_size is not None)
+        ):
+            problems.append("paged K/V sets exactly one of page_box_rows and gather_page_size")
+        elif self.gather_page_size is not None and c.scheduler != "single_tile":
+            problems.append("gathered paged K/V runs one CTA per tile (scheduler 'single_tile')")
         elif self.page_box_rows is not None and (
             c.tile_n % self.page_box_rows or self.page_box_rows % 16
         ):
@@ -129,8 +138,8 @@ class ForwardVariant:
             problems.append("seqused_k and scalar_kv_length exclude each other")
         if self.seqused_q and not self.varlen_q:
             problems.append("seqused_q shortens packed (varlen) queries")
-        if self.leftpad_k and self.kv_layout != "padded":
-            problems.append("leftpad_k offsets padded cache rows")
+        if self.leftpad_k and not (self.kv_layout == "padded" or self.gather_page_size):
+            problems.append("leftpad_k offsets padded cache rows or gathered pages")
         if self.kv_batch_idx and self.kv_layout == "packed":
             problems.append("kv_batch_idx picks padded cache rows or page-table rows")
         if c.tile_m % self.pack_gqa_ratio:
@@ -194,7 +203,11 @@ class ForwardVariant:
         ]
         flags += ["kv_length"] if self.scalar_kv_length else []
         flags += (
-            [] if self.kv_layout == "padded" else [f"{self.kv_layout}{self.page_box_rows or ''}"]
+            []
+            if self.kv_layout == "padded"
+            else [f"{self.kv_layout}{self.page_box_rows or ''}"]
+            if self.gather_page_size is None
+            else [f"paged-gather{self.gather_page_size}"]
         )
         flags += ["split"] if self.split else []
         flags += [f"pack{self.pack_gqa_ratio}"] if self.pack_gqa_ratio > 1 else []
@@ -302,8 +315,14 @@ def plan_forward(
     if problem.kv_capacity == 0:  # no keys: nothing for a kernel (or TMA) to read
         return ForwardPlan(None, num_splits, max_ctas, 0)
     split = num_splits > 1
-    config = _effective_config(config, problem, pack_ratio, split, max_ctas)
-    page_box_rows = math.gcd(problem.page_size, config.tile_n) if problem.page_size else None
+    page_box_rows = gather_page_size = None
+    if problem.page_size:
+        page_box_rows = math.gcd(problem.page_size, config.tile_n)
+        if page_box_rows % 16 or problem.leftpad_k:  # no TMA box follows the pages
+            page_box_rows, gather_page_size = None, problem.page_size
+    config = _effective_config(
+        config, problem, pack_ratio, split, max_ctas, gather_page_size is not None
+    )
     variant = ForwardVariant(
         dtype=problem.dtype,
         head_dim=problem.head_dim,
@@ -318,6 +337,7 @@ def plan_forward(
         kv_batch_idx=problem.kv_batch_idx,
         leftpad_k=problem.leftpad_k,
         page_box_rows=page_box_rows,
+        gather_page_size=gather_page_size,
         split=split,
         pack_gqa_ratio=pack_ratio,
         window_left=window_left,
@@ -369,11 +389,17 @@ def window_span(window_left: int, window_right: int, attention_chunk: int) -> Op
 
 
 def _effective_config(
-    config: AttentionConfig, problem: Problem, pack_ratio: int, split: bool, max_ctas: int
+    config: AttentionConfig,
+    problem: Problem,
+    pack_ratio: int,
+    split: bool,
+    max_ctas: int,
+    gather: bool = False,
 ) -> AttentionConfig:
-    """The config as the kernel runs it (see the module docstring)."""
+    """The config as the kernel runs it (see the module docstring). gather: paged K/V gathered
+    with cp.async, whose four producer warps each walk the tile (one CTA per tile)."""
     changes = {}
-    if split and config.scheduler != "single_tile":
+    if (split or gather) and config.scheduler != "single_tile":
         changes["scheduler"] = "single_tile"
     elif (
         config.scheduler == "dynamic_persistent"

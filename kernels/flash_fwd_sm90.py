@@ -62,6 +62,7 @@ from . import hopper_mma
 from .block_range import KeyBlockRange, LocalWindow
 from .masking import AttentionMask
 from .named_barriers import NamedBarrier
+from .paged_kv_gather import PRODUCER_THREADS, GatherPagedBlockLoader
 from .seqlen_info import SeqlenInfo
 from .softmax import OnlineSoftmax, apply_softcap, rescale_rows, rescale_rows_if_any_changed
 from .split_merge import lanes_per_row, merge_row
@@ -228,6 +229,9 @@ class FlashAttentionForwardSm90:
         # the O store; otherwise the MMA warps free it after the mainloop.
         self.o_overwrites_q = self.persistent and self.tma_store_o and not self.separate_o_smem
         self.smem_align = 1024
+        # Paged K/V gathered with cp.async by the whole producer warpgroup (pages no TMA box
+        # follows); one CTA per tile, so every producer warp walks the same tile.
+        self.kv_gather = variant.gather_page_size is not None
 
     def _tile_space(
         self,
@@ -410,13 +414,16 @@ class FlashAttentionForwardSm90:
             )
         kv_box = (self.config.tile_n, d)
         kv_box_layout = sKV_stage_layout
-        if const_expr(self.variant.kv_layout == "paged"):
+        if const_expr(self.variant.page_box_rows is not None):
             kv_box = (self.variant.page_box_rows, d)
             kv_box_layout = hopper_mma.make_row_major_smem_layout(
                 self.dtype, self.variant.page_box_rows, d
             )
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_load, mK, kv_box_layout, kv_box, 1)
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, mV, kv_box_layout, kv_box, 1)
+        if const_expr(self.kv_gather):  # cp.async reads the tensors themselves
+            tma_atom_K, tma_K, tma_atom_V, tma_V = None, mK, None, mV
+        else:
+            tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_load, mK, kv_box_layout, kv_box, 1)
+            tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, mV, kv_box_layout, kv_box, 1)
         tma_atom_O, mO_kernel = None, mO
         if const_expr(self.tma_store_o):
             # O reuses Q's smem (same shape and swizzle), stored with one TMA per tile.
@@ -565,22 +572,31 @@ class FlashAttentionForwardSm90:
             tx_count=self.tma_bytes_q,
             defer_sync=True,
         )
-        pipeline_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(),
-            num_stages=self.config.num_stages,
-            producer_group=tma_warp,
-            consumer_group=mma_warps,
-            tx_count=self.tma_bytes_kv,
-            defer_sync=True,
-        )
-        pipeline_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(),
-            num_stages=self.config.num_stages,
-            producer_group=tma_warp,
-            consumer_group=mma_warps,
-            tx_count=self.tma_bytes_kv,
-            defer_sync=True,
-        )
+        if const_expr(self.kv_gather):
+            # Every producer thread arrives (noinc) once its copies into the stage land.
+            gatherers = pipeline.CooperativeGroup(pipeline.Agent.Thread, PRODUCER_THREADS)
+            pipeline_k, pipeline_v = [
+                pipeline.PipelineCpAsync.create(
+                    barrier_storage=bar.data_ptr(),
+                    num_stages=self.config.num_stages,
+                    producer_group=gatherers,
+                    consumer_group=mma_warps,
+                    defer_sync=True,
+                )
+                for bar in (storage.mbar_k, storage.mbar_v)
+            ]
+        else:
+            pipeline_k, pipeline_v = [
+                pipeline.PipelineTmaAsync.create(
+                    barrier_storage=bar.data_ptr(),
+                    num_stages=self.config.num_stages,
+                    producer_group=tma_warp,
+                    consumer_group=mma_warps,
+                    tx_count=self.tma_bytes_kv,
+                    defer_sync=True,
+                )
+                for bar in (storage.mbar_k, storage.mbar_v)
+            ]
         space = self._tile_space(mQ_shape, mK_shape, mCuSeqlensQ, mPageTable, num_splits, max_ctas)
         scheduler = self.scheduler_cls.create(
             space,
@@ -620,7 +636,7 @@ class FlashAttentionForwardSm90:
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.config.producer_registers)
-            if warp_idx == 0:
+            if warp_idx == 0 or const_expr(self.kv_gather):
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                 kv_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.config.num_stages
@@ -807,7 +823,24 @@ class FlashAttentionForwardSm90:
                 else shapes.mK.shape[3]
             )
             kv_batch = cutlass.max(cutlass.min(shapes.mKvBatchIdx[tile.batch_idx], rows - 1), 0)
-        if const_expr(self.variant.kv_layout == "paged"):
+        if const_expr(self.kv_gather):
+            page_table_row = mPageTable[kv_batch, None]
+            thread = cute.arch.thread_idx()[0] % PRODUCER_THREADS
+            k_loader, v_loader = [
+                GatherPagedBlockLoader.create(
+                    mX[None, None, tile.head_kv_idx, None],
+                    sX,
+                    ring,
+                    page_table_row,
+                    seqlen.offset_k,
+                    seqlen.seqlen_k,
+                    thread,
+                    self.variant.gather_page_size,
+                    self.config.tile_n,
+                )
+                for mX, sX, ring in ((mK, sK, pipeline_k), (mV, sV, pipeline_v))
+            ]
+        elif const_expr(self.variant.kv_layout == "paged"):
             page_table_row = mPageTable[kv_batch, None]
             k_loader = TmaPagedBlockLoader.create(
                 tma_atom_K,
@@ -857,9 +890,14 @@ class FlashAttentionForwardSm90:
             atom=tma_atom_Q, src=tQgQ, dst=tQsQ, ring=pipeline_q, state=q_state
         )
 
+        # (Gathering variants run this in every producer warp; Q is warp 0's.)
+        loads_q = True
+        if const_expr(self.kv_gather):
+            loads_q = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
         if n_block_max > n_block_min:
             k_loader.load(n_block_max - 1, kv_state)
-            self._load_q(q_load)
+            if loads_q:
+                self._load_q(q_load)
             kv_state = self._load_kv_blocks(k_loader, v_loader, kv_state, n_block_min, n_block_max)
         else:
             if const_expr(self.persistent):
@@ -1267,6 +1305,8 @@ class FlashAttentionForwardSm90:
             ring.consumer_wait(state, ring.consumer_try_wait(state))
         else:
             ring.consumer_wait(state)
+        if const_expr(self.kv_gather):  # cp.async's writes -> the WGMMA's (async proxy) reads
+            cute.arch.fence_view_async_shared()
 
     def _schedule_wait(self, warpgroup_idx):
         if const_expr(self.config.pingpong):

@@ -208,6 +208,31 @@ KNOB_KEYS = [
         kv_layout="packed",
         seqused_k=True,
     ),
+    # Paged K/V gathered with cp.async (pages no TMA box follows, left-padded pages): the
+    # split decode row at page size 1, and a prefill row over left-padded pages of 24.
+    ragged(
+        "bfloat16",
+        128,
+        True,
+        decode_config(128, "bfloat16"),
+        True,
+        kv_layout="paged",
+        seqused_k=True,
+        gather_page_size=1,
+        split=True,
+        pack_gqa_ratio=4,
+    ),
+    ForwardVariant(
+        "float16",
+        96,
+        True,
+        AttentionConfig(128, 128),
+        True,
+        kv_layout="paged",
+        seqused_k=True,
+        leftpad_k=True,
+        gather_page_size=24,
+    ),
 ]
 
 

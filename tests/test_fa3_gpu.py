@@ -128,6 +128,11 @@ KVCACHE_CASES = [
     (1, 1024, 16, True, False, True, (-1, -1), 0, None),
     (64, 800, 64, True, False, True, (100, 0), 1, None),
     (3, 512, 128, True, False, False, (-1, -1), 2, 300),
+    # FlashAttention-3's kvcache page sizes 1 and 4 (rows gathered), left padding on pages.
+    (1, 339, 1, True, True, True, (-1, -1), 0, None),
+    (3, 1024, 4, False, True, True, (50, 0), 1, None),
+    (64, 800, 64, True, True, True, (-1, -1), 3, None),
+    (16, 2000, 1, False, False, False, (-1, -1), 4, 1500),
 ]
 
 

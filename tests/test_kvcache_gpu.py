@@ -31,7 +31,8 @@ def xdist_group_key(name, params):
     return None
 
 
-PAGE_SIZES = [None, 16, 32, 48, 64, 128, 256]
+# 1 and 24: pages no TMA box follows (rows gathered with cp.async).
+PAGE_SIZES = [None, 1, 16, 24, 32, 48, 64, 128, 256]
 GQA = [(8, 8), (32, 8), (64, 8), (128, 8)]  # ratios 1, 4, 8, 16
 
 
@@ -58,12 +59,12 @@ def test_decode(page_size, heads, num_splits, causal, seqlen_q):
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 192, 256])
-@pytest.mark.parametrize("page_size", [None, 64])
+@pytest.mark.parametrize("page_size", [None, 64, 1, 8])
 def test_decode_other_head_dims(head_dim, page_size):
     run_kvcache_case(3, 2, 16, 2, head_dim, torch.float16, page_size, 777, 0, True, seed=head_dim)
 
 
-@pytest.mark.parametrize("page_size", [None, 16, 128])
+@pytest.mark.parametrize("page_size", [None, 16, 128, 1, 40])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_prefill_against_cache(page_size, num_splits, causal):
@@ -75,7 +76,9 @@ def test_prefill_against_cache(page_size, num_splits, causal):
 
 @pytest.mark.parametrize("head_dim", [64, 96, 192, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("page_size", [None, 64], ids=lambda p: f"page{p}" if p else "contiguous")
+@pytest.mark.parametrize(
+    "page_size", [None, 64, 3], ids=lambda p: f"page{p}" if p else "contiguous"
+)
 def test_prefill_against_cache_other_head_dims(head_dim, causal, page_size):
     """The prefill rows of every head dim through the KV-cache path, GQA packed by 4 (hdim 64
     non-causal stores O from registers, with packed rows); out is a slice of a NaN-filled

@@ -131,6 +131,23 @@ CASES = {
         dict(kv_layout="paged", page_box_rows=16),
         dict(),
     ),
+    "paged cache, pages no TMA box follows (page size 1): rows gathered, one CTA per tile": (
+        decode(kv_layout="paged", page_size=1, seqused_k=True),
+        dict(num_splits=1),
+        dict(kv_layout="paged", gather_page_size=1),
+        dict(),
+    ),
+    "paged cache with left padding: rows gathered whatever the page size": (
+        prefill(batch=1, seqlen=1000, nheads=8, kv_layout="paged", page_size=64, leftpad_k=True),
+        dict(decode_rows=False, pack_gqa=False),
+        dict(
+            config=FORWARD_CONFIGS[(128, BF16, True)].replace(scheduler="single_tile"),
+            kv_layout="paged",
+            gather_page_size=64,
+            leftpad_k=True,
+        ),
+        dict(num_splits=1, num_counters=0),
+    ),
     "a config with one MMA warpgroup runs without ping-pong": (
         prefill(batch=1, seqlen=4096, nheads=64),
         dict(config=AttentionConfig(64, 128), decode_rows=False, pack_gqa=False),
@@ -277,7 +294,14 @@ def test_variants_that_cannot_run_are_refused():
             split=True, config=dynamic.replace(store_o_from_registers=True)
         ),
         "store O from registers": dict(varlen_q=True),
-        "page_box_rows is set exactly for paged": dict(kv_layout="paged"),
+        "exactly one of page_box_rows and gather_page_size": dict(kv_layout="paged"),
+        "gathered paged K/V runs one CTA per tile": dict(
+            kv_layout="paged", gather_page_size=1, config=dynamic
+        ),
+        "leftpad_k offsets padded cache rows or gathered pages": dict(
+            kv_layout="paged", page_box_rows=16, leftpad_k=True
+        ),
+        "seqused_q shortens packed": dict(seqused_q=True),
         "page_box_rows must divide tile_n": dict(kv_layout="paged", page_box_rows=48),
         "exclude each other": dict(seqused_k=True, scalar_kv_length=True),
         "pack_gqa_ratio must divide tile_m": dict(pack_gqa_ratio=3),

@@ -1,0 +1,107 @@
+"""Paged K/V loads row by row with cp.async, for pages TMA boxes cannot follow.
+
+A TMA box covers whole rows of one page, so the TMA loader needs boxes of a multiple of 16
+rows that divide both the page size and the key block (kernels/tma_loads.py). Page sizes of
+1 (SGLang's default), 8 or 24, and caches whose rows start at a per-sequence offset
+(cache_leftpad), take this loader instead: the producer warpgroup's 128 threads each copy
+16-byte pieces of the block's rows, looking up each row's page in the page table, into the
+swizzled smem stage, and signal the stage's full barrier when their copies land
+(cp.async.mbarrier.arrive.noinc, a PipelineCpAsync with 128 producer threads). Rows past the
+sequence's last key are not loaded: their page-table entries need not be valid, and the
+consumer masks those keys (and zeroes their V rows).
+
+The MMA warps read the stage with WGMMA (the async proxy) after cp.async's generic-proxy writes:
+they fence after each wait (FlashAttentionForwardSm90._wait_full).
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+PRODUCER_THREADS = 128
+PIECE = 8  # 16-bit elements per 16-byte copy
+
+
+@dataclass(frozen=True)
+class GatherPagedBlockLoader:
+    """Copies key block n of a paged cache into one ring stage; every thread of the producer
+    warpgroup calls load() with the same arguments."""
+
+    gmem_pages: cute.Tensor  # (page_size, d, num_pages)
+    smem_stages: cute.Tensor  # (tile_n, d, num_stages)
+    ring: pipeline.PipelineAsync
+    page_table_row: cute.Tensor  # (max_pages_per_seq,) int32
+    num_pages: Int32
+    first_key: Int32  # the sequence's first key slot (cache_leftpad)
+    end_key: Int32  # one past its last key slot
+    thread: Int32  # 0..127 within the producer warpgroup
+    page_size: cutlass.Constexpr[int]
+    tile_n: cutlass.Constexpr[int]
+    head_dim: cutlass.Constexpr[int]
+
+    @staticmethod
+    def create(
+        gmem_pages: cute.Tensor,
+        smem_stages: cute.Tensor,
+        ring,
+        page_table_row,
+        first_key: Int32,
+        num_keys: Int32,
+        thread: Int32,
+        page_size: int,
+        tile_n: int,
+    ) -> "GatherPagedBlockLoader":
+        """gmem_pages: (page_size, d, num_pages) for one kv head; smem_stages: (tile_n, d,
+        num_stages). Keys first_key .. first_key + num_keys - 1 of the sequence's slots."""
+        return GatherPagedBlockLoader(
+            gmem_pages,
+            smem_stages,
+            ring,
+            page_table_row,
+            gmem_pages.shape[2],
+            first_key,
+            first_key + num_keys,
+            thread,
+            page_size,
+            tile_n,
+            cute.size(smem_stages, mode=[1]),
+        )
+
+    @cute.jit
+    def load(self, n_block: Int32, state: pipeline.PipelineState):
+        """Wait for the stage to be free, copy the block's valid rows, and arrive on the stage's
+        full barrier once this thread's copies have landed."""
+        self.ring.producer_acquire(state)
+        pieces_per_row = self.head_dim // PIECE
+        rows_per_pass = PRODUCER_THREADS // pieces_per_row
+        piece = self.thread % pieces_per_row
+        row0 = self.thread // pieces_per_row
+        atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+            self.gmem_pages.element_type,
+            num_bits_per_copy=128,
+        )
+        dst = self.smem_stages[None, None, state.index]
+        block_key = self.first_key + n_block * self.tile_n
+        if row0 < rows_per_pass:  # (threads past a whole number of rows per pass idle)
+            for i in cutlass.range_constexpr(cute.ceil_div(self.tile_n, rows_per_pass)):
+                row = row0 + i * rows_per_pass
+                key = block_key + row
+                valid = key < self.end_key
+                if const_expr(self.tile_n % rows_per_pass != 0):
+                    valid = valid and row < self.tile_n
+                if valid:
+                    page = self.page_table_row[key // self.page_size]
+                    page = cutlass.max(cutlass.min(page, self.num_pages - 1), 0)
+                    # One 16-byte copy: piece `piece` of the row, in both row tensors.
+                    src_row = self.gmem_pages[key % self.page_size, None, page]
+                    cute.copy(
+                        atom,
+                        cute.zipped_divide(src_row, (PIECE,))[None, piece],
+                        cute.zipped_divide(dst[row, None], (PIECE,))[None, piece],
+                    )
+        self.ring.producer_commit(state)
