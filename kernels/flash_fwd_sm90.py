@@ -574,13 +574,15 @@ class FlashAttentionForwardSm90:
         )
         if const_expr(self.kv_gather):
             # Every producer thread arrives (noinc) once its copies into the stage land.
+            # (A PipelineCpAsync consumer releases from every thread, not one per warp.)
             gatherers = pipeline.CooperativeGroup(pipeline.Agent.Thread, PRODUCER_THREADS)
+            mma_threads = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads)
             pipeline_k, pipeline_v = [
                 pipeline.PipelineCpAsync.create(
                     barrier_storage=bar.data_ptr(),
                     num_stages=self.config.num_stages,
                     producer_group=gatherers,
-                    consumer_group=mma_warps,
+                    consumer_group=mma_threads,
                     defer_sync=True,
                 )
                 for bar in (storage.mbar_k, storage.mbar_v)
