@@ -759,3 +759,55 @@ def _int_meta(t):
     """An optional int32 tensor's part of a launch-plan key: its shape and dtype (the compiled
     function takes uint32 for int32, and checks the rest itself); None stays None."""
     return None if t is None else (t.shape, t.dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# The custom ops' CUDA kernels (flash_cute.ops): the public functions, run eagerly
+# ----------------------------------------------------------------------------------------
+
+
+def _func_op(q, k, v, out, softmax_scale, causal, return_lse, config, window_size,
+             attention_chunk, softcap, learnable_sink):  # fmt: skip
+    result = flash_attn_func(
+        q, k, v, softmax_scale, causal, return_lse, out, ops.config_from_str(config),
+        tuple(window_size), attention_chunk, softcap, learnable_sink,
+    )  # fmt: skip
+    return ops.lse_or_empty(result, return_lse, q)
+
+
+def _varlen_op(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k,
+               page_table, softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out,
+               config, window_size, attention_chunk, softcap, learnable_sink,
+               seqused_q):  # fmt: skip
+    result = flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k, page_table,
+        softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out,
+        ops.config_from_str(config), tuple(window_size), attention_chunk, softcap,
+        learnable_sink, seqused_q=seqused_q,
+    )  # fmt: skip
+    return ops.lse_or_empty(result, return_softmax_lse, q)
+
+
+def _kvcache_op(q, k_cache, v_cache, cache_seqlens, cache_seqlens_int, page_table,
+                softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out, config,
+                window_size, attention_chunk, softcap, learnable_sink, cache_batch_idx,
+                cache_leftpad):  # fmt: skip
+    lengths = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
+    result = flash_attn_with_kvcache(
+        q, k_cache, v_cache, lengths, page_table, softmax_scale, causal, num_splits, pack_gqa,
+        return_softmax_lse, out, ops.config_from_str(config), tuple(window_size),
+        attention_chunk, softcap, learnable_sink, cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad,
+    )  # fmt: skip
+    return ops.lse_or_empty(result, return_softmax_lse, q)
+
+
+def _combine_op(out_partial, lse_partial, out, return_lse):
+    result = flash_attn_combine(out_partial, lse_partial, out, out.dtype, return_lse)
+    return ops.lse_or_empty(result, return_lse, out_partial)
+
+
+ops.flash_attn_func_op.register_kernel("cuda", _func_op)
+ops.flash_attn_varlen_func_op.register_kernel("cuda", _varlen_op)
+ops.flash_attn_with_kvcache_op.register_kernel("cuda", _kvcache_op)
+ops.flash_attn_combine_op.register_kernel("cuda", _combine_op)

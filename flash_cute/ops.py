@@ -7,8 +7,10 @@ the arguments alone, so torch.compile traces a call without running it.
 
 Eager calls never reach these ops: each public function checks `torch.compiler.is_compiling()`
 first and, outside a trace, takes its own fast path (a launch-plan replay), so eager host time
-does not pay for the dispatcher. Inside a trace the public function allocates the output and
-calls the op; the op's real implementation is the public function again, run eagerly.
+does not pay for the dispatcher. Inside a trace the public function calls `traced_*` here,
+which allocates the output and calls the op. The ops' CUDA kernels are the public functions
+run eagerly: flash_cute.interface registers them (this module does not import it); on other
+devices an op raises.
 
 An AttentionConfig travels through an op as JSON (ops take no Python objects).
 """
@@ -21,7 +23,6 @@ from typing import List, Optional
 
 import torch
 
-from . import interface
 from .config import AttentionConfig
 
 _EMPTY_LSE = (0,)
@@ -40,10 +41,17 @@ def config_from_str(text: Optional[str]) -> Optional[AttentionConfig]:
     return None if text is None else AttentionConfig(**json.loads(text))
 
 
-def _lse_or_empty(result, wants_lse: bool, like: torch.Tensor) -> torch.Tensor:
+def lse_or_empty(result, wants_lse: bool, like: torch.Tensor) -> torch.Tensor:
+    """What an op returns for a public function's result: its LSE, or an empty tensor."""
     if wants_lse:
         return result[1]
     return like.new_empty(_EMPTY_LSE, dtype=torch.float32)
+
+
+def _no_kernel(tensor: torch.Tensor):
+    raise RuntimeError(
+        f"flash_cute's kernels run on CUDA tensors (a Hopper GPU), got a tensor on {tensor.device}"
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -66,11 +74,7 @@ def flash_attn_func_op(
     softcap: float,
     learnable_sink: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    result = interface.flash_attn_func(
-        q, k, v, softmax_scale, causal, return_lse, out, config_from_str(config),
-        tuple(window_size), attention_chunk, softcap, learnable_sink,
-    )  # fmt: skip
-    return _lse_or_empty(result, return_lse, q)
+    _no_kernel(q)
 
 
 @flash_attn_func_op.register_fake
@@ -110,13 +114,7 @@ def flash_attn_varlen_func_op(
     learnable_sink: Optional[torch.Tensor],
     seqused_q: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    result = interface.flash_attn_varlen_func(
-        q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k, page_table,
-        softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out,
-        config_from_str(config), tuple(window_size), attention_chunk, softcap, learnable_sink,
-        seqused_q=seqused_q,
-    )  # fmt: skip
-    return _lse_or_empty(result, return_softmax_lse, q)
+    _no_kernel(q)
 
 
 @flash_attn_varlen_func_op.register_fake
@@ -155,13 +153,7 @@ def flash_attn_with_kvcache_op(
     cache_batch_idx: Optional[torch.Tensor],
     cache_leftpad: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
-    result = interface.flash_attn_with_kvcache(
-        q, k_cache, v_cache, seqlens, page_table, softmax_scale, causal, num_splits, pack_gqa,
-        return_softmax_lse, out, config_from_str(config), tuple(window_size), attention_chunk,
-        softcap, learnable_sink, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-    )  # fmt: skip
-    return _lse_or_empty(result, return_softmax_lse, q)
+    _no_kernel(q)
 
 
 @flash_attn_with_kvcache_op.register_fake
@@ -182,8 +174,7 @@ def _(q, k_cache, v_cache, cache_seqlens, cache_seqlens_int, page_table, softmax
 def flash_attn_combine_op(
     out_partial: torch.Tensor, lse_partial: torch.Tensor, out: torch.Tensor, return_lse: bool
 ) -> torch.Tensor:
-    result = interface.flash_attn_combine(out_partial, lse_partial, out, out.dtype, return_lse)
-    return _lse_or_empty(result, return_lse, out_partial)
+    _no_kernel(out_partial)
 
 
 @flash_attn_combine_op.register_fake

@@ -210,3 +210,13 @@ def test_eager_calls_stay_off_the_dispatcher(monkeypatch):
         flash_cute.flash_attn_func(q, k, k)
     with pytest.raises(ValueError, match="q must be a CUDA tensor"):
         fa3.flash_attn_with_kvcache(q, k, k)
+
+
+def test_ops_have_cuda_kernels_and_refuse_other_devices():
+    for name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"flash_cute::{name}", "CUDA")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("flash_cute::flash_attn_combine", "CUDA")
+    with pytest.raises(RuntimeError, match="run on CUDA tensors .* got a tensor on cpu"):
+        ops.flash_attn_combine_op(
+            torch.zeros(2, 1, 1, 1, 64), torch.zeros(2, 1, 1, 1), torch.empty(1, 1, 1, 64), False
+        )
