@@ -43,18 +43,15 @@ _native_kvcache = interface.flash_attn_with_kvcache
 
 
 def _unsupported(**given) -> None:
-    """NotImplementedError naming the arguments flash_cute does not serve that the call gave."""
-    names = [name for name, value in given.items() if value is not None and value is not False]
+    """NotImplementedError naming the arguments flash_cute does not serve that the call gave
+    (those not None). Callers test their arguments inline first, so a served call pays no
+    call here."""
+    names = [name for name, value in given.items() if value is not None]
     if names:
         raise NotImplementedError(
             f"flash_cute does not serve {', '.join(names)} yet (FlashAttention-3 arguments "
             "outside its feature set); leave them at their defaults"
         )
-
-
-def _check_sm_margin(sm_margin) -> None:
-    if sm_margin:
-        _unsupported(sm_margin=sm_margin)
 
 
 def flash_attn_func(
@@ -82,10 +79,17 @@ def flash_attn_func(
     (batch, seqlen_k, nheads_kv, headdim). Returns out (batch, seqlen_q, nheads, headdim), and
     with return_attn_probs (out, softmax_lse) with softmax_lse (batch, nheads, seqlen_q) fp32.
     num_splits: 1 none, 0 the heuristic, n forces n. See flash_cute.flash_attn_func."""
-    if qv is not None or q_descale is not None or k_descale is not None or v_descale is not None:
-        _unsupported(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
-    if sm_margin:
-        _check_sm_margin(sm_margin)
+    if (
+        qv is not None
+        or q_descale is not None
+        or k_descale is not None
+        or v_descale is not None
+        or sm_margin
+    ):
+        _unsupported(
+            qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+            sm_margin=sm_margin or None,
+        )  # fmt: skip
     if num_splits == 1 and pack_gqa is None:
         return _native_func(
             q, k, v, softmax_scale, causal, return_attn_probs, None, None, window_size,
@@ -177,10 +181,17 @@ def flash_attn_varlen_func(
     (batch,) int32 shorten each sequence to its first rows. Returns out (total_q, nheads,
     headdim), and with return_attn_probs (out, softmax_lse) with softmax_lse (nheads, total_q).
     See flash_cute.flash_attn_varlen_func."""
-    if qv is not None or q_descale is not None or k_descale is not None or v_descale is not None:
-        _unsupported(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
-    if sm_margin:
-        _check_sm_margin(sm_margin)
+    if (
+        qv is not None
+        or q_descale is not None
+        or k_descale is not None
+        or v_descale is not None
+        or sm_margin
+    ):
+        _unsupported(
+            qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+            sm_margin=sm_margin or None,
+        )  # fmt: skip
     if cu_seqlens_q is None:
         # Padded queries: FlashAttention-3's non-varlen path.
         if cu_seqlens_k is not None or seqused_q is not None:
@@ -260,6 +271,7 @@ def flash_attn_with_kvcache(
         or q_descale is not None
         or k_descale is not None
         or v_descale is not None
+        or sm_margin
     ):
         _unsupported(
             k=k,
@@ -272,9 +284,8 @@ def flash_attn_with_kvcache(
             q_descale=q_descale,
             k_descale=k_descale,
             v_descale=v_descale,
+            sm_margin=sm_margin or None,
         )
-    if sm_margin:
-        _check_sm_margin(sm_margin)
     if scheduler_metadata is not None:
         num_splits = _splits_of_metadata(scheduler_metadata, num_splits)
     if cu_seqlens_q is None:
@@ -342,7 +353,8 @@ def get_scheduler_metadata(
         _unsupported(cu_seqlens_k_new=cu_seqlens_k_new, max_seqlen_k_new=max_seqlen_k_new or None)
     if headdim_v is not None and headdim_v != headdim:
         _unsupported(headdim_v=headdim_v)
-    _check_sm_margin(sm_margin)
+    if sm_margin:
+        _unsupported(sm_margin=sm_margin)
     if page_size is not None:
         checks.check_host_int("page_size", page_size)
     if not isinstance(cache_seqlens, torch.Tensor):

@@ -43,9 +43,12 @@ def config_from_str(text: Optional[str]) -> Optional[AttentionConfig]:
 
 def lse_or_empty(result, wants_lse: bool, like: torch.Tensor) -> torch.Tensor:
     """What an op returns for a public function's result: its LSE, or an empty tensor."""
-    if wants_lse:
-        return result[1]
-    return like.new_empty(_EMPTY_LSE, dtype=torch.float32)
+    return result[1] if wants_lse else _fake_lse(like, None, False)
+
+
+def _fake_lse(like: torch.Tensor, shape, wants_lse: bool) -> torch.Tensor:
+    """An op's LSE output: fp32 of `shape` when the call asks for it, else empty."""
+    return like.new_empty(shape if wants_lse else _EMPTY_LSE, dtype=torch.float32)
 
 
 def _no_kernel(tensor: torch.Tensor):
@@ -81,8 +84,7 @@ def flash_attn_func_op(
 def _(q, k, v, out, softmax_scale, causal, return_lse, config, window_size, attention_chunk,
       softcap, learnable_sink):  # fmt: skip
     batch, seqlen_q, nheads, _ = q.shape
-    shape = (batch, nheads, seqlen_q) if return_lse else _EMPTY_LSE
-    return q.new_empty(shape, dtype=torch.float32)
+    return _fake_lse(q, (batch, nheads, seqlen_q), return_lse)
 
 
 # ----------------------------------------------------------------------------------------
@@ -122,8 +124,7 @@ def _(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k
       softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out, config, window_size,
       attention_chunk, softcap, learnable_sink, seqused_q):  # fmt: skip
     total_q, nheads, _ = q.shape
-    shape = (nheads, total_q) if return_softmax_lse else _EMPTY_LSE
-    return q.new_empty(shape, dtype=torch.float32)
+    return _fake_lse(q, (nheads, total_q), return_softmax_lse)
 
 
 # ----------------------------------------------------------------------------------------
@@ -161,8 +162,7 @@ def _(q, k_cache, v_cache, cache_seqlens, cache_seqlens_int, page_table, softmax
       num_splits, pack_gqa, return_softmax_lse, out, config, window_size, attention_chunk,
       softcap, learnable_sink, cache_batch_idx, cache_leftpad):  # fmt: skip
     batch, seqlen_q, nheads, _ = q.shape
-    shape = (batch, nheads, seqlen_q) if return_softmax_lse else _EMPTY_LSE
-    return q.new_empty(shape, dtype=torch.float32)
+    return _fake_lse(q, (batch, nheads, seqlen_q), return_softmax_lse)
 
 
 # ----------------------------------------------------------------------------------------
@@ -179,8 +179,7 @@ def flash_attn_combine_op(
 
 @flash_attn_combine_op.register_fake
 def _(out_partial, lse_partial, out, return_lse):
-    shape = tuple(lse_partial.shape[1:]) if return_lse else _EMPTY_LSE
-    return out_partial.new_empty(shape, dtype=torch.float32)
+    return _fake_lse(out_partial, tuple(lse_partial.shape[1:]), return_lse)
 
 
 # ----------------------------------------------------------------------------------------
