@@ -295,13 +295,6 @@ def flash_attn_with_kvcache(
             learnable_sink, cache_batch_idx, cache_leftpad,
         )  # fmt: skip
     else:
-        if cache_batch_idx is not None or cache_leftpad is not None:
-            _unsupported(
-                **{
-                    "cache_batch_idx with cu_seqlens_q": cache_batch_idx,
-                    "cache_leftpad with cu_seqlens_q": cache_leftpad,
-                }
-            )
         if max_seqlen_q is None:
             raise ValueError("max_seqlen_q must be given with cu_seqlens_q")
         seqused_k = cache_seqlens
@@ -313,7 +306,8 @@ def flash_attn_with_kvcache(
         result = _native_varlen(
             q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, None, seqused_k, None, page_table,
             softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, None, None,
-            window_size, attention_chunk, softcap, learnable_sink,
+            window_size, attention_chunk, softcap, learnable_sink, None, cache_batch_idx,
+            cache_leftpad,
         )  # fmt: skip
     if not return_softmax_lse:
         return result
@@ -349,8 +343,11 @@ def get_scheduler_metadata(
     0: the heuristic, from max_seqlen_k; n: n), as a (1,) int32 tensor on cache_seqlens'
     device that also carries the count on the host. Pass it as scheduler_metadata to fix that
     count for the call, and for every replay of a CUDA graph that captured it."""
-    if cu_seqlens_k_new is not None or max_seqlen_k_new:
-        _unsupported(cu_seqlens_k_new=cu_seqlens_k_new, max_seqlen_k_new=max_seqlen_k_new or None)
+    if cu_seqlens_k_new is not None:
+        _unsupported(cu_seqlens_k_new=cu_seqlens_k_new)
+    # max_seqlen_k_new only describes the call (FA3's tests pass it without new keys); a call
+    # that appends keys is refused by flash_attn_with_kvcache itself.
+    checks.check_host_int("max_seqlen_k_new", max_seqlen_k_new)
     if headdim_v is not None and headdim_v != headdim:
         _unsupported(headdim_v=headdim_v)
     if sm_margin:

@@ -198,6 +198,8 @@ def flash_attn_varlen_func(
     softcap: float = 0.0,
     learnable_sink: Optional[torch.Tensor] = None,
     seqused_q: Optional[torch.Tensor] = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
 ):
     """Attention over a batch of variable-length sequences packed along one token dimension.
 
@@ -219,6 +221,9 @@ def flash_attn_varlen_func(
         max_seqlen_k: int, the longest key length; only guides the split heuristic.
         seqused_q: (batch,) int32: sequence b's queries are its first seqused_q[b] rows (the
             rest of its span is neither read as queries nor written).
+        cache_batch_idx, cache_leftpad: with padded or paged k, v, as in
+            flash_attn_with_kvcache (sequence b reads cache row or page-table row
+            cache_batch_idx[b]; its keys start at slot cache_leftpad[b]).
         page_table: (batch, max_pages_per_seq) int32 page indices.
         num_splits: 1 (default) no split-KV; n forces n; 0 picks with the heuristic.
         pack_gqa: fold the q heads of a kv head into one tile (None: when it helps).
@@ -241,6 +246,7 @@ def flash_attn_varlen_func(
             q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k,
             page_table, softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out,
             config, window_size, attention_chunk, softcap, learnable_sink, seqused_q,
+            cache_batch_idx, cache_leftpad,
         )  # fmt: skip
     try:  # a call like an earlier one replays its launch plan (runtime.LaunchPlan); hot
         # As in flash_attn_func: the compiled function checks the rest of the arguments (the
@@ -259,6 +265,8 @@ def flash_attn_varlen_func(
             _int_meta(seqused_k),
             _int_meta(page_table),
             _int_meta(seqused_q),
+            _int_meta(cache_batch_idx),
+            _int_meta(cache_leftpad),
             max_seqlen_q,
             max_seqlen_k,
             softmax_scale,
@@ -290,7 +298,7 @@ def flash_attn_varlen_func(
         try:
             return plan.launch(
                 q, k, v, out, seqused_k, page_table, cu_seqlens_q, cu_seqlens_k, 0, learnable_sink,
-                seqused_q,
+                seqused_q, cache_batch_idx, cache_leftpad,
             )  # fmt: skip
         except Exception:  # an argument the compiled function refused: the checks below name it
             pass
@@ -325,14 +333,16 @@ def flash_attn_varlen_func(
         checks.check_seqused("seqused_k", seqused_k, batch)
     if seqused_q is not None:
         checks.check_seqused("seqused_q", seqused_q, batch, "queries used per sequence")
+    if kv_layout == "packed" and (cache_batch_idx is not None or cache_leftpad is not None):
+        raise ValueError(
+            "cache_batch_idx and cache_leftpad index padded or paged caches, not packed keys "
+            "(cu_seqlens_k)"
+        )
+    cache_batch = _check_cache_rows(batch, cache_batch_idx, cache_leftpad)
     if kv_layout == "paged":
-        capacity = checks.check_page_table(page_table, batch, k)
+        capacity = checks.check_page_table(page_table, cache_batch, k)
     elif kv_layout == "padded":
-        if k.shape[0] != batch:
-            raise ValueError(
-                f"padded k must have batch size {batch} (len(cu_seqlens_q) - 1), "
-                f"got shape {tuple(k.shape)}"
-            )
+        _check_cache_batch(k, "k", batch, cache_batch)
         capacity = k.shape[1]
     else:
         capacity = k.shape[0]
@@ -356,6 +366,8 @@ def flash_attn_varlen_func(
         page_size=k.shape[1] if kv_layout == "paged" else None,
         seqused_k=seqused_k is not None,
         seqused_q=seqused_q is not None,
+        kv_batch_idx=cache_batch_idx is not None,
+        leftpad_k=cache_leftpad is not None,
         **_mask_options(window_size, attention_chunk, softcap, learnable_sink, nheads),
     )
     return _forward(
@@ -380,6 +392,8 @@ def flash_attn_varlen_func(
             ("page_table", page_table),
             ("learnable_sink", learnable_sink),
             ("seqused_q", seqused_q),
+            ("cache_batch_idx", cache_batch_idx),
+            ("cache_leftpad", cache_leftpad),
         ),
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
@@ -387,6 +401,8 @@ def flash_attn_varlen_func(
         page_table=page_table,
         learnable_sink=learnable_sink,
         seqused_q=seqused_q,
+        kv_batch_idx=cache_batch_idx,
+        leftpad_k=cache_leftpad,
     )
 
 
@@ -531,22 +547,11 @@ def flash_attn_with_kvcache(
         raise ValueError(
             f"k_cache must have headdim {head_dim} (that of q), got shape {tuple(k_cache.shape)}"
         )
-    if cache_batch_idx is not None:
-        checks.check_seqused("cache_batch_idx", cache_batch_idx, batch, "cache row per sequence")
-    if cache_leftpad is not None:
-        checks.check_seqused("cache_leftpad", cache_leftpad, batch, "first key per sequence")
-    # With cache_batch_idx the cache (or page table) has its own batch size.
-    cache_batch = None if cache_batch_idx is not None else batch
+    cache_batch = _check_cache_rows(batch, cache_batch_idx, cache_leftpad)
     if paged:
         capacity = checks.check_page_table(page_table, cache_batch, k_cache)
     else:
-        if cache_batch is not None and k_cache.shape[0] != batch:
-            raise ValueError(
-                f"k_cache must have batch size {batch} (that of q), "
-                f"got shape {tuple(k_cache.shape)}"
-            )
-        if cache_batch is None and k_cache.shape[0] == 0 and batch > 0:
-            raise ValueError("cache_batch_idx needs a k_cache with at least one cache row")
+        _check_cache_batch(k_cache, "k_cache", batch, cache_batch)
         capacity = k_cache.shape[1]
     seqused_k = int_length = None
     max_seqlen_k = capacity
@@ -755,6 +760,26 @@ def _mask_options(window_size, attention_chunk, softcap, learnable_sink, nheads)
     )
 
 
+def _check_cache_rows(batch: int, cache_batch_idx, cache_leftpad) -> Optional[int]:
+    """Checks cache_batch_idx and cache_leftpad; returns the batch size the cache (or page
+    table) must have: None with cache_batch_idx (it picks the rows), else the call's batch."""
+    if cache_batch_idx is not None:
+        checks.check_seqused("cache_batch_idx", cache_batch_idx, batch, "cache row per sequence")
+    if cache_leftpad is not None:
+        checks.check_seqused("cache_leftpad", cache_leftpad, batch, "first key per sequence")
+    return None if cache_batch_idx is not None else batch
+
+
+def _check_cache_batch(k, name: str, batch: int, cache_batch: Optional[int]) -> None:
+    """A padded cache's rows: the call's batch, or with cache_batch_idx at least one."""
+    if cache_batch is not None and k.shape[0] != batch:
+        raise ValueError(
+            f"{name} must have batch size {batch} (that of the queries), got shape {tuple(k.shape)}"
+        )
+    if cache_batch is None and k.shape[0] == 0 and batch > 0:
+        raise ValueError(f"cache_batch_idx needs a {name} with at least one cache row")
+
+
 def _int_meta(t):
     """An optional int32 tensor's part of a launch-plan key: its shape and dtype (the compiled
     function takes uint32 for int32, and checks the rest itself); None stays None."""
@@ -777,13 +802,13 @@ def _func_op(q, k, v, out, softmax_scale, causal, return_lse, config, window_siz
 
 def _varlen_op(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k,
                page_table, softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out,
-               config, window_size, attention_chunk, softcap, learnable_sink,
-               seqused_q):  # fmt: skip
+               config, window_size, attention_chunk, softcap, learnable_sink, seqused_q,
+               cache_batch_idx, cache_leftpad):  # fmt: skip
     result = flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k, page_table,
         softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out,
         ops.config_from_str(config), tuple(window_size), attention_chunk, softcap,
-        learnable_sink, seqused_q=seqused_q,
+        learnable_sink, seqused_q, cache_batch_idx, cache_leftpad,
     )  # fmt: skip
     return ops.lse_or_empty(result, return_softmax_lse, q)
 

@@ -115,6 +115,8 @@ def flash_attn_varlen_func_op(
     softcap: float,
     learnable_sink: Optional[torch.Tensor],
     seqused_q: Optional[torch.Tensor],
+    cache_batch_idx: Optional[torch.Tensor],
+    cache_leftpad: Optional[torch.Tensor],
 ) -> torch.Tensor:
     _no_kernel(q)
 
@@ -122,7 +124,8 @@ def flash_attn_varlen_func_op(
 @flash_attn_varlen_func_op.register_fake
 def _(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k, page_table,
       softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out, config, window_size,
-      attention_chunk, softcap, learnable_sink, seqused_q):  # fmt: skip
+      attention_chunk, softcap, learnable_sink, seqused_q, cache_batch_idx,
+      cache_leftpad):  # fmt: skip
     total_q, nheads, _ = q.shape
     return _fake_lse(q, (nheads, total_q), return_softmax_lse)
 
@@ -205,14 +208,14 @@ def traced_func(q, k, v, softmax_scale, causal, return_lse, out, config, window_
 def traced_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k,
                   page_table, softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse,
                   out, config, window_size, attention_chunk, softcap, learnable_sink,
-                  seqused_q):  # fmt: skip
+                  seqused_q, cache_batch_idx, cache_leftpad):  # fmt: skip
     if out is None:
         out = torch.empty_like(q)
     lse = flash_attn_varlen_func_op(
         q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k, page_table,
         softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out,
         config_to_str(config), list(window_size), attention_chunk, softcap, learnable_sink,
-        seqused_q,
+        seqused_q, cache_batch_idx, cache_leftpad,
     )  # fmt: skip
     return _result(out, lse, return_softmax_lse)
 

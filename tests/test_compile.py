@@ -233,6 +233,23 @@ KNOB_KEYS = [
         leftpad_k=True,
         gather_page_size=24,
     ),
+    # Varlen queries over cache rows picked by index and left-padded pages (FlashAttention-3's
+    # kvcache with cu_seqlens_q, cache_batch_idx and cache_leftpad), split.
+    ragged(
+        "bfloat16",
+        128,
+        True,
+        decode_config(128, "bfloat16"),
+        True,
+        varlen_q=True,
+        kv_layout="paged",
+        seqused_k=True,
+        kv_batch_idx=True,
+        leftpad_k=True,
+        gather_page_size=64,
+        split=True,
+        pack_gqa_ratio=4,
+    ),
 ]
 
 

@@ -177,29 +177,36 @@ def test_kvcache_batch_idx_and_leftpad(case, nheads_kv):
     )
 
 
-@pytest.mark.parametrize("page_size", [None, 16, 64])
+@pytest.mark.parametrize("page_size", [None, 1, 16, 64])
 @pytest.mark.parametrize("num_splits", [1, 0])
-def test_kvcache_varlen_queries(page_size, num_splits):
+@pytest.mark.parametrize("rows", [False, True])
+def test_kvcache_varlen_queries(page_size, num_splits, rows):
     """cu_seqlens_q over a cache (speculative decoding, chunked prefill): FlashAttention-3's
-    kvcache with varlen_q."""
-    gen = torch.Generator(device="cuda").manual_seed(stable_seed("kv-varlen", page_size))
+    kvcache with varlen_q, and with rows its cache_batch_idx and cache_leftpad as well."""
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("kv-varlen", page_size, rows))
     q_lens, h, hk, d = [1, 4, 2, 0, 3], 8, 2, 128
     batch, capacity = len(q_lens), 700
+    batch_cache = 2 * batch if rows else batch
     k_cache, v_cache, page_table, k_pad, v_pad = make_cache(
-        batch, capacity, hk, d, BF16, page_size, gen
+        batch_cache, capacity, hk, d, BF16, page_size, gen
     )
     lens = torch.tensor([700, 5, 333, 10, 64], device="cuda", dtype=torch.int32)
+    idx = torch.randperm(batch_cache, device="cuda", generator=gen)[:batch].to(torch.int32)
+    pad = torch.tensor([0, 4, 300, 9, 1], device="cuda", dtype=torch.int32)
     cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
     q = rand(sum(q_lens), h, d, gen=gen)
     out, lse, *_ = fa3.flash_attn_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=lens, page_table=page_table, cu_seqlens_q=cu_q,
         max_seqlen_q=max(q_lens), causal=True, num_splits=num_splits, return_softmax_lse=True,
+        cache_batch_idx=idx if rows else None, cache_leftpad=pad if rows else None,
     )  # fmt: skip
     n = lens.tolist()
+    cache_rows = idx.tolist() if rows else list(range(batch))
+    first = pad.tolist() if rows else [0] * batch
     refs, lowps, lse_refs = reference_per_sequence(
         seqs(q, q_lens),
-        [k_pad[b : b + 1, : n[b]] for b in range(batch)],
-        [v_pad[b : b + 1, : n[b]] for b in range(batch)],
+        [k_pad[r : r + 1, f:e] for r, f, e in zip(cache_rows, first, n)],
+        [v_pad[r : r + 1, f:e] for r, f, e in zip(cache_rows, first, n)],
         True,
     )
     starts = cu_q[:-1].tolist()

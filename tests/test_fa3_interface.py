@@ -242,6 +242,12 @@ def test_kvcache_maps_to_native(natives):
     call = natives["varlen"].calls[-1]
     assert call["page_table"] is table and call["max_seqlen_q"] == 4
     assert call["seqused_k"].tolist() == [40, 40, 40] and call["cu_seqlens_k"] is None
+    fa3.flash_attn_with_kvcache(
+        qv, pages, pages, cache_seqlens=lens, page_table=table, cu_seqlens_q=int32(0, 1, 3, 7),
+        max_seqlen_q=4, cache_batch_idx=idx, cache_leftpad=pad,
+    )  # fmt: skip
+    call = natives["varlen"].calls[-1]
+    assert call["cache_batch_idx"] is idx and call["cache_leftpad"] is pad
     with pytest.raises(ValueError, match="max_seqlen_q must be given"):
         fa3.flash_attn_with_kvcache(qv, pages, pages, page_table=table, cu_seqlens_q=int32(0, 7))
 

@@ -40,7 +40,8 @@ def op_cases():
         "varlen",
         ops.flash_attn_varlen_func_op,
         (qv, kv, kv, meta_int32(3), 20, meta_int32(3), meta_int32(2), 25, None, None, True,
-         0, None, True, meta(30, 8, 64), None, [-1, -1], 0, 0.0, None, meta_int32(2)),
+         0, None, True, meta(30, 8, 64), None, [-1, -1], 0, 0.0, None, meta_int32(2), None,
+         None),
     )  # fmt: skip
     yield (
         "kvcache",

@@ -1,0 +1,103 @@
+"""Run FlashAttention-3's own forward tests against flash_cute.flash_attn_interface.
+
+    python tests/fa3_spec.py --fa3-hopper DIR [--sample N] [--no-local] [pytest args ...]
+
+DIR holds FlashAttention-3's hopper/test_flash_attn.py, padding.py and test_util.py (copy them
+from a checkout of Dao-AILab/flash-attention; they are not part of this repository; the tests
+import einops). The script copies them into a work directory, applies PATCHES (each leaves out
+a feature flash_cute does not serve yet, named in its reason), writes a flash_attn_interface
+module there that is flash_cute's, and runs pytest on the forward cases the spec names
+(output, varlen, kvcache, combine) with FlashAttention-3's own switches off for what flash_cute
+does not serve: backward, FP8, appending K/V (with rotary).
+
+flash_cute bakes window sizes and attention chunks into its kernels, and FlashAttention-3's
+tests draw them at random, so each local case compiles new kernels: --no-local switches local
+cases off (FLASH_ATTENTION_DISABLE_LOCAL), and --sample N keeps one test in N of each test
+function (a stable choice by the test's id) to fit a time budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+FILES = ("test_flash_attn.py", "padding.py", "test_util.py")
+
+# (text in test_flash_attn.py, replacement, why): each must match, or the run stops.
+PATCHES = [
+    (
+        '@pytest.mark.parametrize("has_qv", [False, True])',
+        '@pytest.mark.parametrize("has_qv", [False])',
+        "qv (absorbed MLA) is not served yet",
+    ),
+    (
+        "dv_vals = [128, d] if d > 128 and d <= 192 else ([256, 512, d] if d <= 64 else [d])",
+        "dv_vals = [d]",
+        "a V head dim other than q's (dv != d) is not served yet",
+    ),
+]
+
+SELECT = (
+    "test_flash_attn_output or test_flash_attn_varlen_output or test_flash_attn_kvcache "
+    "or test_flash_attn_combine"
+)
+
+SHIM = '"""FlashAttention-3\'s module name, served by flash_cute."""\n' + (
+    "from flash_cute.flash_attn_interface import *  # noqa: F403\n"
+)
+
+SAMPLER = '''import zlib
+
+SAMPLE = {sample}
+
+
+def pytest_collection_modifyitems(config, items):
+    if SAMPLE > 1:
+        kept = [i for i in items if zlib.crc32(i.nodeid.encode()) % SAMPLE == 0]
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = kept
+'''
+
+
+def prepare(fa3_hopper: Path, work: Path, sample: int) -> None:
+    for name in FILES:
+        shutil.copy(fa3_hopper / name, work / name)
+    test = work / "test_flash_attn.py"
+    text = test.read_text()
+    for old, new, why in PATCHES:
+        if text.count(old) < 1:
+            raise SystemExit(f"FlashAttention-3's tests changed: no {old!r} to patch ({why})")
+        text = text.replace(old, new)
+    test.write_text(text)
+    (work / "flash_attn_interface.py").write_text(SHIM)
+    (work / "conftest.py").write_text(SAMPLER.format(sample=sample))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fa3-hopper", type=Path, required=True)
+    parser.add_argument("--work", type=Path, help="work directory (default: a temporary one)")
+    parser.add_argument("--sample", type=int, default=1, help="keep one test in N")
+    parser.add_argument("--no-local", action="store_true", help="no windows or chunks")
+    args, pytest_args = parser.parse_known_args(argv)
+    work = args.work or Path(tempfile.mkdtemp(prefix="fa3_spec_"))
+    work.mkdir(parents=True, exist_ok=True)
+    prepare(args.fa3_hopper, work, args.sample)
+    env = dict(os.environ)
+    for switch in ("BACKWARD", "FP8", "APPENDKV") + (("LOCAL",) if args.no_local else ()):
+        env[f"FLASH_ATTENTION_DISABLE_{switch}"] = "TRUE"
+    if "-k" not in pytest_args:
+        pytest_args = ["-k", SELECT, *pytest_args]
+    for why in (p[2] for p in PATCHES):
+        print(f"patched out: {why}")
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *pytest_args]
+    return subprocess.call(command, cwd=work, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
