@@ -51,7 +51,7 @@ SHIM = '"""FlashAttention-3\'s module name, served by flash_cute."""\n' + (
     "from flash_cute.flash_attn_interface import *  # noqa: F403\n"
 )
 
-SAMPLER = '''import zlib
+SAMPLER = """import zlib
 
 SAMPLE = {sample}
 
@@ -61,7 +61,7 @@ def pytest_collection_modifyitems(config, items):
         kept = [i for i in items if zlib.crc32(i.nodeid.encode()) % SAMPLE == 0]
         config.hook.pytest_deselected(items=[i for i in items if i not in kept])
         items[:] = kept
-'''
+"""
 
 
 def prepare(fa3_hopper: Path, work: Path, sample: int) -> None:
