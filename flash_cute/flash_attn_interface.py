@@ -259,7 +259,9 @@ def flash_attn_with_kvcache(
     cache_batch_idx, cache_leftpad: (batch,) int32. Returns out shaped like q, and with
     return_softmax_lse (out, softmax_lse, out_accum, softmax_lse_accum): softmax_lse
     (batch, nheads, seqlen_q) or (nheads, total_q) fp32, the accumulators empty (flash_cute
-    merges split partials inside the launch). See flash_cute.flash_attn_with_kvcache."""
+    merges split partials inside the launch). rotary_seqlens matters only with rotary_cos,
+    which flash_cute does not serve yet (refused); alone it is ignored, as FlashAttention-3
+    ignores it. See flash_cute.flash_attn_with_kvcache."""
     if (
         k is not None
         or v is not None
@@ -267,7 +269,6 @@ def flash_attn_with_kvcache(
         or rotary_cos is not None
         or rotary_sin is not None
         or cu_seqlens_k_new is not None
-        or rotary_seqlens is not None
         or q_descale is not None
         or k_descale is not None
         or v_descale is not None
@@ -280,7 +281,6 @@ def flash_attn_with_kvcache(
             rotary_cos=rotary_cos,
             rotary_sin=rotary_sin,
             cu_seqlens_k_new=cu_seqlens_k_new,
-            rotary_seqlens=rotary_seqlens,
             q_descale=q_descale,
             k_descale=k_descale,
             v_descale=v_descale,

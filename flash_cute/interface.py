@@ -226,7 +226,7 @@ def flash_attn_varlen_func(
             cache_batch_idx[b]; its keys start at slot cache_leftpad[b]).
         page_table: (batch, max_pages_per_seq) int32 page indices.
         num_splits: 1 (default) no split-KV; n forces n; 0 picks with the heuristic.
-        pack_gqa: fold the q heads of a kv head into one tile (None: when it helps).
+        pack_gqa: fold the q heads of a kv head into one tile (as in flash_attn_with_kvcache).
         config: optional `AttentionConfig` overriding the tables (validated); split-KV
             launches keep one CTA per query tile whatever its scheduler says.
         window_size, attention_chunk, softcap, learnable_sink: as in flash_attn_func, per
@@ -443,7 +443,8 @@ def flash_attn_with_kvcache(
         num_splits: 0 (default) picks the split-KV count with a wave-efficiency heuristic;
             1 disables splitting; n forces n (at most 128).
         pack_gqa: fold the q heads sharing a kv head into one tile so each K/V tile is read
-            once for all of them (None: on whenever nheads > nheads_kv and it fits the tile).
+            once for all of them (None: on whenever nheads > nheads_kv and their count divides
+            the tile rows; True: where it does not, the largest group of them that does).
         config: optional `AttentionConfig` overriding the decode and prefill tables
             (validated); persistent schedulers apply only when the call does not split.
         window_size, attention_chunk, softcap, learnable_sink: as in flash_attn_func, per

@@ -8,6 +8,7 @@ Every rewrite of a config happens here and nowhere else:
 - the config row: the caller's, or the decode table for decode-like problems (few query rows
   per kv head), or the prefill table (its short-sequence rows for short ones);
 - packed GQA: on when the q heads of a kv head divide the tile's rows (unless refused);
+  asked for, the largest group of them that divides the rows;
 - the split count: the wave-efficiency heuristic when asked for (num_splits=0);
 - the scheduler: split launches run one CTA per tile; a dynamic persistent config whose tiles
   fit in one wave of CTAs runs its static twin (same tile order, no tile counter);
@@ -269,8 +270,9 @@ def plan_forward(
     """The plan of one call.
 
     config: the caller's (validated) config, or None for the tables. num_splits: 1 no split,
-    n forces n, 0 picks with the heuristic. pack_gqa: None picks, True insists (ValueError if
-    the ratio does not divide the tile rows), False never. decode_rows: whether decode-like
+    n forces n, 0 picks with the heuristic. pack_gqa: None picks (all q heads of a kv head
+    when their count divides the tile rows), True packs (the largest group of them that does),
+    False never. decode_rows: whether decode-like
     problems take the decode table (flash_attn_func always takes the prefill table).
     """
     ratio = problem.qheads_per_kvhead
@@ -290,12 +292,12 @@ def plan_forward(
             )
     if pack_gqa is None:  # K/V tiles read once for all q heads of a kv head
         pack_gqa = ratio > 1 and config.tile_m % ratio == 0
-    if pack_gqa and ratio > 1 and config.tile_m % ratio:
-        raise ValueError(
-            f"pack_gqa=True needs nheads / nheads_kv ({ratio}) to divide the tile's "
-            f"{config.tile_m} rows"
-        )
-    pack_ratio = ratio if pack_gqa else 1
+    # A tile folds a group of consecutive q heads of one kv head into its rows: all of them,
+    # or where their count does not divide the tile rows, the largest group that does (each
+    # K/V tile is then read once per group).
+    pack_ratio = 1
+    if pack_gqa:
+        pack_ratio = max(g for g in range(1, ratio + 1) if not ratio % g and not config.tile_m % g)
     max_ctas = num_sms * config.ctas_per_sm
     if num_splits == 0:
         visible = problem.max_seqlen_k

@@ -42,8 +42,9 @@ Problem variants (static; each is a separate compiled kernel, flash_cute.plan.Fo
   writes its partial O (fp32, normalized over its own keys) and LSE (-inf for an empty split).
   The last of a tile's splits to finish (a per-tile arrival counter) merges the tile's
   partials into O and the LSE, so a split launch needs no separate combine kernel.
-- pack_gqa: the qhead_per_kvhead query heads sharing a kv head are folded into the tile's rows
-  (row = token * ratio + head), so each K/V tile is read once for all of them.
+- pack_gqa: pack_gqa_ratio consecutive query heads sharing a kv head (all of them, or a group
+  whose size divides tile_m) are folded into the tile's rows (row = token * ratio + head in
+  group), so each K/V tile is read once for the group.
 """
 
 import math
@@ -803,7 +804,7 @@ class FlashAttentionForwardSm90:
         """
         seqlen, _, n_block_min, n_block_max = self._tile_problem(tile, shapes)
         d = self.variant.head_dim
-        q_head = tile.head_idx if const_expr(self.variant.pack_gqa_ratio == 1) else tile.head_kv_idx
+        q_head = tile.head_idx  # (packed GQA: the group of q heads in the packed view)
         gQ = cute.local_tile(
             self._rows_of(mQ, q_head, tile.batch_idx, seqlen.offset_q),
             (self.config.tile_m, d),
@@ -1425,7 +1426,7 @@ class FlashAttentionForwardSm90:
         row = tile.m_block * self.config.tile_m + local_row
         if const_expr(self.variant.pack_gqa_ratio > 1):
             token = row // self.variant.pack_gqa_ratio
-            return token, tile.head_kv_idx * self.variant.pack_gqa_ratio + (
+            return token, tile.head_idx * self.variant.pack_gqa_ratio + (
                 row - token * self.variant.pack_gqa_ratio
             )
         return row, tile.head_idx
@@ -1507,13 +1508,8 @@ class FlashAttentionForwardSm90:
                     barrier_id=int(NamedBarrier.EPILOGUE),
                     number_of_threads=self.num_mma_threads + 32,
                 )
-                o_head = (
-                    tile.head_idx
-                    if const_expr(self.variant.pack_gqa_ratio == 1)
-                    else tile.head_kv_idx
-                )
                 gO = cute.local_tile(
-                    mO[None, None, o_head, tile.batch_idx],
+                    mO[None, None, tile.head_idx, tile.batch_idx],
                     (self.config.tile_m, self.variant.head_dim),
                     (tile.m_block, 0),
                 )

@@ -60,8 +60,9 @@ class TileSpace:
     """The work tiles of a launch and their order, from the variant's static facts and the
     call's run-time sizes (q in kernel mode order: rows, head_dim, heads[, batch]).
 
-    With packed GQA (rows_per_token > 1) a tile's rows fold the q heads of one kv head, so the
-    grid runs over kv heads. Split launches multiply the heads by num_splits (head-major).
+    With packed GQA (rows_per_token > 1) a tile's rows fold a group of rows_per_token
+    consecutive q heads of one kv head (all of them, or a divisor of their count), so the grid
+    runs over those groups. Split launches multiply the heads by num_splits (head-major).
     """
 
     tile_m: cutlass.Constexpr[int]
@@ -175,9 +176,13 @@ class TileSpace:
         if const_expr(self.split):
             head_idx = head_split // self.num_splits
             split_idx = head_split - head_idx * self.num_splits
-        head_kv_idx = head_idx  # packed GQA: the grid runs over kv heads
+        # The grid runs over groups of rows_per_token consecutive q heads (1: every q head;
+        # packed GQA: all q heads of a kv head, or a group of them).
+        head_kv_idx = head_idx
         if const_expr(self.rows_per_token == 1):
             head_kv_idx = head_idx // (self.nheads // self.nheads_kv)
+        else:
+            head_kv_idx = head_idx * self.rows_per_token // (self.nheads // self.nheads_kv)
         return WorkTile(m_block, head_idx, head_kv_idx, batch_idx, split_idx)
 
     @cute.jit

@@ -68,6 +68,27 @@ def test_func(case, dtype):
     assert torch.equal(out, again)
 
 
+@pytest.mark.parametrize("nheads, nheads_kv", [(6, 1), (6, 2), (12, 2), (40, 8)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_pack_gqa_groups(nheads, nheads_kv, num_splits):
+    """pack_gqa=True where the q heads of a kv head (6, 3, 5) do not divide the tile rows:
+    tiles fold the largest group of them that does (FlashAttention-3's tests ask for it)."""
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("pack", nheads, nheads_kv))
+    q = rand(2, 77, nheads, 128, gen=gen)
+    k, v = rand(2, 300, nheads_kv, 128, gen=gen), rand(2, 300, nheads_kv, 128, gen=gen)
+    out, lse = fa3.flash_attn_func(
+        q, k, v, causal=True, pack_gqa=True, num_splits=num_splits, return_attn_probs=True
+    )
+    refs, lowps, lse_refs = reference_per_sequence(
+        [q[b : b + 1] for b in range(2)],
+        [k[b : b + 1] for b in range(2)],
+        [v[b : b + 1] for b in range(2)],
+        True,
+    )
+    outs, lses = [out[b : b + 1] for b in range(2)], [lse[b : b + 1] for b in range(2)]
+    assert_close_to_reference(outs, lses, refs, lowps, lse_refs)
+
+
 @pytest.mark.parametrize("gqa", [False, True])
 def test_qkvpacked(gqa):
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("qkvpacked", gqa))

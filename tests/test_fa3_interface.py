@@ -232,6 +232,9 @@ def test_kvcache_maps_to_native(natives):
     call = natives["kvcache"].calls[-1]
     assert call["cache_seqlens"] is lens and call["cache_batch_idx"] is idx
     assert call["cache_leftpad"] is pad and call["num_splits"] == 3 and call["causal"] is True
+    # rotary_seqlens without rotary_cos changes nothing (FlashAttention-3's tests pass it).
+    fa3.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens, rotary_seqlens=lens)
+    assert natives["kvcache"].calls[-1]["cache_seqlens"] is lens
     # Packed queries over a (paged) cache: the varlen entry point, an int length made a tensor.
     pages, table = tensors(20, 16, 2, 64), torch.zeros(3, 4, dtype=torch.int32)
     qv = tensors(7, 8, 64)

@@ -245,9 +245,16 @@ def test_no_keys_launch_nothing():
     assert plan.variant is None
 
 
-def test_pack_gqa_refused_when_the_ratio_does_not_divide_the_tile():
-    with pytest.raises(ValueError, match=r"pack_gqa=True needs nheads / nheads_kv \(3\)"):
-        plan_forward(decode(nheads=24, nheads_kv=8), SMS, pack_gqa=True)
+@pytest.mark.parametrize(
+    "nheads, pack_gqa, packed",
+    [(24, None, 1), (24, True, 1), (48, None, 1), (48, True, 2), (32, None, 4), (32, True, 4)],
+)
+def test_pack_gqa_groups_divide_the_tile(nheads, pack_gqa, packed):
+    """pack_gqa=True folds the largest group of a kv head's q heads that divides the tile rows
+    (3 q heads per kv head: none; 6: 2); None folds all of them only when they divide."""
+    plan = plan_forward(decode(nheads=nheads, nheads_kv=8), SMS, pack_gqa=pack_gqa)
+    assert plan.variant.config.tile_m % packed == 0
+    assert plan.variant.pack_gqa_ratio == packed
 
 
 def test_single_wave_boundary():
