@@ -54,6 +54,19 @@ def _unsupported(**given) -> None:
         )
 
 
+def _window_pair(window_size):
+    """FlashAttention-3 reads window_size[0] and window_size[1], so its callers (its tests
+    among them) also pass lists and 2-element integer tensors: as a tuple of ints here (the
+    sides are compile-time constants of flash_cute's kernels, read on the host)."""
+    if isinstance(window_size, torch.Tensor) and window_size.numel() == 2:
+        if window_size.dtype.is_floating_point or window_size.dtype == torch.bool:
+            return window_size  # (refused by the native checks)
+        return tuple(window_size.tolist())
+    if isinstance(window_size, list):
+        return tuple(window_size)
+    return window_size
+
+
 def flash_attn_func(
     q,
     k,
@@ -79,6 +92,8 @@ def flash_attn_func(
     (batch, seqlen_k, nheads_kv, headdim). Returns out (batch, seqlen_q, nheads, headdim), and
     with return_attn_probs (out, softmax_lse) with softmax_lse (batch, nheads, seqlen_q) fp32.
     num_splits: 1 none, 0 the heuristic, n forces n. See flash_cute.flash_attn_func."""
+    if type(window_size) is not tuple:
+        window_size = _window_pair(window_size)
     if (
         qv is not None
         or q_descale is not None
@@ -181,6 +196,8 @@ def flash_attn_varlen_func(
     (batch,) int32 shorten each sequence to its first rows. Returns out (total_q, nheads,
     headdim), and with return_attn_probs (out, softmax_lse) with softmax_lse (nheads, total_q).
     See flash_cute.flash_attn_varlen_func."""
+    if type(window_size) is not tuple:
+        window_size = _window_pair(window_size)
     if (
         qv is not None
         or q_descale is not None
@@ -262,6 +279,8 @@ def flash_attn_with_kvcache(
     merges split partials inside the launch). rotary_seqlens matters only with rotary_cos,
     which flash_cute does not serve yet (refused); alone it is ignored, as FlashAttention-3
     ignores it. See flash_cute.flash_attn_with_kvcache."""
+    if type(window_size) is not tuple:
+        window_size = _window_pair(window_size)
     if (
         k is not None
         or v is not None
@@ -343,6 +362,8 @@ def get_scheduler_metadata(
     0: the heuristic, from max_seqlen_k; n: n), as a (1,) int32 tensor on cache_seqlens'
     device that also carries the count on the host. Pass it as scheduler_metadata to fix that
     count for the call, and for every replay of a CUDA graph that captured it."""
+    if type(window_size) is not tuple:
+        window_size = _window_pair(window_size)
     if cu_seqlens_k_new is not None:
         _unsupported(cu_seqlens_k_new=cu_seqlens_k_new)
     # max_seqlen_k_new only describes the call (FA3's tests pass it without new keys); a call

@@ -186,6 +186,22 @@ def test_func_maps_to_native(natives):
     assert call["num_splits"] == 0 and call["pack_gqa"] is True
 
 
+@pytest.mark.parametrize("window", [[5, 0], torch.tensor([5, 0]), torch.tensor([5, 0]).int()])
+def test_window_size_as_list_or_tensor(natives, window):
+    """FlashAttention-3 indexes window_size, so lists and 2-element int tensors work there (its
+    own tests pass tensors); each entry point hands the native API a tuple of ints."""
+    q, k = tensors(2, 9, 8, 64), tensors(2, 17, 2, 64)
+    fa3.flash_attn_func(q, k, k, window_size=window)
+    assert natives["func"].calls[-1]["window_size"] == (5, 0)
+    fa3.flash_attn_with_kvcache(q, k, k, window_size=window)
+    assert natives["kvcache"].calls[-1]["window_size"] == (5, 0)
+    fa3.flash_attn_varlen_func(
+        q[0], k[0], k[0], int32(0, 9), int32(0, 17), 9, 17, window_size=window
+    )
+    assert natives["varlen"].calls[-1]["window_size"] == (5, 0)
+    assert all(type(w) is int for w in natives["varlen"].calls[-1]["window_size"])
+
+
 def test_qkvpacked_splits_heads(natives):
     qkv = tensors(2, 9, 3, 4, 64)
     fa3.flash_attn_qkvpacked_func(qkv, causal=True)
