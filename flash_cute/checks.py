@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .config import SUPPORTED_HEAD_DIMS
+from .config import check_head_dims
 from .plan import MAX_SPLITS
 
 TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -64,9 +64,18 @@ def check_cuda(named_tensors) -> None:
             )
 
 
-def check_head_dim(head_dim: int) -> None:
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dimension must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+def check_head_dim(head_dim: int, head_dim_v: Optional[int] = None) -> None:
+    """q/k's head dim and v's (default the same): see config.check_head_dims."""
+    check_head_dims(head_dim, head_dim_v)
+
+
+def check_v_shape(name: str, v: torch.Tensor, k_name: str, k: torch.Tensor) -> None:
+    """v has k's shape but for its last (head) dim, which may differ (MLA: d != dv)."""
+    if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
+        raise ValueError(
+            f"{name} must have the shape of {k_name} {tuple(k.shape)} in every dim but the last "
+            f"(its head dim), got {tuple(v.shape)}"
+        )
 
 
 def check_gqa(nheads: int, nheads_kv: int) -> None:
@@ -108,11 +117,18 @@ def softmax_scale_log2(softmax_scale, head_dim: int) -> float:
 
 
 def output_for(out, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The output of an attention call: out checked (q's shape, dtype and device, and the
-    checks of check_out_like against q, k, v), or a new contiguous tensor like q."""
-    if out is None:
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
-    check_out_like(out, tuple(q.shape), q.dtype, q.device, (("q", q), ("k", k), ("v", v)))
+    """The output of an attention call: out checked (q's shape with v's head dim, q's dtype
+    and device, and the checks of check_out_like against q, k, v), or a new contiguous
+    tensor."""
+    if v.shape[-1] == q.shape[-1]:
+        shape = tuple(q.shape)
+        if out is None:
+            return torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        shape = (*q.shape[:-1], v.shape[-1])
+        if out is None:
+            return q.new_empty(shape)
+    check_out_like(out, shape, q.dtype, q.device, (("q", q), ("k", k), ("v", v)))
     return out
 
 
@@ -172,7 +188,7 @@ def check_grid(nheads: int, batch: int) -> None:
         raise ValueError(f"batch size must be at most {MAX_GRID_YZ}, got {batch}")
 
 
-def check_config(config, head_dim: int, dtype: str):
+def check_config(config, head_dim: int, dtype: str, head_dim_v: Optional[int] = None):
     from .config import AttentionConfig
 
     if config is None:
@@ -181,7 +197,7 @@ def check_config(config, head_dim: int, dtype: str):
         raise TypeError(
             f"config must be a flash_cute.AttentionConfig or None, got {type(config).__name__}"
         )
-    return config.validate(head_dim, dtype)
+    return config.validate(head_dim, dtype, head_dim_v)
 
 
 def optional_bool(name: str, value) -> bool:

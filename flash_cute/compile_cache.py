@@ -123,7 +123,7 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
     dtype = _cutlass_dtype(variant.dtype)
     sym = cute.sym_int
     batch, seqlen_q, nheads, seqlen_k, nheads_kv = (sym() for _ in range(5))
-    d = variant.head_dim
+    d, dv = variant.head_dim, variant.head_dim_v
 
     def tensor(dtype_, shape, align=16):
         div = STRIDE_DIVISIBILITY_16BIT if align == 16 else 1
@@ -137,16 +137,16 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
 
     q_rows = (seqlen_q,) if variant.varlen_q else (batch, seqlen_q)
     if variant.kv_layout == "packed":
-        kv_shape = (seqlen_k, nheads_kv, d)
+        kv_rows = (seqlen_k, nheads_kv)
     else:  # padded: (batch, seqlen_k, ...); paged: (num_pages, page_size, ...)
-        kv_shape = (sym(), seqlen_k, nheads_kv, d)
+        kv_rows = (sym(), seqlen_k, nheads_kv)
     lse_shape = (nheads, seqlen_q) if variant.varlen_q else (batch, nheads, seqlen_q)
     gmem = cute.AddressSpace.gmem
     return {
         "q": tensor(dtype, (*q_rows, nheads, d)),
-        "k": tensor(dtype, kv_shape),
-        "v": tensor(dtype, kv_shape),
-        "out": tensor(dtype, (*q_rows, nheads, d)),
+        "k": tensor(dtype, (*kv_rows, d)),
+        "v": tensor(dtype, (*kv_rows, dv)),
+        "out": tensor(dtype, (*q_rows, nheads, dv)),
         "lse": tensor(cutlass.Float32, lse_shape, align=4) if variant.writes_lse else None,
         "cu_seqlens_q": int32_tensor(1) if variant.varlen_q else None,
         "cu_seqlens_k": int32_tensor(1) if variant.kv_layout == "packed" else None,

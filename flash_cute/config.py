@@ -15,6 +15,18 @@ from typing import Optional
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 SUPPORTED_DTYPES = ("float16", "bfloat16")
 
+
+def check_head_dims(head_dim: int, head_dim_v: Optional[int] = None) -> None:
+    """ValueError unless q/k's head dim and V's (default: the same) are supported: each one
+    of SUPPORTED_HEAD_DIMS, in any pair (whether a config fits the pair is validate's)."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if head_dim_v is not None and head_dim_v not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"head_dim_v (v's head dim) must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim_v}"
+        )
+
+
 # Hopper limits used by validation.
 MAX_SMEM_BYTES_PER_BLOCK = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on H100/H200
 SMEM_BYTES_PER_SM = 233472  # 228 KB, of which each resident CTA reserves 1 KB
@@ -207,49 +219,65 @@ class AttentionConfig:
         """Shared memory one CTA may use with ctas_per_sm CTAs resident on an SM."""
         return min(MAX_SMEM_BYTES_PER_BLOCK, SMEM_BYTES_PER_SM // self.ctas_per_sm - 1024)
 
-    def _smem_bytes_without_o(self, head_dim: int, element_bytes: int = 2) -> int:
+    def _smem_bytes_without_o(
+        self, head_dim: int, element_bytes: int = 2, head_dim_v: Optional[int] = None
+    ) -> int:
         aligned = _aligned_1k
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
         # Q, K, V rings' mbarriers, the tile handoff's 4 mbarriers and 2 int32 slots.
         mbarriers = aligned(8 * (2 + 4 * self.num_stages + 4) + 8)
         q = aligned(self.tile_m * head_dim * element_bytes)
-        kv = 2 * aligned(self.num_stages * self.tile_n * head_dim * element_bytes)
+        k = aligned(self.num_stages * self.tile_n * head_dim * element_bytes)
+        v = aligned(self.num_stages * self.tile_n * head_dim_v * element_bytes)
         p = 0 if self.pv_from_registers else aligned(self.tile_m * self.tile_n * element_bytes)
-        return mbarriers + q + kv + p
+        return mbarriers + q + k + v + p
 
-    def separate_o_smem(self, head_dim: int, element_bytes: int = 2) -> bool:
+    def separate_o_smem(
+        self, head_dim: int, element_bytes: int = 2, head_dim_v: Optional[int] = None
+    ) -> bool:
         """Whether O gets a smem tile of its own: persistent schedulers only (so the next
         tile's Q can load during this tile's epilogue), and only when it fits and O goes
         through smem at all (not store_o_from_registers); otherwise O reuses Q's tile when it
-        goes through smem."""
-        o = _aligned_1k(self.tile_m * head_dim * element_bytes)
+        goes through smem (which needs head_dim_v == head_dim)."""
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        o = _aligned_1k(self.tile_m * head_dim_v * element_bytes)
+        without_o = self._smem_bytes_without_o(head_dim, element_bytes, head_dim_v)
         return (
             self.persistent
             and not self.store_o_from_registers
-            and self._smem_bytes_without_o(head_dim, element_bytes) + o <= self.smem_limit()
+            and without_o + o <= self.smem_limit()
         )
 
-    def smem_bytes(self, head_dim: int, element_bytes: int = 2) -> int:
+    def smem_bytes(
+        self, head_dim: int, element_bytes: int = 2, head_dim_v: Optional[int] = None
+    ) -> int:
         """Dynamic shared memory of the kernel: Q (reused for a TMA-stored O unless
         separate_o_smem), O's own tile when separate_o_smem, the K and V rings, P when it goes
-        through shared memory, and the mbarriers; each buffer 1024-byte aligned."""
+        through shared memory, and the mbarriers; each buffer 1024-byte aligned. head_dim_v:
+        V's and O's head dim (default head_dim)."""
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
         o = 0
-        if self.separate_o_smem(head_dim, element_bytes):
-            o = _aligned_1k(self.tile_m * head_dim * element_bytes)
-        return self._smem_bytes_without_o(head_dim, element_bytes) + o
+        if self.separate_o_smem(head_dim, element_bytes, head_dim_v):
+            o = _aligned_1k(self.tile_m * head_dim_v * element_bytes)
+        return self._smem_bytes_without_o(head_dim, element_bytes, head_dim_v) + o
 
-    def accumulator_registers(self, head_dim: int) -> int:
+    def accumulator_registers(self, head_dim: int, head_dim_v: Optional[int] = None) -> int:
         """fp32 registers per MMA thread held by accumulators at the busiest point:
-        S (tile_n/2) and O (head_dim/2), plus P (tile_n/4, packed 16-bit) when P stays in
+        S (tile_n/2) and O (head_dim_v/2), plus P (tile_n/4, packed 16-bit) when P stays in
         registers across the next block's Q K^T."""
-        regs = self.tile_n // 2 + head_dim // 2
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        regs = self.tile_n // 2 + head_dim_v // 2
         if self.pv_from_registers and self.intra_wg_overlap:
             regs += self.tile_n // 4
         return regs
 
-    def validate(self, head_dim: int, dtype: str = "bfloat16") -> "AttentionConfig":
-        """Raise ValueError if this config cannot run for head_dim/dtype; return self."""
-        if head_dim not in SUPPORTED_HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    def validate(
+        self, head_dim: int, dtype: str = "bfloat16", head_dim_v: Optional[int] = None
+    ) -> "AttentionConfig":
+        """Raise ValueError if this config cannot run for head_dim/dtype (and V's head dim
+        head_dim_v, default head_dim); return self."""
+        check_head_dims(head_dim, head_dim_v)
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
         problems = []
@@ -281,21 +309,24 @@ class AttentionConfig:
                     f"gets at launch ({self.entry_registers} per thread with {self.ctas_per_sm} "
                     "CTA(s) per SM)"
                 )
-            acc = self.accumulator_registers(head_dim)
+            acc = self.accumulator_registers(head_dim, head_dim_v)
             if acc > self.mma_registers - REGISTER_HEADROOM:
                 problems.append(
                     f"accumulators need ~{acc} registers per MMA thread, more than mma_registers "
                     f"- {REGISTER_HEADROOM} = {self.mma_registers - REGISTER_HEADROOM}"
                 )
-        smem = self.smem_bytes(head_dim)
+        smem = self.smem_bytes(head_dim, 2, head_dim_v)
         smem_limit = self.smem_limit()
+        dims = f"head_dim={head_dim}" + (
+            f", head_dim_v={head_dim_v}" if head_dim_v != head_dim else ""
+        )
         if smem > smem_limit:
             problems.append(
-                f"needs {smem} bytes of shared memory for head_dim={head_dim}, more than the "
+                f"needs {smem} bytes of shared memory for {dims}, more than the "
                 f"{smem_limit} a Hopper CTA can have with {self.ctas_per_sm} CTA(s) per SM"
             )
         if problems:
-            raise ValueError(f"invalid {self} for head_dim={head_dim}: " + "; ".join(problems))
+            raise ValueError(f"invalid {self} for {dims}: " + "; ".join(problems))
         return self
 
 
@@ -372,6 +403,27 @@ _BY_HEAD_DIM = {
         scheduler="dynamic_persistent",
         **_LAZY,
     ),
+}
+
+# (head_dim, head_dim_v, causal) -> config where V's head dim differs from q's. (192, 128),
+# DeepSeek V3 / Kimi K2 prefill: FlashAttention-3's tile for the pair (hopper/tile_size.h:
+# 128 x 128, P from registers, O rescaled under Q K^T, no ping-pong), not yet measured here.
+# Other pairs take the row of the larger head dim, whose tile fits both (test_config checks).
+_BY_HEAD_DIMS = {
+    (192, 128, causal): _row(
+        128,
+        128,
+        pingpong=False,
+        rescale_o_before_pv=True,
+        scheduler="dynamic_persistent",
+        **_LAZY,
+    )
+    for causal in (False, True)
+}
+PAIR_CONFIGS = {
+    (head_dim, head_dim_v, dtype, causal): config
+    for (head_dim, head_dim_v, causal), config in _BY_HEAD_DIMS.items()
+    for dtype in SUPPORTED_DTYPES
 }
 
 FORWARD_CONFIGS = {
@@ -455,8 +507,12 @@ DECODE_CONFIGS = {
 }
 
 
-def decode_config(head_dim: int, dtype: str) -> AttentionConfig:
-    """The config for decode-like problems (few query rows per kv head)."""
+def decode_config(head_dim: int, dtype: str, head_dim_v: Optional[int] = None) -> AttentionConfig:
+    """The config for decode-like problems (few query rows per kv head); with a V head dim
+    head_dim_v other than head_dim, the row of the larger one."""
+    if head_dim_v is not None:
+        check_head_dims(head_dim, head_dim_v)
+        head_dim = max(head_dim, head_dim_v)
     try:
         return DECODE_CONFIGS[(head_dim, dtype)]
     except KeyError:
@@ -472,11 +528,19 @@ def default_config(
     causal: bool,
     seqlen_q: Optional[int] = None,
     window_span: Optional[int] = None,
+    head_dim_v: Optional[int] = None,
 ) -> AttentionConfig:
     """The table's config for this problem; ValueError for an unsupported head dim or dtype.
     With seqlen_q, short sequences may get their own config (SHORT_SEQUENCE_CONFIGS); with
     window_span (the most keys a row of a local mask can see), short windows may
-    (SHORT_WINDOW_CONFIGS). Other local masks take the causal rows."""
+    (SHORT_WINDOW_CONFIGS). Other local masks take the causal rows. A V head dim head_dim_v
+    other than head_dim takes its pair's row (PAIR_CONFIGS), or the larger head dim's."""
+    if head_dim_v is not None and head_dim_v != head_dim:
+        check_head_dims(head_dim, head_dim_v)
+        pair = PAIR_CONFIGS.get((head_dim, head_dim_v, dtype, bool(causal)))
+        if pair is not None:
+            return pair
+        head_dim = max(head_dim, head_dim_v)
     short_window = SHORT_WINDOW_CONFIGS.get((head_dim, dtype))
     if short_window is not None and window_span is not None and window_span <= short_window[0]:
         return short_window[1]

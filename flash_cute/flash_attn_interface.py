@@ -369,8 +369,6 @@ def get_scheduler_metadata(
     # max_seqlen_k_new only describes the call (FA3's tests pass it without new keys); a call
     # that appends keys is refused by flash_attn_with_kvcache itself.
     checks.check_host_int("max_seqlen_k_new", max_seqlen_k_new)
-    if headdim_v is not None and headdim_v != headdim:
-        _unsupported(headdim_v=headdim_v)
     if sm_margin:
         _unsupported(sm_margin=sm_margin)
     if page_size is not None:
@@ -385,13 +383,14 @@ def get_scheduler_metadata(
     max_q = checks.check_host_int("max_seqlen_q", max_seqlen_q)
     max_k = checks.check_host_int("max_seqlen_k", max_seqlen_k)
     checks.check_gqa(num_heads_q, num_heads_kv)
-    checks.check_head_dim(headdim)
+    checks.check_head_dim(headdim, headdim_v)
     window_left, window_right = checks.check_window_size(window_size)
     problem = Problem(
         batch=batch,
         nheads=num_heads_q,
         nheads_kv=num_heads_kv,
         head_dim=headdim,
+        head_dim_v=headdim_v,
         dtype=checks.dtype_name(qkv_dtype),
         max_seqlen_q=max_q,
         max_seqlen_k=max_k,

@@ -143,12 +143,13 @@ def flash_attn_func(
         raise ValueError(f"k must have batch size {batch} (that of q), got shape {tuple(k.shape)}")
     if k.shape[3] != head_dim:
         raise ValueError(f"k must have headdim {head_dim} (that of q), got shape {tuple(k.shape)}")
-    checks.check_same_shape("v", v, "k", k)
+    checks.check_v_shape("v", v, "k", k)
     problem = Problem(
         batch=batch,
         nheads=nheads,
         nheads_kv=k.shape[2],
         head_dim=head_dim,
+        head_dim_v=v.shape[3],
         dtype=checks.dtype_name(q.dtype),
         max_seqlen_q=seqlen_q,
         max_seqlen_k=k.shape[1],
@@ -321,7 +322,7 @@ def flash_attn_varlen_func(
     checks.check_tensor("v", v, kv_ndim, kv_doc)
     checks.check_same_dtype("k", k, "q", q)
     checks.check_same_dtype("v", v, "q", q)
-    checks.check_same_shape("v", v, "k", k)
+    checks.check_v_shape("v", v, "k", k)
     total_q, nheads, head_dim = q.shape
     if k.shape[-1] != head_dim:
         raise ValueError(f"k must have headdim {head_dim} (that of q), got shape {tuple(k.shape)}")
@@ -354,6 +355,7 @@ def flash_attn_varlen_func(
         nheads=nheads,
         nheads_kv=k.shape[-2],
         head_dim=head_dim,
+        head_dim_v=v.shape[-1],
         dtype=checks.dtype_name(q.dtype),
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
@@ -542,7 +544,7 @@ def flash_attn_with_kvcache(
     checks.check_tensor("v_cache", v_cache, 4, kv_doc)
     checks.check_same_dtype("k_cache", k_cache, "q", q)
     checks.check_same_dtype("v_cache", v_cache, "q", q)
-    checks.check_same_shape("v_cache", v_cache, "k_cache", k_cache)
+    checks.check_v_shape("v_cache", v_cache, "k_cache", k_cache)
     batch, seqlen_q, nheads, head_dim = q.shape
     if k_cache.shape[3] != head_dim:
         raise ValueError(
@@ -572,6 +574,7 @@ def flash_attn_with_kvcache(
         nheads=nheads,
         nheads_kv=k_cache.shape[2],
         head_dim=head_dim,
+        head_dim_v=v_cache.shape[3],
         dtype=checks.dtype_name(q.dtype),
         max_seqlen_q=seqlen_q,
         max_seqlen_k=max_seqlen_k,
@@ -702,11 +705,11 @@ def _forward(
     `plans` under `key` when it can be replayed), and the launch through it. named: the call's
     tensors by argument name (default q, k, v). kv_length: an int cache_seqlens (int_capacity:
     the cache's capacity, which its replays check against)."""
-    checks.check_head_dim(problem.head_dim)
+    checks.check_head_dim(problem.head_dim, problem.head_dim_v)
     checks.check_gqa(problem.nheads, problem.nheads_kv)
     checks.check_grid(problem.nheads, problem.batch)
     scale_log2 = checks.softmax_scale_log2(softmax_scale, problem.head_dim)
-    config = checks.check_config(config, problem.head_dim, problem.dtype)
+    config = checks.check_config(config, problem.head_dim, problem.dtype, problem.head_dim_v)
     num_splits = checks.check_num_splits(num_splits)
     pack_gqa = checks.check_optional_bool("pack_gqa", pack_gqa)
     named = named or (("q", q), ("k", k), ("v", v))

@@ -14,7 +14,8 @@ Every rewrite of a config happens here and nowhere else:
   fit in one wave of CTAs runs its static twin (same tile order, no tile counter);
 - paged K/V: TMA boxes where a box of a multiple of 16 rows divides the page size and the key
   block, otherwise (and for left-padded pages) rows gathered with cp.async, one CTA per tile;
-- the O store: split and varlen launches store O from registers (their rows are ragged);
+- the O store: split and varlen launches store O from registers (their rows are ragged), as
+  do launches whose V head dim differs from q's where O has no smem tile of its own;
 - ping-pong needs two MMA warpgroups, and the O rescale under Q K^T needs the overlap;
 - the mask (attention_mask): causal, a local window or chunk, or none; a local mask takes the
   causal rows, and its split count counts only the keys a tile can see.
@@ -74,6 +75,11 @@ class Problem:
     attention_chunk: int = 0
     softcap: float = 0.0  # scores become softcap * tanh(s * scale / softcap); 0: off
     learnable_sink: Optional[str] = None  # the (nheads,) sink logits' dtype; None: no sink
+    head_dim_v: Optional[int] = None  # V's (and O's) head dim; None: head_dim
+
+    def __post_init__(self):
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
 
     @property
     def qheads_per_kvhead(self) -> int:
@@ -116,13 +122,22 @@ class ForwardVariant:
     attention_chunk: int = 0
     softcap: float = 0.0
     learnable_sink: Optional[str] = None  # the sink logits' dtype
+    head_dim_v: Optional[int] = None  # V's and O's head dim (None: head_dim)
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
         # Facts the plan step guarantees: a hand-built variant breaking one is refused here
         # rather than compiled into a kernel that cannot run.
         c = self.config
         problems = []
+        if (
+            self.head_dim_v != self.head_dim
+            and not c.store_o_from_registers
+            and not c.separate_o_smem(self.head_dim, 2, self.head_dim_v)
+        ):
+            problems.append("O goes through Q's smem tile only where head_dim_v == head_dim")
         if self.kv_layout not in KV_LAYOUTS:
             problems.append(f"kv_layout must be one of {KV_LAYOUTS}")
         if (self.kv_layout == "paged") != (
@@ -184,7 +199,8 @@ class ForwardVariant:
         """A short label: head dim, dtype, causal, tile, scheduler, and the problem flags."""
         c = self.config
         flags = [
-            f"d{self.head_dim}",
+            f"d{self.head_dim}"
+            + (f"v{self.head_dim_v}" if self.head_dim_v != self.head_dim else ""),
             self.dtype,
             "causal" if self.causal else "full",
             f"{c.tile_m}x{c.tile_n}",
@@ -281,7 +297,7 @@ def plan_forward(
     if config is None:
         decode_like = decode_rows and problem.max_seqlen_q * ratio <= DECODE_ROWS
         if decode_like:
-            config = decode_config(problem.head_dim, problem.dtype)
+            config = decode_config(problem.head_dim, problem.dtype, problem.head_dim_v)
         else:  # a local mask takes the causal rows (a band of the causal triangle, usually)
             config = default_config(
                 problem.head_dim,
@@ -289,6 +305,7 @@ def plan_forward(
                 causal or local,
                 problem.max_seqlen_q,
                 window_span(window_left, window_right, chunk) if local else None,
+                problem.head_dim_v,
             )
     if pack_gqa is None:  # K/V tiles read once for all q heads of a kv head
         pack_gqa = ratio > 1 and config.tile_m % ratio == 0
@@ -347,6 +364,7 @@ def plan_forward(
         attention_chunk=chunk,
         softcap=float(problem.softcap),
         learnable_sink=problem.learnable_sink,
+        head_dim_v=problem.head_dim_v,
     )
     if variant.uses_tile_counter:
         num_counters = 2
@@ -414,6 +432,14 @@ def _effective_config(
         # where host time matters).
         changes["scheduler"] = "static_persistent"
     if (split or problem.varlen_q) and not config.store_o_from_registers:
+        changes["store_o_from_registers"] = True
+    if (
+        problem.head_dim_v != problem.head_dim
+        and not config.store_o_from_registers
+        and not config.replace(**changes).separate_o_smem(problem.head_dim, 2, problem.head_dim_v)
+    ):
+        # Q's smem tile holds O only where the head dims agree; without a tile of its own,
+        # O goes from registers.
         changes["store_o_from_registers"] = True
     if config.pingpong and config.num_mma_warpgroups < 2:
         changes["pingpong"] = False

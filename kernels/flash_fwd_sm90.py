@@ -225,7 +225,7 @@ class FlashAttentionForwardSm90:
         # A TMA-stored O gets its own smem when it fits (config's smem model), so the next Q
         # can load during the epilogue; otherwise O reuses Q's tile and Q is freed once the O
         # store has read it.
-        self.separate_o_smem = config.separate_o_smem(variant.head_dim)
+        self.separate_o_smem = config.separate_o_smem(variant.head_dim, 2, variant.head_dim_v)
         # When a persistent kernel's O goes through Q's tile, the storing warp frees Q after
         # the O store; otherwise the MMA warps free it after the mainloop.
         self.o_overwrites_q = self.persistent and self.tma_store_o and not self.separate_o_smem
@@ -233,6 +233,16 @@ class FlashAttentionForwardSm90:
         # Paged K/V gathered with cp.async by the whole producer warpgroup (pages no TMA box
         # follows); one CTA per tile, so every producer warp walks the same tile.
         self.kv_gather = variant.gather_page_size is not None
+
+    def _kv_tma_atom(self, op, mX, stages_layout, width: int):
+        """TMA atom of the K or V ring (width: d or dv): a box of one key block, or of
+        page_box_rows rows where paged blocks load page by page."""
+        if const_expr(self.variant.page_box_rows is not None):
+            rows = self.variant.page_box_rows
+            box_layout = hopper_mma.make_row_major_smem_layout(self.dtype, rows, width)
+            return cpasync.make_tiled_tma_atom(op, mX, box_layout, (rows, width), 1)
+        stage_layout = cute.select(stages_layout, mode=[0, 1])
+        return cpasync.make_tiled_tma_atom(op, mX, stage_layout, (self.config.tile_n, width), 1)
 
     def _tile_space(
         self,
@@ -252,7 +262,7 @@ class FlashAttentionForwardSm90:
             causal=v.causal,
             varlen=v.varlen_q,
             split=v.split,
-            kv_bytes_per_key=v.head_dim * self.dtype.width // 4,
+            kv_bytes_per_key=(v.head_dim + v.head_dim_v) * self.dtype.width // 8,
             l2_section_mb=self.config.l2_section_mb,
             seqlen_q=mQ_shape.shape[0],
             nheads=mQ_shape.shape[2],
@@ -377,7 +387,7 @@ class FlashAttentionForwardSm90:
         kv_modes = (0, 2, 1) if const_expr(self.variant.kv_layout == "packed") else (1, 3, 2, 0)
         mK, mV = [hopper_mma.permute_modes(t, kv_modes) for t in (mK, mV)]
 
-        d = self.variant.head_dim
+        d, dv = self.variant.head_dim, self.variant.head_dim_v
         tiled_mma_qk = hopper_mma.make_tiled_mma(
             self.dtype,
             self.num_mma_warpgroups,
@@ -388,20 +398,23 @@ class FlashAttentionForwardSm90:
         tiled_mma_pv = hopper_mma.make_tiled_mma(
             self.dtype,
             self.num_mma_warpgroups,
-            d,
+            dv,
             b_mn_major=True,
             a_from_registers=self.config.pv_from_registers,
         )
         sQ_layout = hopper_mma.make_row_major_smem_layout(self.dtype, self.config.tile_m, d)
-        sKV_layout = hopper_mma.make_row_major_smem_layout(
-            self.dtype, self.config.tile_n, d, self.config.num_stages
-        )
+        sO_layout = hopper_mma.make_row_major_smem_layout(self.dtype, self.config.tile_m, dv)
+        sK_layout, sV_layout = [
+            hopper_mma.make_row_major_smem_layout(
+                self.dtype, self.config.tile_n, width, self.config.num_stages
+            )
+            for width in (d, dv)
+        ]
         sP_layout = None
         if const_expr(not self.config.pv_from_registers):
             sP_layout = hopper_mma.make_row_major_smem_layout(
                 self.dtype, self.config.tile_m, self.config.tile_n
             )
-        sKV_stage_layout = cute.select(sKV_layout, mode=[0, 1])
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         ratio = self.variant.pack_gqa_ratio
@@ -413,36 +426,35 @@ class FlashAttentionForwardSm90:
             tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
                 tma_load, mQ, sQ_layout, (self.config.tile_m, d)
             )
-        kv_box = (self.config.tile_n, d)
-        kv_box_layout = sKV_stage_layout
-        if const_expr(self.variant.page_box_rows is not None):
-            kv_box = (self.variant.page_box_rows, d)
-            kv_box_layout = hopper_mma.make_row_major_smem_layout(
-                self.dtype, self.variant.page_box_rows, d
-            )
         if const_expr(self.kv_gather):  # cp.async reads the tensors themselves
             tma_atom_K, tma_K, tma_atom_V, tma_V = None, mK, None, mV
         else:
-            tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_load, mK, kv_box_layout, kv_box, 1)
-            tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, mV, kv_box_layout, kv_box, 1)
+            (tma_atom_K, tma_K), (tma_atom_V, tma_V) = [
+                self._kv_tma_atom(tma_load, mX, layout, width)
+                for mX, layout, width in ((mK, sK_layout, d), (mV, sV_layout, dv))
+            ]
         tma_atom_O, mO_kernel = None, mO
         if const_expr(self.tma_store_o):
-            # O reuses Q's smem (same shape and swizzle), stored with one TMA per tile.
+            # O goes through its own smem tile or Q's (where dv == d: same shape and
+            # swizzle), stored with one TMA per tile.
             tma_store = cpasync.CopyBulkTensorTileS2GOp()
             if const_expr(ratio > 1):
                 tma_atom_O, mO_kernel = _make_packed_gqa_tma_atom(
-                    tma_store, mO, sQ_layout, self.config.tile_m, d, ratio
+                    tma_store, mO, sO_layout, self.config.tile_m, dv, ratio
                 )
             else:
                 tma_atom_O, mO_kernel = cpasync.make_tiled_tma_atom(
-                    tma_store, mO, sQ_layout, (self.config.tile_m, d)
+                    tma_store, mO, sO_layout, (self.config.tile_m, dv)
                 )
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
-        self.tma_bytes_kv = cute.size_in_bytes(self.dtype, sKV_stage_layout)
+        self.tma_bytes_k, self.tma_bytes_v = [
+            cute.size_in_bytes(self.dtype, cute.select(layout, mode=[0, 1]))
+            for layout in (sK_layout, sV_layout)
+        ]
 
         num_stages = self.config.num_stages
         sP_size = cute.cosize(sP_layout) if const_expr(sP_layout is not None) else 0
-        sO_size = cute.cosize(sQ_layout) if const_expr(self.separate_o_smem) else 0
+        sO_size = cute.cosize(sO_layout) if const_expr(self.separate_o_smem) else 0
 
         @cute.struct
         class SharedStorage:
@@ -456,10 +468,10 @@ class FlashAttentionForwardSm90:
                 cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], self.smem_align
             ]
             sK: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], self.smem_align
+                cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], self.smem_align
             ]
             sV: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], self.smem_align
+                cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], self.smem_align
             ]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, sP_size], self.smem_align]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, sO_size], self.smem_align]
@@ -495,7 +507,9 @@ class FlashAttentionForwardSm90:
             tma_atom_O,
             softmax_scale_log2,
             sQ_layout,
-            sKV_layout,
+            sK_layout,
+            sV_layout,
+            sO_layout,
             sP_layout,
             tiled_mma_qk,
             tiled_mma_pv,
@@ -544,7 +558,9 @@ class FlashAttentionForwardSm90:
         tma_atom_O: Optional[cute.CopyAtom],
         softmax_scale_log2: Float32,
         sQ_layout: cute.ComposedLayout,
-        sKV_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
         sP_layout: Optional[cute.ComposedLayout],
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
@@ -595,10 +611,13 @@ class FlashAttentionForwardSm90:
                     num_stages=self.config.num_stages,
                     producer_group=tma_warp,
                     consumer_group=mma_warps,
-                    tx_count=self.tma_bytes_kv,
+                    tx_count=tx_count,
                     defer_sync=True,
                 )
-                for bar in (storage.mbar_k, storage.mbar_v)
+                for bar, tx_count in (
+                    (storage.mbar_k, self.tma_bytes_k),
+                    (storage.mbar_v, self.tma_bytes_v),
+                )
             ]
         space = self._tile_space(mQ_shape, mK_shape, mCuSeqlensQ, mPageTable, num_splits, max_ctas)
         scheduler = self.scheduler_cls.create(
@@ -612,14 +631,14 @@ class FlashAttentionForwardSm90:
         pipeline.pipeline_init_arrive()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sP = None
         if const_expr(sP_layout is not None):
             sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-        sO = sQ
+        sO = sQ  # (a TMA-stored O without a tile of its own has dv == d: the plan's rule)
         if const_expr(self.separate_o_smem):
-            sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         shapes = ProblemShapes(
             mQ=mQ_shape,
             mK=mK_shape,
@@ -864,14 +883,13 @@ class FlashAttentionForwardSm90:
                 self.variant.page_box_rows,
             )
         else:
-            tile_kv = (self.config.tile_n, d)
             k_loader = TmaBlockLoader.create(
                 tma_atom_K,
                 cute.local_tile(
                     self._rows_of(
                         mK, tile.head_kv_idx, kv_batch, seqlen.offset_k, self.variant.leftpad_k
                     ),
-                    tile_kv,
+                    (self.config.tile_n, d),
                     (None, 0),
                 ),
                 sK,
@@ -883,7 +901,7 @@ class FlashAttentionForwardSm90:
                     self._rows_of(
                         mV, tile.head_kv_idx, kv_batch, seqlen.offset_k, self.variant.leftpad_k
                     ),
-                    tile_kv,
+                    (self.config.tile_n, self.variant.head_dim_v),
                     (None, 0),
                 ),
                 sV,
@@ -985,7 +1003,7 @@ class FlashAttentionForwardSm90:
         wg_mma_qk = tiled_mma_qk.get_slice(warpgroup_idx * THREADS_PER_WARPGROUP)
         wg_mma_pv = tiled_mma_pv.get_slice(warpgroup_idx * THREADS_PER_WARPGROUP)
         acc_O = cute.make_rmem_tensor(
-            wg_mma_pv.partition_shape_C((self.config.tile_m, self.variant.head_dim)), Float32
+            wg_mma_pv.partition_shape_C((self.config.tile_m, self.variant.head_dim_v)), Float32
         )
         smem_copy_P, tPsP = None, None
         if const_expr(self.config.pv_from_registers):
@@ -1164,7 +1182,7 @@ class FlashAttentionForwardSm90:
         splits other than the first, so that a split launch counts each sink once."""
         coords = hopper_mma.acc_as_rows_cols(
             tiled_mma_pv.get_slice(tidx).partition_C(
-                cute.make_identity_tensor((self.config.tile_m, self.variant.head_dim))
+                cute.make_identity_tensor((self.config.tile_m, self.variant.head_dim_v))
             )
         )
         num_rows = cute.size(coords, mode=[0])
@@ -1279,7 +1297,7 @@ class FlashAttentionForwardSm90:
         pieces, then makes the stores visible to its WGMMA. Runs while Q K^T is in flight."""
         valid = ctx.last_block_keys
         if v_block == ctx.last_block and valid < self.config.tile_n:
-            pieces_per_row = self.variant.head_dim // 8
+            pieces_per_row = self.variant.head_dim_v // 8
             pieces = cute.zipped_divide(
                 ctx.sV[None, None, stage], (1, 8)
             )  # ((1, 8), (rows, d / 8))
@@ -1384,11 +1402,11 @@ class FlashAttentionForwardSm90:
         )
         # (Uniform over the CTA: the counter's verdict, and whether the tile has rows at all.)
         if split_last[0] != 0 and valid_rows > 0:
-            group = lanes_per_row(self.variant.head_dim)
+            group = lanes_per_row(self.variant.head_dim_v)
             rows_per_pass = self.num_mma_threads // group
             sub = tidx % group
-            acc = cute.make_rmem_tensor(self.variant.head_dim // group, Float32)
-            out = cute.make_rmem_tensor(self.variant.head_dim // group, mO.element_type)
+            acc = cute.make_rmem_tensor(self.variant.head_dim_v // group, Float32)
+            out = cute.make_rmem_tensor(self.variant.head_dim_v // group, mO.element_type)
             for i in cutlass.range(cute.ceil_div(valid_rows, rows_per_pass), unroll=1):
                 token, head = self._row_of_tile(i * rows_per_pass + tidx // group, tile)
                 valid = token < seqlen.seqlen_q
@@ -1408,7 +1426,7 @@ class FlashAttentionForwardSm90:
                 if valid:
                     hopper_mma.convert_to_16bit(acc, out)
                     dst = cute.local_tile(
-                        mO[(idx[0], None, *idx[1:])], (self.variant.head_dim // group,), (sub,)
+                        mO[(idx[0], None, *idx[1:])], (self.variant.head_dim_v // group,), (sub,)
                     )
                     dst.store(out.load())
                     if const_expr(mLSE is not None):
@@ -1474,7 +1492,7 @@ class FlashAttentionForwardSm90:
         thr_mma = tiled_mma_pv.get_slice(tidx)
         coords = hopper_mma.acc_as_rows_cols(
             thr_mma.partition_C(
-                cute.make_identity_tensor((self.config.tile_m, self.variant.head_dim))
+                cute.make_identity_tensor((self.config.tile_m, self.variant.head_dim_v))
             )
         )
         if const_expr(mLSE is not None):
@@ -1510,7 +1528,7 @@ class FlashAttentionForwardSm90:
                 )
                 gO = cute.local_tile(
                     mO[None, None, tile.head_idx, tile.batch_idx],
-                    (self.config.tile_m, self.variant.head_dim),
+                    (self.config.tile_m, self.variant.head_dim_v),
                     (tile.m_block, 0),
                 )
                 tOsO, tOgO = cpasync.tma_partition(

@@ -35,6 +35,19 @@ MODELS = {
         query_pre_attn_scalar=64,
     ),
     "gemma3_text": dict(head_dim=64, sliding_window=WINDOW, sliding_window_pattern=2),
+    # MLA prefill: q/k head dim 64 + 128 = 192, v head dim 128 (DeepSeek-V3's shapes, scaled).
+    "deepseek_v3": dict(
+        moe_intermediate_size=128,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=64,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+    ),
     "gpt_oss": dict(
         head_dim=64,
         num_attention_heads=8,

@@ -30,8 +30,9 @@ def qkv(b=2, sq=8, sk=8, h=4, hk=2, d=64, dtype=torch.bfloat16):
         (
             lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]),
             ValueError,
-            "head dimension must be one of",
+            "head_dim must be one of",
         ),
+        (lambda q, k, v: (q, k, v[..., :48]), ValueError, r"head_dim_v \(v's head dim\) must be"),
         (lambda q, k, v: (q, k[..., :32], v[..., :32]), ValueError, "k must have headdim 64"),
         (lambda q, k, v: (q[:, :, :3], k, v), ValueError, "multiple of nheads of k"),
         (lambda q, k, v: (q, k, v), ValueError, "q must be a CUDA tensor"),

@@ -10,7 +10,7 @@ import pytest
 from flash_cute import AttentionConfig, decode_config
 from flash_cute.compile_cache import CombineKernelKey, compile_combine
 from flash_cute.config import FORWARD_CONFIGS, SHORT_WINDOW_CONFIGS
-from flash_cute.plan import ForwardVariant
+from flash_cute.plan import ForwardVariant, Problem, plan_forward
 from flash_cute.precompile import compile_with_ptx_report, decode_variants, table_variants
 
 pytestmark = pytest.mark.compile
@@ -398,6 +398,44 @@ LOCAL_KEYS = [
 ]
 
 
+# V head dims other than q's (MLA prefill 192 / 128, and wider V than Q), as the plan step
+# builds them: the prefill rows of each pair (O through its own smem tile, or from registers),
+# split decode over a paged cache (TMA boxes, and rows gathered at page size 1) with packed
+# GQA, and varlen queries over packed keys.
+def _mla(head_dim, head_dim_v, causal=True, **problem):
+    kind = problem.pop("kind", "prefill")
+    base = dict(
+        batch=2,
+        nheads=16,
+        nheads_kv=16,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        dtype=problem.pop("dtype", "bfloat16"),
+        max_seqlen_q=4096,
+        max_seqlen_k=4096,
+        kv_capacity=4096,
+        causal=causal,
+        writes_lse=True,
+    )
+    if kind == "decode":
+        base.update(nheads_kv=1, max_seqlen_q=1, max_seqlen_k=8192, kv_capacity=8192)
+        base.update(seqused_k=True, kv_layout="paged")
+    base.update(problem)
+    plan = plan_forward(Problem(**base), 132, None, 0 if kind == "decode" else 1, None)
+    return plan.variant
+
+
+MLA_KEYS = [
+    _mla(192, 128),
+    _mla(192, 128, False, dtype="float16"),
+    _mla(64, 256),
+    _mla(256, 128, False, max_seqlen_q=8192, max_seqlen_k=8192, kv_capacity=8192),
+    _mla(192, 128, False, kind="decode", page_size=64),
+    _mla(64, 256, False, kind="decode", page_size=1),
+    _mla(128, 64, varlen_q=True, total_q=4096, kv_layout="packed", seqused_k=True),
+]
+
+
 def _id(variant):
     c = variant.config
     knobs = (
@@ -410,7 +448,9 @@ def _id(variant):
     return variant.describe().replace(" ", "-") + "-" + knobs
 
 
-@pytest.mark.parametrize("key", TABLE_KEYS + KNOB_KEYS + SPLITKV_KEYS + LOCAL_KEYS, ids=_id)
+@pytest.mark.parametrize(
+    "key", TABLE_KEYS + KNOB_KEYS + SPLITKV_KEYS + LOCAL_KEYS + MLA_KEYS, ids=_id
+)
 def test_variant_compiles_clean(key):
     report = compile_with_ptx_report(key)
     assert not report.problems(), report.problems()

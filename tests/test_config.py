@@ -7,9 +7,15 @@ from flash_cute import (
     FORWARD_CONFIGS,
     SHORT_SEQUENCE_CONFIGS,
     AttentionConfig,
+    decode_config,
     default_config,
 )
-from flash_cute.config import MAX_SMEM_BYTES_PER_BLOCK, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+from flash_cute.config import (
+    MAX_SMEM_BYTES_PER_BLOCK,
+    PAIR_CONFIGS,
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+)
 
 
 def test_table_covers_every_problem():
@@ -26,6 +32,35 @@ def test_table_entries_are_valid(key):
     assert config.validate(head_dim, dtype) is config
     assert config.smem_bytes(head_dim) <= MAX_SMEM_BYTES_PER_BLOCK
     assert default_config(head_dim, dtype, causal) is config
+
+
+@pytest.mark.parametrize("head_dim_v", SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+def test_every_head_dim_pair_has_a_valid_row(head_dim, head_dim_v):
+    """V's head dim may differ from q's (MLA): every pair's prefill, short-sequence and decode
+    rows fit it (shared memory for Q, K by head_dim and V, O by head_dim_v; O's registers)."""
+    for dtype in SUPPORTED_DTYPES:
+        for causal in (False, True):
+            for seqlen_q in (None, 512):
+                config = default_config(head_dim, dtype, causal, seqlen_q, head_dim_v=head_dim_v)
+                assert config.validate(head_dim, dtype, head_dim_v) is config
+        config = decode_config(head_dim, dtype, head_dim_v)
+        assert config.validate(head_dim, dtype, head_dim_v) is config
+
+
+def test_pair_rows_and_pair_model():
+    # DeepSeek V3 prefill (192 / 128): its own row, FlashAttention-3's 128 x 128 tile.
+    assert (
+        default_config(192, "bfloat16", True, head_dim_v=128)
+        == PAIR_CONFIGS[(192, 128, "bfloat16", True)]
+    )
+    assert default_config(192, "bfloat16", True, head_dim_v=128).tile_n == 128
+    # Shared memory: Q and K by head_dim, V by head_dim_v; O's registers by head_dim_v.
+    c = AttentionConfig(128, 128, store_o_from_registers=True)
+    assert c.smem_bytes(192, 2, 128) == (48 + 96 + 64 + 1) * 1024
+    assert c.accumulator_registers(192, 128) == 64 + 64 + 32
+    with pytest.raises(ValueError, match=r"head_dim_v \(v's head dim\) must be one of"):
+        c.validate(128, "bfloat16", 80)
 
 
 def test_register_split_defaults_follow_warpgroups():

@@ -314,10 +314,6 @@ def _q_k():
         ),  # noqa: E501
         (lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, k_descale=1), ["k_descale"]),
         (lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, sm_margin=2), ["sm_margin"]),
-        (
-            lambda q, k: fa3.get_scheduler_metadata(1, 1, 4, 2, 2, 64, int32(4), headdim_v=128),
-            ["headdim_v"],
-        ),
     ],
 )
 def test_unserved_arguments_raise_by_name(natives, call, names):

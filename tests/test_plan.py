@@ -379,3 +379,25 @@ def test_kernel_derives_its_o_store_from_the_variant():
         config = on.replace(scheduler="single_tile") if "split" in flags else on
         kernel = FlashAttentionForwardSm90(ForwardVariant(BF16, 64, False, config, **flags))
         assert not (kernel.tma_store_o or kernel.separate_o_smem or kernel.o_overwrites_q)
+
+
+def test_head_dim_v_takes_its_pair_row_and_an_o_store_that_fits():
+    """V's head dim rides the problem into the variant; O goes through Q's smem tile only when
+    the head dims agree, so a pair without an O tile of its own stores O from registers."""
+    mla = func_plan(prefill(head_dim=192, head_dim_v=128))
+    assert mla.variant.head_dim_v == 128 and mla.variant.config.tile_n == 128
+    assert mla.variant.describe().startswith("d192v128 ")
+    # The 256 row runs one CTA per tile (no O tile of its own): O from registers.
+    wide = func_plan(prefill(head_dim=256, head_dim_v=128, causal=False, seqlen=8192))
+    assert wide.variant.config.scheduler == "single_tile"
+    assert wide.variant.config.store_o_from_registers
+    same = func_plan(prefill(head_dim=256, causal=False, seqlen=8192))
+    assert not same.variant.config.store_o_from_registers and same.variant.head_dim_v == 256
+    decode_mla = plan_forward(
+        decode(nheads=16, nheads_kv=1, head_dim=192, head_dim_v=128), SMS, num_splits=0
+    )
+    assert decode_mla.variant.head_dim_v == 128 and decode_mla.variant.pack_gqa_ratio == 16
+    with pytest.raises(ValueError, match="O goes through Q's smem tile only"):
+        dataclasses.replace(
+            wide.variant, config=wide.variant.config.replace(store_o_from_registers=False)
+        )

@@ -70,20 +70,3 @@ def test_prefill_logits_and_generate(model_type):
     assert ((out >= 0) & (out < 512)).all()
     err, bar = within_sdpa_error(models, out)
     assert err <= 2 * bar + 1e-2, f"{model_type}: generated error {err:.3e}, SDPA {bar:.3e}"
-
-
-@torch.inference_mode()
-def test_mla_layer_is_refused():
-    config = transformers.AutoConfig.for_model(
-        "deepseek_v3", vocab_size=512, hidden_size=256, intermediate_size=512,
-        moe_intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=64, qk_rope_head_dim=64,
-        qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=4, num_experts_per_tok=2,
-        first_k_dense_replace=1,
-    )  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation=fc_transformers.NAME
-    )
-    model = model.to(device="cuda", dtype=torch.bfloat16).eval()
-    with pytest.raises(NotImplementedError, match="value head dim"):
-        model(torch.randint(3, 512, (1, 16), device="cuda"))

@@ -34,7 +34,6 @@ def test_register():
 @pytest.mark.parametrize(
     "args, kwargs, message",
     [
-        (qkv(dv=128), {}, r"value head dim \(128\) other than the query's \(64\)"),
         (qkv(dtype=torch.float32), {}, "float32 activations"),
         (qkv(grad=True), {}, "gradients"),
         (qkv(), dict(output_attentions=True), "output_attentions"),

@@ -15,9 +15,9 @@ flash_cute's forward kernel, in prefill and in generate with transformers' cache
 layer's sliding window, logit softcap and attention sinks (gpt-oss's `s_aux`) passed through.
 
 Forward only (inference): a call that needs gradients, dropout, attention probabilities, or a
-mask other than left padding raises an error naming it, as do layers whose value head dim
-differs from the query's (MLA) and head dims or dtypes the kernels do not serve. Nothing falls
-back to another implementation.
+mask other than left padding raises an error naming it, as do head dims or dtypes the kernels
+do not serve. A value head dim other than the query's (MLA prefill, DeepSeek-V3's 192 / 128)
+runs as it is, V unpadded. Nothing falls back to another implementation.
 """
 
 from __future__ import annotations
@@ -74,11 +74,6 @@ def flash_cute_attention_forward(
         _refuse("output_attentions=True (use attn_implementation='eager')")
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
         _refuse("gradients (forward kernels only; run under torch.no_grad or inference_mode)")
-    if value.shape[-1] != query.shape[-1]:
-        _refuse(
-            f"a value head dim ({value.shape[-1]}) other than the query's ({query.shape[-1]}), "
-            "as in MLA"
-        )
     if query.dtype == torch.float32:
         # A 16-bit model whose rotary embedding or norms left fp32 activations (as
         # transformers' FlashAttention path does: back to the weights' or autocast's dtype).
