@@ -2,6 +2,7 @@
 
     python -m flash_cute.bench prefill [--dtype bf16] [--hdim 64 128 256] [--causal both]
                                        [--seqlens 512 ... 16384] [--json PATH]
+                                       [--hdim 192 --hdim-v 128 --nheads 16]  (MLA)
 
     python -m flash_cute.bench decode [--batch 1 8 32 128] [--seqlens 1024 ... 131072]
                                       [--pages 0 16 64] [--json PATH]
@@ -11,8 +12,8 @@
 prefill: the FlashAttention-3 paper's grid (batch * seqlen = 16k tokens, nheads * hdim = 2048)
 timed for flash_cute, torch SDPA with the cuDNN and flash backends, and flash-attn-4
 (`flash_attn.cute`) when importable. Prints TFLOP/s per peer and flash_cute's ratio to the
-best peer. Times are CUDA-event medians after warm-up; FLOPs = 4 * b * h * s^2 * d, halved
-when causal.
+best peer. Times are CUDA-event medians after warm-up; FLOPs = 2 * b * h * s^2 * (d + dv)
+(4 * b * h * s^2 * d when dv = d), halved when causal.
 
 decode: one new token per sequence against a KV cache (32 q heads, 8 kv heads, hdim 128,
 bf16), contiguous and paged (page 16, 64, random page order), for flash_cute
@@ -197,9 +198,13 @@ def prefill_peers(q, k, v, causal: bool) -> Dict[str, Callable[[], object]]:
     return peers
 
 
-def prefill_flops(batch: int, nheads: int, seqlen: int, head_dim: int, causal: bool) -> float:
-    """FLOPs of one attention forward over a padded batch: 4 b h s^2 d, halved when causal."""
-    return 4 * batch * nheads * seqlen * seqlen * head_dim / (2 if causal else 1)
+def prefill_flops(
+    batch: int, nheads: int, seqlen: int, head_dim: int, causal: bool, head_dim_v=None
+) -> float:
+    """FLOPs of one attention forward over a padded batch: 2 b h s^2 (d + dv) (4 b h s^2 d
+    when dv == d), halved when causal."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    return 2 * batch * nheads * seqlen * seqlen * (head_dim + head_dim_v) / (2 if causal else 1)
 
 
 @dataclass
@@ -213,10 +218,17 @@ class PrefillRow:
     tflops: Dict[str, float] = field(default_factory=dict)
     ms: Dict[str, float] = field(default_factory=dict)
     pass_ratios: List[float] = field(default_factory=list)  # flash_cute / best peer in each pass
+    hdim_v: Optional[int] = None  # V's head dim where it differs from q's (MLA: 192 / 128)
 
     @property
     def flops(self) -> float:
-        return prefill_flops(self.batch, self.nheads, self.seqlen, self.hdim, self.causal)
+        return prefill_flops(
+            self.batch, self.nheads, self.seqlen, self.hdim, self.causal, self.hdim_v
+        )
+
+    @property
+    def dims(self) -> str:
+        return f"{self.hdim}/{self.hdim_v}" if self.hdim_v else str(self.hdim)
 
     @property
     def paired_ratio(self) -> Optional[float]:
@@ -244,8 +256,11 @@ def run_prefill(
     warmup: int = 5,
     reps: int = 30,
     passes: int = 1,
+    hdim_v: Optional[int] = None,
+    nheads: Optional[int] = None,
 ) -> List[PrefillRow]:
-    """The grid, each point timed with its peers interleaved. With passes > 1 the whole grid runs
+    """The grid, each point timed with its peers interleaved (hdim_v: V's head dim where it
+    differs from q's; nheads: fixed instead of hidden // hdim). With passes > 1 the whole grid runs
     that many times; each peer's time at a point is its median over the passes, and the ratio
     to the best peer the median of the passes' ratios: a point's passes lie a minute or more
     apart, so a stretch of lower clocks (power or temperature) falls on one pass of it rather
@@ -254,16 +269,16 @@ def run_prefill(
     runs: Dict[tuple, List[PrefillRow]] = {point: [] for point in points}
     for p in range(passes):
         for hdim, causal, seqlen in points:
-            nheads = hidden // hdim
+            heads = nheads or hidden // hdim
             batch = max(1, total_tokens // seqlen)
             gen = torch.Generator(device="cuda").manual_seed(seqlen + hdim)
             q, k, v = (
                 torch.randn(
-                    batch, seqlen, nheads, hdim, device="cuda", dtype=DTYPES[dtype], generator=gen
+                    batch, seqlen, heads, dim, device="cuda", dtype=DTYPES[dtype], generator=gen
                 )
-                for _ in range(3)
+                for dim in (hdim, hdim, hdim_v or hdim)
             )
-            row = PrefillRow(dtype, hdim, causal, seqlen, batch, nheads)
+            row = PrefillRow(dtype, hdim, causal, seqlen, batch, heads, hdim_v=hdim_v)
             for name, ms in time_interleaved(prefill_peers(q, k, v, causal), warmup, reps).items():
                 row.ms[name] = ms
                 row.tflops[name] = row.flops / ms / 1e9
@@ -281,7 +296,13 @@ def merge_passes(rows: List[PrefillRow]) -> PrefillRow:
     median is the row's paired_ratio)."""
     first = rows[0]
     merged = PrefillRow(
-        first.dtype, first.hdim, first.causal, first.seqlen, first.batch, first.nheads
+        first.dtype,
+        first.hdim,
+        first.causal,
+        first.seqlen,
+        first.batch,
+        first.nheads,
+        hdim_v=first.hdim_v,
     )
     for name in dict.fromkeys(name for r in rows for name in r.ms):  # peers of any pass
         times = [r.ms[name] for r in rows if name in r.ms]
@@ -296,7 +317,7 @@ def format_prefill_row(row: PrefillRow) -> str:
     ratio = row.ratio_to_best_peer
     ratio_s = f"{ratio:.2f}x" if ratio is not None else "n/a"
     return (
-        f"{row.dtype} hdim={row.hdim:3d} causal={int(row.causal)} seqlen={row.seqlen:5d} "
+        f"{row.dtype} hdim={row.dims:>3} causal={int(row.causal)} seqlen={row.seqlen:5d} "
         f"batch={row.batch:2d}: {cells}  flash_cute/best_peer={ratio_s}"
     )
 
@@ -311,9 +332,9 @@ def prefill_table(rows: List[PrefillRow]) -> str:
         "| dtype | hdim | causal | peer | " + " | ".join(str(s) for s in seqlens) + " |",
         "|---|---|---|---|" + "---|" * len(seqlens),
     ]
-    groups = sorted({(r.dtype, r.hdim, r.causal) for r in rows})
-    for dtype, hdim, causal in groups:
-        group = {r.seqlen: r for r in rows if (r.dtype, r.hdim, r.causal) == (dtype, hdim, causal)}
+    groups = sorted({(r.dtype, r.hdim, r.dims, r.causal) for r in rows})
+    for dtype, _, dims, causal in groups:  # (sorted by head dim, labelled by both)
+        group = {r.seqlen: r for r in rows if (r.dtype, r.dims, r.causal) == (dtype, dims, causal)}
         several = any(len(r.pass_ratios) > 1 for r in group.values())
         for peer in peers + ["ratio"] + (["pass ratios"] if several else []):
             cells = []
@@ -336,7 +357,7 @@ def prefill_table(rows: List[PrefillRow]) -> str:
                 peer, peer
             )
             lines.append(
-                f"| {dtype} | {hdim} | {'yes' if causal else 'no'} | {name} | "
+                f"| {dtype} | {dims} | {'yes' if causal else 'no'} | {name} | "
                 + " | ".join(cells)
                 + " |"
             )
@@ -613,8 +634,10 @@ def sweep_configs(
     lazy_rescale=(False,),
     rescale_threshold=(0,),
     store_o_from_registers=(False,),
+    head_dim_v=None,
 ):
-    """Every valid AttentionConfig of the product of the knob lists."""
+    """Every valid AttentionConfig of the product of the knob lists (for V head dim
+    head_dim_v, default head_dim)."""
     import itertools
 
     configs = []
@@ -655,7 +678,7 @@ def sweep_configs(
                 rescale_threshold=thr,
                 store_o_from_registers=reg_o,
             )
-            cfg.validate(head_dim, "bfloat16" if dtype == "bf16" else "float16")
+            cfg.validate(head_dim, "bfloat16" if dtype == "bf16" else "float16", head_dim_v)
         except ValueError:
             continue
         configs.append(cfg)
@@ -727,15 +750,21 @@ def run_sweep(
     workers: int,
     reps: int = 20,
     window_left: int = -1,
+    head_dim_v: Optional[int] = None,
+    nheads: Optional[int] = None,
 ) -> List[SweepRow]:
     """With window_left, a causal window (window_left, 0); TFLOP/s then count the visible
-    (query, key) pairs only."""
+    (query, key) pairs only. head_dim_v: V's head dim where it differs; nheads: fixed instead
+    of 2048 // head_dim."""
     import flash_cute
     from flash_cute.precompile import func_variant
 
     dtype_name = "bfloat16" if dtype == "bf16" else "float16"
     variants = [
-        func_variant(cfg, head_dim, dtype_name, causal, window_left=window_left) for cfg in configs
+        func_variant(
+            cfg, head_dim, dtype_name, causal, window_left=window_left, head_dim_v=head_dim_v
+        )
+        for cfg in configs
     ]
     failed = precompile_parallel(variants, workers)
     for cfg, variant in zip(configs, variants):
@@ -743,17 +772,17 @@ def run_sweep(
             print(f"# skip {config_label(cfg)}: {failed[variant]}", file=sys.stderr)
     configs = [cfg for cfg, variant in zip(configs, variants) if variant not in failed]
     rows = [SweepRow(asdict(cfg), config_label(cfg)) for cfg in configs]
-    nheads = 2048 // head_dim
+    nheads = nheads or 2048 // head_dim
     for seqlen in seqlens:
         batch = max(1, 16384 // seqlen)
         gen = torch.Generator(device="cuda").manual_seed(seqlen)
         q, k, v = (
             torch.randn(
-                batch, seqlen, nheads, head_dim, device="cuda", dtype=DTYPES[dtype], generator=gen
+                batch, seqlen, nheads, dim, device="cuda", dtype=DTYPES[dtype], generator=gen
             )
-            for _ in range(3)
+            for dim in (head_dim, head_dim, head_dim_v or head_dim)
         )
-        flops = prefill_flops(batch, nheads, seqlen, head_dim, causal)
+        flops = prefill_flops(batch, nheads, seqlen, head_dim, causal, head_dim_v)
         window = {}
         if window_left >= 0:
             from flash_cute.bench_local import visible_pairs
@@ -1053,6 +1082,10 @@ def main(argv=None) -> int:
     pre = sub.add_parser("prefill", help="FlashAttention-3 paper grid")
     pre.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     pre.add_argument("--hdim", type=int, nargs="+", default=[64, 128, 256])
+    pre.add_argument(
+        "--hdim-v", type=int, default=None, help="V's head dim where it differs (MLA: 128)"
+    )
+    pre.add_argument("--nheads", type=int, default=None, help="default: 2048 // hdim")
     pre.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     pre.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     pre.add_argument("--reps", type=int, default=30)
@@ -1065,6 +1098,8 @@ def main(argv=None) -> int:
     pre.add_argument("--json", default=None, help="write the rows here")
     sw = sub.add_parser("sweep", help="rank a grid of configs on one problem")
     sw.add_argument("--hdim", type=int, default=128)
+    sw.add_argument("--hdim-v", type=int, default=None, help="V's head dim where it differs")
+    sw.add_argument("--nheads", type=int, default=None, help="default: 2048 // hdim")
     sw.add_argument("--causal", action="store_true")
     sw.add_argument(
         "--window", type=int, default=-1, help="a causal sliding window of this many keys back"
@@ -1195,6 +1230,7 @@ def main(argv=None) -> int:
             [ON_OFF[x] for x in args.lazy_rescale],
             args.rescale_threshold,
             [ON_OFF[x] for x in args.store_o_from_registers],
+            args.hdim_v,
         )
         print(f"{len(configs)} valid configs for hdim {args.hdim}", flush=True)
         if args.list:
@@ -1220,9 +1256,13 @@ def main(argv=None) -> int:
             args.compile_workers,
             args.reps,
             args.window if args.causal else -1,
+            args.hdim_v,
+            args.nheads,
         )
         title = (
-            f"flash_cute config sweep: hdim {args.hdim}, "
+            f"flash_cute config sweep: hdim {args.hdim}"
+            + (f"/{args.hdim_v}" if args.hdim_v else "")
+            + ", "
             f"{'causal' if args.causal else 'non-causal'}, "
             + (f"window {args.window}, " if args.causal and args.window >= 0 else "")
             + f"{args.dtype}, {torch.cuda.get_device_name()}"
@@ -1276,7 +1316,14 @@ def main(argv=None) -> int:
         return _report(varlen_prefill_table(rows), rows, args.json)
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     rows = run_prefill(
-        args.dtype, args.hdim, causals, args.seqlens, reps=args.reps, passes=args.passes
+        args.dtype,
+        args.hdim,
+        causals,
+        args.seqlens,
+        reps=args.reps,
+        passes=args.passes,
+        hdim_v=args.hdim_v,
+        nheads=args.nheads,
     )
     return _report(prefill_table(rows), rows, args.json)
 

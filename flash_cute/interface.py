@@ -60,7 +60,8 @@ def flash_attn_func(
             compute capability 9.0.
         k, v: (batch, seqlen_k, nheads_kv, headdim), same dtype and device as q;
             nheads must be a multiple of nheads_kv (GQA/MQA read the shared K/V head).
-            headdim is one of 64, 96, 128, 192, 256.
+            headdim is one of 64, 96, 128, 192, 256. v may have its own head dim headdim_v
+            (one of the same; MLA prefill: 192 / 128); out then has headdim_v.
             Each tensor needs a contiguous last dimension; other strides are arbitrary
             (slices of bigger tensors work; strides that are not multiples of 16 bytes cost
             a copy).
@@ -83,7 +84,7 @@ def flash_attn_func(
             and lse = its sink.
 
     Returns:
-        out (batch, seqlen_q, nheads, headdim) in q's dtype, and with return_lse also
+        out (batch, seqlen_q, nheads, headdim_v) in q's dtype, and with return_lse also
         lse (batch, nheads, seqlen_q) float32 (natural log; -inf for rows with no keys and no
         sink).
 
@@ -235,7 +236,7 @@ def flash_attn_varlen_func(
         Other arguments as in flash_attn_func.
 
     Returns:
-        out (total_q, nheads, headdim), and with return_softmax_lse also lse
+        out (total_q, nheads, headdim_v), and with return_softmax_lse also lse
         (nheads, total_q) float32. A sequence with no keys gets out = 0, lse = -inf.
 
     cu_seqlens contents are not checked (that would need a host sync): they must start at 0,
@@ -434,7 +435,7 @@ def flash_attn_with_kvcache(
         q: (batch, seqlen_q, nheads, headdim).
         k_cache, v_cache: (batch, seqlen_cache, nheads_kv, headdim), or with page_table
             (num_pages, page_size, nheads_kv, headdim), any page size (see
-            flash_attn_varlen_func).
+            flash_attn_varlen_func); v_cache may have its own head dim headdim_v.
         cache_seqlens: valid keys per sequence: an int, a (batch,) int32 tensor, or None for
             the whole cache. Tensor values above the cache's capacity are clamped (checking
             them would need a host sync); an int is checked. Slots past the length may hold
@@ -459,7 +460,7 @@ def flash_attn_with_kvcache(
         Other arguments as in flash_attn_func.
 
     Returns:
-        out (batch, seqlen_q, nheads, headdim), and with return_softmax_lse also lse
+        out (batch, seqlen_q, nheads, headdim_v), and with return_softmax_lse also lse
         (batch, nheads, seqlen_q) float32. A sequence with 0 keys gets out = 0, lse = -inf.
 
     No host synchronization, and split buffers are sized from shapes and num_splits only: after

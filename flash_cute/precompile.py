@@ -24,7 +24,13 @@ from pathlib import Path
 from typing import Iterable, List, Optional
 
 from .compile_cache import compile_forward, ensure_target_arch, get_forward_kernel
-from .config import DECODE_CONFIGS, FORWARD_CONFIGS, SHORT_SEQUENCE_CONFIGS, AttentionConfig
+from .config import (
+    DECODE_CONFIGS,
+    FORWARD_CONFIGS,
+    PAIR_CONFIGS,
+    SHORT_SEQUENCE_CONFIGS,
+    AttentionConfig,
+)
 from .plan import ForwardVariant, Problem, plan_forward
 
 REQUIRED_PTX = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg")
@@ -61,6 +67,7 @@ def func_variant(
     writes_lse: bool = False,
     single_wave: bool = False,
     window_left: int = -1,
+    head_dim_v: Optional[int] = None,
 ) -> ForwardVariant:
     """The variant flash_attn_func launches with `config` on a problem of many waves of tiles
     (4096 tiles of 128 rows), or with single_wave on one of a single tile; with window_left,
@@ -71,6 +78,7 @@ def func_variant(
         nheads=nheads,
         nheads_kv=nheads,
         head_dim=head_dim,
+        head_dim_v=head_dim_v,
         dtype=dtype,
         max_seqlen_q=seqlen,
         max_seqlen_k=seqlen,
@@ -92,13 +100,17 @@ def table_variants(
     rows = list(FORWARD_CONFIGS.items()) + [
         (k, entry[1]) for k, entry in SHORT_SEQUENCE_CONFIGS.items()
     ]
+    rows = [((d, None, dtype, causal), config) for (d, dtype, causal), config in rows]
+    rows += list(PAIR_CONFIGS.items())  # (head_dim, head_dim_v, dtype, causal)
     variants = []
-    for (head_dim, dtype, causal), config in sorted(rows, key=str):
+    for (head_dim, head_dim_v, dtype, causal), config in sorted(rows, key=str):
         if head_dims is not None and head_dim not in head_dims:
             continue
         for single_wave in (False, True):
             for lse in writes_lse:
-                variants.append(func_variant(config, head_dim, dtype, causal, lse, single_wave))
+                variants.append(
+                    func_variant(config, head_dim, dtype, causal, lse, single_wave, -1, head_dim_v)
+                )
     return list(dict.fromkeys(variants))
 
 

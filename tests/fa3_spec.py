@@ -37,8 +37,8 @@ PATCHES = [
     ),
     (
         "dv_vals = [128, d] if d > 128 and d <= 192 else ([256, 512, d] if d <= 64 else [d])",
-        "dv_vals = [d]",
-        "a V head dim other than q's (dv != d) is not served yet",
+        "dv_vals = [128, d] if d > 128 and d <= 192 else ([256, d] if d <= 64 else [d])",
+        "a V head dim of 512 is not served yet",
     ),
 ]
 

@@ -41,14 +41,16 @@ def assert_close_to_reference(outs, lses, refs, lowps, lse_refs):
                 )
 
 
-def make_cache(batch, capacity, nheads_kv, head_dim, dtype, page_size, gen):
-    """K/V caches (padded, or paged with a random page order) and their padded views."""
+def make_cache(batch, capacity, nheads_kv, head_dim, dtype, page_size, gen, head_dim_v=None):
+    """K/V caches (padded, or paged with a random page order) and their padded views; V's
+    head dim is head_dim_v (default head_dim)."""
+    head_dim_v = head_dim_v or head_dim
     if page_size is None:
         k = torch.randn(
             batch, capacity, nheads_kv, head_dim, device="cuda", dtype=dtype, generator=gen
         )
         v = torch.randn(
-            batch, capacity, nheads_kv, head_dim, device="cuda", dtype=dtype, generator=gen
+            batch, capacity, nheads_kv, head_dim_v, device="cuda", dtype=dtype, generator=gen
         )
         return k, v, None, k, v
     pages_per_seq = -(-capacity // page_size)
@@ -57,7 +59,7 @@ def make_cache(batch, capacity, nheads_kv, head_dim, dtype, page_size, gen):
         num_pages, page_size, nheads_kv, head_dim, device="cuda", dtype=dtype, generator=gen
     )
     v_cache = torch.randn(
-        num_pages, page_size, nheads_kv, head_dim, device="cuda", dtype=dtype, generator=gen
+        num_pages, page_size, nheads_kv, head_dim_v, device="cuda", dtype=dtype, generator=gen
     )
     perm = torch.randperm(num_pages, device="cuda", generator=gen)[: batch * pages_per_seq]
     page_table = perm.view(batch, pages_per_seq).to(torch.int32)
