@@ -738,6 +738,7 @@ def config_label(cfg) -> str:
     label += " lazy" if cfg.lazy_rescale else ""
     label += f" lag{cfg.rescale_threshold}" if cfg.rescale_threshold else ""
     label += " O-regs" if cfg.store_o_from_registers else ""
+    label += f" O-split{cfg.o_split}" if cfg.o_split > 1 else ""
     return label + short[cfg.scheduler]
 
 

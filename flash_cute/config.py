@@ -86,6 +86,11 @@ class AttentionConfig:
         and split launches always do) instead of through smem and one TMA store; then O needs no
         smem, and a persistent CTA frees Q's tile after the mainloop, so the next tile's Q loads
         under this tile's epilogue even where O has no smem tile of its own.
+    o_split: MMA warpgroups sharing the tile's 64 rows, each holding O for head_dim_v / o_split
+        of its columns (2: V head dims above 256, whose O one warpgroup's registers cannot
+        hold). Each computes the rows' scores and softmax itself (the Q K^T work is repeated
+        o_split times, as no P goes through shared memory). Needs tile_m 64, P from
+        registers and no ping-pong; O is stored from registers.
     """
 
     tile_m: int
@@ -105,6 +110,7 @@ class AttentionConfig:
     lazy_rescale: bool = False
     rescale_threshold: int = 0
     store_o_from_registers: bool = False
+    o_split: int = 1
 
     def __post_init__(self):
         for name in (
@@ -115,6 +121,7 @@ class AttentionConfig:
             "l2_section_mb",
             "exp2_on_fma",
             "rescale_threshold",
+            "o_split",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -155,11 +162,18 @@ class AttentionConfig:
                 "AttentionConfig.rescale_threshold must be in [0, 15] (log2 units; probabilities "
                 f"reach 2^threshold, and fp16's max is below 2^16), got {self.rescale_threshold}"
             )
+        if self.o_split not in (1, 2):
+            raise ValueError(f"AttentionConfig.o_split must be 1 or 2, got {self.o_split}")
+        if self.o_split > 1 and self.tile_m != 64:
+            raise ValueError(
+                f"AttentionConfig.o_split={self.o_split} needs tile_m 64 (the warpgroups share "
+                f"its rows), got tile_m {self.tile_m}"
+            )
         if self.ctas_per_sm not in (1, 2, 3, 4):
             raise ValueError(
                 f"AttentionConfig.ctas_per_sm must be 1, 2, 3 or 4, got {self.ctas_per_sm}"
             )
-        split = DEFAULT_REGISTER_SPLIT[self.tile_m // 64]
+        split = DEFAULT_REGISTER_SPLIT[self.num_mma_warpgroups]
         if self.ctas_per_sm > 1:  # a share of the register file each: scale the split down
             per_thread = self.entry_registers
             split = (max(24, per_thread // 4 // 8 * 8), None)
@@ -195,7 +209,7 @@ class AttentionConfig:
 
     @property
     def num_mma_warpgroups(self) -> int:
-        return self.tile_m // 64
+        return self.tile_m // 64 * self.o_split
 
     @property
     def num_threads(self) -> int:
@@ -210,7 +224,7 @@ class AttentionConfig:
 
     def replace(self, **changes) -> "AttentionConfig":
         """A copy with some fields changed (registers re-derived unless given)."""
-        if "tile_m" in changes or "ctas_per_sm" in changes:
+        if "tile_m" in changes or "ctas_per_sm" in changes or "o_split" in changes:
             changes.setdefault("producer_registers", None)
             changes.setdefault("mma_registers", None)
         return dataclasses.replace(self, **changes)
@@ -266,7 +280,7 @@ class AttentionConfig:
         S (tile_n/2) and O (head_dim_v/2), plus P (tile_n/4, packed 16-bit) when P stays in
         registers across the next block's Q K^T."""
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        regs = self.tile_n // 2 + head_dim_v // 2
+        regs = self.tile_n // 2 + head_dim_v // 2 // self.o_split
         if self.pv_from_registers and self.intra_wg_overlap:
             regs += self.tile_n // 4
         return regs
@@ -288,8 +302,10 @@ class AttentionConfig:
             )
         if self.num_stages < 2:
             problems.append(f"num_stages={self.num_stages} must be >= 2")
-        if self.pingpong and self.num_mma_warpgroups < 2:
+        if self.pingpong and self.tile_m < 128:
             problems.append("pingpong needs at least 2 MMA warpgroups (tile_m >= 128)")
+        if self.o_split > 1 and not self.pv_from_registers:
+            problems.append("o_split needs P from registers")
         if self.rescale_o_before_pv and not self.intra_wg_overlap:
             problems.append("rescale_o_before_pv needs intra_wg_overlap")
         for name in ("producer_registers", "mma_registers"):

@@ -162,9 +162,11 @@ class ForwardVariant:
             problems.append("pack_gqa_ratio must divide tile_m")
         if self.split and c.scheduler != "single_tile":
             problems.append("split launches run one CTA per tile (scheduler 'single_tile')")
-        if (self.split or self.varlen_q) and not c.store_o_from_registers:
-            problems.append("split and varlen launches store O from registers")
-        if c.pingpong and c.num_mma_warpgroups < 2:
+        if (self.split or self.varlen_q or c.o_split > 1) and not c.store_o_from_registers:
+            problems.append("split, varlen and o_split launches store O from registers")
+        if c.o_split > 1 and (c.tile_m != 64 or not c.pv_from_registers):
+            problems.append("o_split needs tile_m 64 and P from registers")
+        if c.pingpong and c.tile_m < 128:
             problems.append("pingpong needs two MMA warpgroups")
         if c.rescale_o_before_pv and not c.intra_wg_overlap:
             problems.append("rescale_o_before_pv needs intra_wg_overlap")
@@ -431,7 +433,7 @@ def _effective_config(
         # needs no tile counter (one per-stream buffer fewer per call: small problems are
         # where host time matters).
         changes["scheduler"] = "static_persistent"
-    if (split or problem.varlen_q) and not config.store_o_from_registers:
+    if (split or problem.varlen_q or config.o_split > 1) and not config.store_o_from_registers:
         changes["store_o_from_registers"] = True
     if (
         problem.head_dim_v != problem.head_dim
@@ -441,7 +443,7 @@ def _effective_config(
         # Q's smem tile holds O only where the head dims agree; without a tile of its own,
         # O goes from registers.
         changes["store_o_from_registers"] = True
-    if config.pingpong and config.num_mma_warpgroups < 2:
+    if config.pingpong and config.tile_m < 128:
         changes["pingpong"] = False
     if config.rescale_o_before_pv and not config.intra_wg_overlap:
         changes["rescale_o_before_pv"] = False

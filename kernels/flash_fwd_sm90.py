@@ -203,6 +203,9 @@ class FlashAttentionForwardSm90:
         self.config = config = variant.config
         self.dtype = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[variant.dtype]
         self.num_mma_warpgroups = config.num_mma_warpgroups
+        # o_split warpgroups share the tile's 64 rows, each with its part of O's columns (and
+        # each computing the rows' scores itself); otherwise warpgroup w has rows 64w..64w+63.
+        self.o_split = config.o_split
         self.num_mma_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
         self.num_threads = THREADS_PER_WARPGROUP * (1 + self.num_mma_warpgroups)
         self.window = LocalWindow(
@@ -390,17 +393,18 @@ class FlashAttentionForwardSm90:
         d, dv = self.variant.head_dim, self.variant.head_dim_v
         tiled_mma_qk = hopper_mma.make_tiled_mma(
             self.dtype,
-            self.num_mma_warpgroups,
+            self.num_mma_warpgroups // self.o_split,
             self.config.tile_n,
             b_mn_major=False,
             a_from_registers=False,
         )
         tiled_mma_pv = hopper_mma.make_tiled_mma(
             self.dtype,
-            self.num_mma_warpgroups,
+            self.num_mma_warpgroups // self.o_split,
             dv,
             b_mn_major=True,
             a_from_registers=self.config.pv_from_registers,
+            split_n=self.o_split,
         )
         sQ_layout = hopper_mma.make_row_major_smem_layout(self.dtype, self.config.tile_m, d)
         sO_layout = hopper_mma.make_row_major_smem_layout(self.dtype, self.config.tile_m, dv)
@@ -999,8 +1003,11 @@ class FlashAttentionForwardSm90:
             self.window,
         )
         m_block = tile.m_block
-        # WGMMA operands are per warpgroup: slice at the warpgroup's first thread.
-        wg_mma_qk = tiled_mma_qk.get_slice(warpgroup_idx * THREADS_PER_WARPGROUP)
+        # WGMMA operands are per warpgroup: slice at the warpgroup's first thread. Warpgroups
+        # splitting O share the scores' rows: the Q K^T slices of the first one.
+        qk_tidx = tidx if const_expr(self.o_split == 1) else tidx % THREADS_PER_WARPGROUP
+        qk_warpgroup = warpgroup_idx if const_expr(self.o_split == 1) else 0
+        wg_mma_qk = tiled_mma_qk.get_slice(qk_warpgroup * THREADS_PER_WARPGROUP)
         wg_mma_pv = tiled_mma_pv.get_slice(warpgroup_idx * THREADS_PER_WARPGROUP)
         acc_O = cute.make_rmem_tensor(
             wg_mma_pv.partition_shape_C((self.config.tile_m, self.variant.head_dim_v)), Float32
@@ -1032,7 +1039,7 @@ class FlashAttentionForwardSm90:
         ctx = MainloopOperands(
             tiled_mma_qk=tiled_mma_qk,
             tiled_mma_pv=tiled_mma_pv,
-            thr_mma_qk=tiled_mma_qk.get_slice(tidx),
+            thr_mma_qk=tiled_mma_qk.get_slice(qk_tidx),
             tSrQ=wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ)),
             tSrK=wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK)),
             tOrVt=wg_mma_pv.make_fragment_B(

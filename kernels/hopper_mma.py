@@ -54,16 +54,19 @@ def make_tiled_mma(
     tile_n: int,
     b_mn_major: bool,
     a_from_registers: bool,
+    split_n: int = 1,
 ) -> cute.TiledMma:
-    """A 16-bit WGMMA with fp32 accumulation, warpgroups stacked along M (64 rows each)."""
+    """A 16-bit WGMMA with fp32 accumulation, warpgroups stacked along M (64 rows each); with
+    split_n, that many warpgroups share each 64 rows and take tile_n / split_n columns each
+    (warpgroup w: columns of part w, when num_warpgroups is 1)."""
     return hopper_helpers.make_trivial_tiled_mma(
         dtype,
         dtype,
         OperandMajorMode.K,
         OperandMajorMode.MN if b_mn_major else OperandMajorMode.K,
         Float32,
-        atom_layout_mnk=(num_warpgroups, 1, 1),
-        tiler_mn=(64, tile_n),
+        atom_layout_mnk=(num_warpgroups, split_n, 1),
+        tiler_mn=(64, tile_n // split_n),
         a_source=warpgroup.OperandSource.RMEM if a_from_registers else warpgroup.OperandSource.SMEM,
     )
 

@@ -201,3 +201,18 @@ def test_config_pickles_with_a_fresh_hash():
     clone = pickle.loads(pickle.dumps(cfg))
     assert clone == cfg and hash(clone) == hash(cfg) and {cfg: 1}[clone] == 1
     assert hash(cfg.replace(tile_n=64)) != hash(cfg)
+
+
+def test_o_split_shares_rows_and_halves_o_registers():
+    c = AttentionConfig(64, 64, pingpong=False, o_split=2, store_o_from_registers=True)
+    assert c.num_mma_warpgroups == 2 and c.num_threads == 384
+    assert (c.producer_registers, c.mma_registers) == (24, 240)
+    # O of 512 columns: 128 registers per thread in each warpgroup, S 32, P 16.
+    assert c.accumulator_registers(64, 512) == 32 + 128 + 16
+    with pytest.raises(ValueError, match="o_split must be 1 or 2"):
+        AttentionConfig(64, 64, o_split=3)
+    with pytest.raises(ValueError, match="o_split=2 needs tile_m 64"):
+        AttentionConfig(128, 64, o_split=2)
+    bad = AttentionConfig(64, 64, o_split=2, pv_from_registers=False, pingpong=False)
+    with pytest.raises(ValueError, match="o_split needs P from registers"):
+        bad.validate(128, "bfloat16")
