@@ -234,10 +234,14 @@ class AttentionConfig:
         return min(MAX_SMEM_BYTES_PER_BLOCK, SMEM_BYTES_PER_SM // self.ctas_per_sm - 1024)
 
     def _smem_bytes_without_o(
-        self, head_dim: int, element_bytes: int = 2, head_dim_v: Optional[int] = None
+        self,
+        head_dim: int,
+        element_bytes: int = 2,
+        head_dim_v: Optional[int] = None,
+        v_in_k: bool = False,
     ) -> int:
         aligned = _aligned_1k
-        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        head_dim_v = 0 if v_in_k else head_dim if head_dim_v is None else head_dim_v
         # Q, K, V rings' mbarriers, the tile handoff's 4 mbarriers and 2 int32 slots.
         mbarriers = aligned(8 * (2 + 4 * self.num_stages + 4) + 8)
         q = aligned(self.tile_m * head_dim * element_bytes)
@@ -247,7 +251,11 @@ class AttentionConfig:
         return mbarriers + q + k + v + p
 
     def separate_o_smem(
-        self, head_dim: int, element_bytes: int = 2, head_dim_v: Optional[int] = None
+        self,
+        head_dim: int,
+        element_bytes: int = 2,
+        head_dim_v: Optional[int] = None,
+        v_in_k: bool = False,
     ) -> bool:
         """Whether O gets a smem tile of its own: persistent schedulers only (so the next
         tile's Q can load during this tile's epilogue), and only when it fits and O goes
@@ -255,7 +263,7 @@ class AttentionConfig:
         goes through smem (which needs head_dim_v == head_dim)."""
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         o = _aligned_1k(self.tile_m * head_dim_v * element_bytes)
-        without_o = self._smem_bytes_without_o(head_dim, element_bytes, head_dim_v)
+        without_o = self._smem_bytes_without_o(head_dim, element_bytes, head_dim_v, v_in_k)
         return (
             self.persistent
             and not self.store_o_from_registers
@@ -263,17 +271,22 @@ class AttentionConfig:
         )
 
     def smem_bytes(
-        self, head_dim: int, element_bytes: int = 2, head_dim_v: Optional[int] = None
+        self,
+        head_dim: int,
+        element_bytes: int = 2,
+        head_dim_v: Optional[int] = None,
+        v_in_k: bool = False,
     ) -> int:
         """Dynamic shared memory of the kernel: Q (reused for a TMA-stored O unless
-        separate_o_smem), O's own tile when separate_o_smem, the K and V rings, P when it goes
-        through shared memory, and the mbarriers; each buffer 1024-byte aligned. head_dim_v:
-        V's and O's head dim (default head_dim)."""
+        separate_o_smem), O's own tile when separate_o_smem, the K and V rings (no V ring
+        with v_in_k: V is read from K's stages), P when it goes through shared memory, and
+        the mbarriers; each buffer 1024-byte aligned. head_dim_v: V's and O's head dim
+        (default head_dim)."""
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         o = 0
-        if self.separate_o_smem(head_dim, element_bytes, head_dim_v):
+        if self.separate_o_smem(head_dim, element_bytes, head_dim_v, v_in_k):
             o = _aligned_1k(self.tile_m * head_dim_v * element_bytes)
-        return self._smem_bytes_without_o(head_dim, element_bytes, head_dim_v) + o
+        return self._smem_bytes_without_o(head_dim, element_bytes, head_dim_v, v_in_k) + o
 
     def accumulator_registers(self, head_dim: int, head_dim_v: Optional[int] = None) -> int:
         """fp32 registers per MMA thread held by accumulators at the busiest point:

@@ -123,6 +123,9 @@ class ForwardVariant:
     softcap: float = 0.0
     learnable_sink: Optional[str] = None  # the sink logits' dtype
     head_dim_v: Optional[int] = None  # V's and O's head dim (None: head_dim)
+    # V is the first head_dim_v columns of K (absorbed MLA's latent cache, v = k[..., :dv]):
+    # read from K's smem stages, never loaded.
+    v_in_k: bool = False
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -132,10 +135,12 @@ class ForwardVariant:
         # rather than compiled into a kernel that cannot run.
         c = self.config
         problems = []
+        if self.v_in_k and (self.head_dim_v > self.head_dim or self.head_dim_v % 64):
+            problems.append("v_in_k reads V from K's columns: head_dim_v <= head_dim, % 64")
         if (
             self.head_dim_v != self.head_dim
             and not c.store_o_from_registers
-            and not c.separate_o_smem(self.head_dim, 2, self.head_dim_v)
+            and not c.separate_o_smem(self.head_dim, 2, self.head_dim_v, self.v_in_k)
         ):
             problems.append("O goes through Q's smem tile only where head_dim_v == head_dim")
         if self.kv_layout not in KV_LAYOUTS:
@@ -217,6 +222,7 @@ class ForwardVariant:
                 "seqused_k",
                 "kv_batch_idx",
                 "leftpad_k",
+                "v_in_k",
             )
             if getattr(self, name)
         ]

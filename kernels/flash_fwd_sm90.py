@@ -228,7 +228,9 @@ class FlashAttentionForwardSm90:
         # A TMA-stored O gets its own smem when it fits (config's smem model), so the next Q
         # can load during the epilogue; otherwise O reuses Q's tile and Q is freed once the O
         # store has read it.
-        self.separate_o_smem = config.separate_o_smem(variant.head_dim, 2, variant.head_dim_v)
+        self.separate_o_smem = config.separate_o_smem(
+            variant.head_dim, 2, variant.head_dim_v, variant.v_in_k
+        )
         # When a persistent kernel's O goes through Q's tile, the storing warp frees Q after
         # the O store; otherwise the MMA warps free it after the mainloop.
         self.o_overwrites_q = self.persistent and self.tma_store_o and not self.separate_o_smem
@@ -414,6 +416,10 @@ class FlashAttentionForwardSm90:
             )
             for width in (d, dv)
         ]
+        if const_expr(self.variant.v_in_k):  # V: the first dv columns of each K stage
+            sV_layout = hopper_mma.leading_columns_layout(
+                self.dtype, sK_layout, self.config.tile_n, dv, self.config.num_stages
+            )
         sP_layout = None
         if const_expr(not self.config.pv_from_registers):
             sP_layout = hopper_mma.make_row_major_smem_layout(
@@ -432,6 +438,9 @@ class FlashAttentionForwardSm90:
             )
         if const_expr(self.kv_gather):  # cp.async reads the tensors themselves
             tma_atom_K, tma_K, tma_atom_V, tma_V = None, mK, None, mV
+        elif const_expr(self.variant.v_in_k):  # V is never loaded
+            tma_atom_K, tma_K = self._kv_tma_atom(tma_load, mK, sK_layout, d)
+            tma_atom_V, tma_V = None, mV
         else:
             (tma_atom_K, tma_K), (tma_atom_V, tma_V) = [
                 self._kv_tma_atom(tma_load, mX, layout, width)
@@ -455,6 +464,7 @@ class FlashAttentionForwardSm90:
             cute.size_in_bytes(self.dtype, cute.select(layout, mode=[0, 1]))
             for layout in (sK_layout, sV_layout)
         ]
+        sV_size = 0 if const_expr(self.variant.v_in_k) else cute.cosize(sV_layout)
 
         num_stages = self.config.num_stages
         sP_size = cute.cosize(sP_layout) if const_expr(sP_layout is not None) else 0
@@ -474,9 +484,7 @@ class FlashAttentionForwardSm90:
             sK: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], self.smem_align
             ]
-            sV: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], self.smem_align
-            ]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, sV_size], self.smem_align]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, sP_size], self.smem_align]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, sO_size], self.smem_align]
 
@@ -636,7 +644,8 @@ class FlashAttentionForwardSm90:
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sV_storage = storage.sK if const_expr(self.variant.v_in_k) else storage.sV
+        sV = sV_storage.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sP = None
         if const_expr(sP_layout is not None):
             sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
@@ -849,68 +858,15 @@ class FlashAttentionForwardSm90:
                 else shapes.mK.shape[3]
             )
             kv_batch = cutlass.max(cutlass.min(shapes.mKvBatchIdx[tile.batch_idx], rows - 1), 0)
-        if const_expr(self.kv_gather):
-            page_table_row = mPageTable[kv_batch, None]
-            thread = cute.arch.thread_idx()[0] % PRODUCER_THREADS
-            k_loader, v_loader = [
-                GatherPagedBlockLoader.create(
-                    mX[None, None, tile.head_kv_idx, None],
-                    sX,
-                    ring,
-                    page_table_row,
-                    seqlen.offset_k,
-                    seqlen.seqlen_k,
-                    thread,
-                    self.variant.gather_page_size,
-                    self.config.tile_n,
-                )
-                for mX, sX, ring in ((mK, sK, pipeline_k), (mV, sV, pipeline_v))
-            ]
-        elif const_expr(self.variant.kv_layout == "paged"):
-            page_table_row = mPageTable[kv_batch, None]
-            k_loader = TmaPagedBlockLoader.create(
-                tma_atom_K,
-                mK[None, None, tile.head_kv_idx, None],
-                sK,
-                pipeline_k,
-                page_table_row,
-                self.config.tile_n,
-                self.variant.page_box_rows,
-            )
-            v_loader = TmaPagedBlockLoader.create(
-                tma_atom_V,
-                mV[None, None, tile.head_kv_idx, None],
-                sV,
-                pipeline_v,
-                page_table_row,
-                self.config.tile_n,
-                self.variant.page_box_rows,
-            )
-        else:
-            k_loader = TmaBlockLoader.create(
-                tma_atom_K,
-                cute.local_tile(
-                    self._rows_of(
-                        mK, tile.head_kv_idx, kv_batch, seqlen.offset_k, self.variant.leftpad_k
-                    ),
-                    (self.config.tile_n, d),
-                    (None, 0),
-                ),
-                sK,
-                pipeline_k,
-            )
-            v_loader = TmaBlockLoader.create(
-                tma_atom_V,
-                cute.local_tile(
-                    self._rows_of(
-                        mV, tile.head_kv_idx, kv_batch, seqlen.offset_k, self.variant.leftpad_k
-                    ),
-                    (self.config.tile_n, self.variant.head_dim_v),
-                    (None, 0),
-                ),
-                sV,
-                pipeline_v,
-            )
+        k_loader = self._block_loader(
+            mK, sK, pipeline_k, tma_atom_K, d, tile, kv_batch, seqlen, mPageTable
+        )
+        v_loader = None  # (v_in_k: V is in K's stages)
+        if const_expr(not self.variant.v_in_k):
+            v_loader = self._block_loader(
+                mV, sV, pipeline_v, tma_atom_V, self.variant.head_dim_v, tile, kv_batch, seqlen,
+                mPageTable,
+            )  # fmt: skip
         q_load = SimpleNamespace(
             atom=tma_atom_Q, src=tQgQ, dst=tQsQ, ring=pipeline_q, state=q_state
         )
@@ -923,11 +879,51 @@ class FlashAttentionForwardSm90:
             k_loader.load(n_block_max - 1, kv_state)
             if loads_q:
                 self._load_q(q_load)
-            kv_state = self._load_kv_blocks(k_loader, v_loader, kv_state, n_block_min, n_block_max)
+            if const_expr(self.variant.v_in_k):  # V is in K's stages: K blocks only
+                for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                    kv_state.advance()
+                    k_loader.load(n_block_max - 2 - i, kv_state)
+                kv_state.advance()
+            else:
+                kv_state = self._load_kv_blocks(
+                    k_loader, v_loader, kv_state, n_block_min, n_block_max
+                )
         else:
             if const_expr(self.persistent):
                 self._load_q(q_load)
         return kv_state
+
+    def _block_loader(self, mX, sX, ring, atom, width, tile, kv_batch, seqlen, mPageTable):
+        """The loader of K or V key blocks (width: d or dv) for one tile: rows gathered with
+        cp.async from pages, TMA boxes following pages, or TMA boxes of whole key blocks."""
+        if const_expr(self.kv_gather):
+            return GatherPagedBlockLoader.create(
+                mX[None, None, tile.head_kv_idx, None],
+                sX,
+                ring,
+                mPageTable[kv_batch, None],
+                seqlen.offset_k,
+                seqlen.seqlen_k,
+                cute.arch.thread_idx()[0] % PRODUCER_THREADS,
+                self.variant.gather_page_size,
+                self.config.tile_n,
+            )
+        if const_expr(self.variant.kv_layout == "paged"):
+            return TmaPagedBlockLoader.create(
+                atom,
+                mX[None, None, tile.head_kv_idx, None],
+                sX,
+                ring,
+                mPageTable[kv_batch, None],
+                self.config.tile_n,
+                self.variant.page_box_rows,
+            )
+        rows = self._rows_of(
+            mX, tile.head_kv_idx, kv_batch, seqlen.offset_k, self.variant.leftpad_k
+        )
+        return TmaBlockLoader.create(
+            atom, cute.local_tile(rows, (self.config.tile_n, width), (None, 0)), sX, ring
+        )
 
     def _load_q(self, q_load: SimpleNamespace):
         q_load.ring.producer_acquire(q_load.state)
@@ -1087,7 +1083,7 @@ class FlashAttentionForwardSm90:
             if const_expr(self.config.intra_wg_overlap):
                 self._wait_full(pipeline_k, kv_state)
                 acc_S = self._qk_gemm(ctx, kv_state.index, 0)
-                pipeline_k.consumer_release(kv_state)
+                self._release_k(ctx, kv_state)
                 self._mask_scores(ctx, acc_S, n_block_max - 1, mask_seqlen=True, masked=True)
                 softmax.step(acc_S, is_first=True)
                 self._scores_to_p(ctx, acc_S)
@@ -1106,11 +1102,11 @@ class FlashAttentionForwardSm90:
                 # The P V of the first key block is still to do.
                 if const_expr(self.config.rescale_o_before_pv):
                     self._rescale_o(acc_O, ctx.pending_scale)
-                self._wait_full(pipeline_v, kv_state)
+                self._wait_v(ctx, kv_state)
                 if const_expr(self.clears_v_tail):
                     self._clear_v_tail(ctx, kv_state.index, n_block_min)
                 self._pv_gemm(ctx, kv_state.index, 0)
-                pipeline_v.consumer_release(kv_state)
+                self._release_v(ctx, kv_state)
                 kv_state.advance()
             else:
                 self._schedule_signal_next(warpgroup_idx)
@@ -1253,17 +1249,17 @@ class FlashAttentionForwardSm90:
         acc_S = self._qk_gemm(ctx, kv_state.index, -1)
         if const_expr(self.config.rescale_o_before_pv):
             self._rescale_o(ctx.acc_O, ctx.pending_scale)
-        self._wait_full(ctx.pipeline_v, v_state)
+        self._wait_v(ctx, v_state)
         if const_expr(self.clears_v_tail):
             self._clear_v_tail(ctx, v_state.index, n_block + 1)
         self._pv_gemm(ctx, v_state.index, -1)
         self._schedule_signal_next(ctx.warpgroup_idx)
         warpgroup.wait_group(1)
-        ctx.pipeline_k.consumer_release(kv_state)
+        self._release_k(ctx, kv_state)
         self._mask_scores(ctx, acc_S, n_block, mask_seqlen=False, masked=masked)
         row_scale = ctx.softmax.step(acc_S, is_first=False)
         warpgroup.wait_group(0)
-        ctx.pipeline_v.consumer_release(v_state)
+        self._release_v(ctx, v_state)
         self._scores_to_p(ctx, acc_S)
         if const_expr(self.config.rescale_o_before_pv):
             ctx.pending_scale.store(row_scale.load())
@@ -1279,17 +1275,17 @@ class FlashAttentionForwardSm90:
         acc_S = self._qk_gemm(ctx, kv_state.index, -1)
         self._schedule_signal_next(ctx.warpgroup_idx)
         warpgroup.wait_group(0)
-        ctx.pipeline_k.consumer_release(kv_state)
+        self._release_k(ctx, kv_state)
         self._mask_scores(ctx, acc_S, n_block, mask_seqlen=is_first, masked=masked)
         row_scale = ctx.softmax.step(acc_S, is_first=is_first)
         self._scores_to_p(ctx, acc_S)
         self._rescale_o(ctx.acc_O, row_scale)
-        self._wait_full(ctx.pipeline_v, kv_state)
+        self._wait_v(ctx, kv_state)
         if const_expr(is_first and self.clears_v_tail):
             self._clear_v_tail(ctx, kv_state.index, n_block)
         self._schedule_wait(ctx.warpgroup_idx)
         self._pv_gemm(ctx, kv_state.index, 0)
-        ctx.pipeline_v.consumer_release(kv_state)
+        self._release_v(ctx, kv_state)
         kv_state.advance()
         return kv_state
 
@@ -1325,6 +1321,22 @@ class FlashAttentionForwardSm90:
                 barrier_id=int(NamedBarrier.V_TAIL_1) + ctx.warpgroup_idx,
                 number_of_threads=THREADS_PER_WARPGROUP,
             )
+
+    # With v_in_k, V is part of K's stage: the stage stays held from its Q K^T (whose wait
+    # covers V) until its P V is done, and is released once, then.
+    def _release_k(self, ctx, state):
+        if const_expr(not self.variant.v_in_k):
+            ctx.pipeline_k.consumer_release(state)
+
+    def _wait_v(self, ctx, state):
+        if const_expr(not self.variant.v_in_k):
+            self._wait_full(ctx.pipeline_v, state)
+
+    def _release_v(self, ctx, state):
+        if const_expr(self.variant.v_in_k):
+            ctx.pipeline_k.consumer_release(state)
+        else:
+            ctx.pipeline_v.consumer_release(state)
 
     def _wait_full(self, ring, state):
         """Wait for a K/V stage. With mbarrier_probe, poll the barrier once first and take

@@ -36,6 +36,18 @@ def make_row_major_smem_layout(
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
+def leading_columns_layout(dtype: Type[cutlass.Numeric], staged, rows: int, cols: int, stages: int):
+    """The layout of the first `cols` columns of a staged (rows, wider, stages) tile laid out
+    by make_row_major_smem_layout, over that tile's memory: a (rows, cols, stages) layout with
+    the wider tile's stage stride (both widths multiples of 64 elements, so one swizzle atom
+    and the same column-block stride)."""
+    narrow = make_row_major_smem_layout(dtype, rows, cols, stages)
+    outer = cute.make_layout(
+        narrow.outer.shape, stride=(*narrow.outer.stride[:2], staged.outer.stride[2])
+    )
+    return cute.make_composed_layout(narrow.inner, 0, outer)
+
+
 def transpose_smem_view(t: cute.Tensor) -> cute.Tensor:
     """View a (rows, cols, ...) smem tensor as (cols, rows, ...) without moving data."""
     shape = (t.shape[1], t.shape[0], *t.shape[2:])

@@ -87,21 +87,36 @@ class GatherPagedBlockLoader:
         )
         dst = self.smem_stages[None, None, state.index]
         block_key = self.first_key + n_block * self.tile_n
-        if row0 < rows_per_pass:  # (threads past a whole number of rows per pass idle)
+        if const_expr(pieces_per_row > 32):
+            # Rows wider than 256 elements (absorbed MLA's 576): the threads walk the block's
+            # (row, piece) pairs in order, a dynamic loop (one row per pass would unroll
+            # tile_n copies per thread).
+            count = self.tile_n * pieces_per_row
+            for j in cutlass.range(cute.ceil_div(count, PRODUCER_THREADS), unroll=2):
+                index = self.thread + j * PRODUCER_THREADS
+                row = index // pieces_per_row
+                if index < count:
+                    self._copy_piece(atom, dst, block_key, row, index - row * pieces_per_row)
+        elif row0 < rows_per_pass:  # (threads past a whole number of rows per pass idle)
             for i in cutlass.range_constexpr(cute.ceil_div(self.tile_n, rows_per_pass)):
                 row = row0 + i * rows_per_pass
-                key = block_key + row
-                valid = key < self.end_key
                 if const_expr(self.tile_n % rows_per_pass != 0):
-                    valid = valid and row < self.tile_n
-                if valid:
-                    page = self.page_table_row[key // self.page_size]
-                    page = cutlass.max(cutlass.min(page, self.num_pages - 1), 0)
-                    # One 16-byte copy: piece `piece` of the row, in both row tensors.
-                    src_row = self.gmem_pages[key % self.page_size, None, page]
-                    cute.copy(
-                        atom,
-                        cute.zipped_divide(src_row, (PIECE,))[None, piece],
-                        cute.zipped_divide(dst[row, None], (PIECE,))[None, piece],
-                    )
+                    if row < self.tile_n:
+                        self._copy_piece(atom, dst, block_key, row, piece)
+                else:
+                    self._copy_piece(atom, dst, block_key, row, piece)
         self.ring.producer_commit(state)
+
+    @cute.jit
+    def _copy_piece(self, atom, dst, block_key: Int32, row: Int32, piece: Int32):
+        """One 16-byte copy, piece `piece` of block row `row`, if its key is the sequence's."""
+        key = block_key + row
+        if key < self.end_key:
+            page = self.page_table_row[key // self.page_size]
+            page = cutlass.max(cutlass.min(page, self.num_pages - 1), 0)
+            src_row = self.gmem_pages[key % self.page_size, None, page]
+            cute.copy(
+                atom,
+                cute.zipped_divide(src_row, (PIECE,))[None, piece],
+                cute.zipped_divide(dst[row, None], (PIECE,))[None, piece],
+            )

@@ -456,6 +456,50 @@ O_SPLIT_KEYS = [
         pack_gqa_ratio=16,
         head_dim_v=256,
     ),
+    # Absorbed MLA decode, FlashMLA's form: q and a latent cache 576 wide, V its first 512
+    # columns read from K's stages (v_in_k); 64 of a kv head's q heads per tile, split, over
+    # pages of 64 (TMA) and of 1 (gathered, left-padded rows too).
+    ragged(
+        "bfloat16",
+        576,
+        False,
+        AttentionConfig(64, 64, **_O_SPLIT),
+        True,
+        kv_layout="paged",
+        seqused_k=True,
+        page_box_rows=64,
+        split=True,
+        pack_gqa_ratio=64,
+        head_dim_v=512,
+        v_in_k=True,
+    ),
+    ragged(
+        "float16",
+        576,
+        True,
+        AttentionConfig(64, 64, **_O_SPLIT),
+        True,
+        kv_layout="paged",
+        seqused_k=True,
+        leftpad_k=True,
+        gather_page_size=1,
+        split=True,
+        pack_gqa_ratio=32,
+        head_dim_v=512,
+        v_in_k=True,
+    ),
+    # V in K's columns at a served pair (256 / 128): the K ring alone.
+    ForwardVariant(
+        "bfloat16",
+        256,
+        True,
+        AttentionConfig(
+            128, 64, pingpong=False, rescale_o_before_pv=True, store_o_from_registers=True
+        ),
+        True,
+        head_dim_v=128,
+        v_in_k=True,
+    ),
 ]
 
 

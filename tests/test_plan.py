@@ -401,3 +401,14 @@ def test_head_dim_v_takes_its_pair_row_and_an_o_store_that_fits():
         dataclasses.replace(
             wide.variant, config=wide.variant.config.replace(store_o_from_registers=False)
         )
+
+
+def test_v_in_k_reads_v_from_k_columns():
+    """v_in_k (V = the first head_dim_v columns of K) needs head_dim_v <= head_dim, a multiple
+    of 64, and leaves the V ring out of the shared memory model."""
+    config = AttentionConfig(64, 64, pingpong=False, o_split=2, store_o_from_registers=True)
+    variant = ForwardVariant("bfloat16", 576, False, config, True, head_dim_v=512, v_in_k=True)
+    assert "v_in_k" in variant.describe()
+    assert config.smem_bytes(576, 2, 512, v_in_k=True) == (72 + 2 * 72 + 1) * 1024
+    with pytest.raises(ValueError, match="v_in_k reads V from K's columns"):
+        ForwardVariant("bfloat16", 128, False, config, True, head_dim_v=96, v_in_k=True)
