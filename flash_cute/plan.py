@@ -76,6 +76,7 @@ class Problem:
     softcap: float = 0.0  # scores become softcap * tanh(s * scale / softcap); 0: off
     learnable_sink: Optional[str] = None  # the (nheads,) sink logits' dtype; None: no sink
     head_dim_v: Optional[int] = None  # V's (and O's) head dim; None: head_dim
+    v_in_k: bool = False  # V is the first head_dim_v columns of K (a view of the same memory)
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -373,6 +374,7 @@ def plan_forward(
         softcap=float(problem.softcap),
         learnable_sink=problem.learnable_sink,
         head_dim_v=problem.head_dim_v,
+        v_in_k=problem.v_in_k,
     )
     if variant.uses_tile_counter:
         num_counters = 2

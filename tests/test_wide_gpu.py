@@ -1,0 +1,108 @@
+"""Kernel-level GPU checks of the variants the public API does not serve yet: O split across two
+warpgroups along V's head dim (o_split, V head dims above 256: 512) and V read from K's columns
+(v_in_k: absorbed MLA's latent cache, q and cache 576 wide, V its first 512 dims). Each case
+plans its variant with an explicit config and launches it through a launch plan, bypassing the
+API's head-dim checks, against the float32 reference on poisoned outputs."""
+
+import math
+
+import pytest
+import torch
+from kv_cases import assert_close_to_reference, make_cache, reference_per_sequence
+
+from flash_cute.config import AttentionConfig
+from flash_cute.plan import Problem, plan_forward
+from flash_cute.reference import stable_seed
+from flash_cute.runtime import LaunchPlan, num_sms
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+O_SPLIT = dict(pingpong=False, o_split=2, store_o_from_registers=True)
+
+
+def launch(problem, config, q, k, v, num_splits=1, pack_gqa=False, **tensors):
+    """out (poisoned, then written) and lse of the variant plan_forward picks for `problem`."""
+    plan = plan_forward(problem, num_sms(q.device.index or 0), config, num_splits, pack_gqa)
+    out = torch.full((*q.shape[:-1], v.shape[-1]), float("nan"), device="cuda", dtype=q.dtype)
+    lse_shape = (problem.batch, problem.nheads, problem.max_seqlen_q)
+    scale_log2 = math.log2(math.e) / math.sqrt(problem.head_dim)
+    runner = LaunchPlan.build(plan, q, k, v, out, lse_shape, scale_log2)
+    result = runner.launch(
+        q, k, v, out, tensors.get("seqused_k"), tensors.get("page_table"), None, None, 0, None,
+        None, None, tensors.get("leftpad_k"),
+    )  # fmt: skip
+    return plan.variant, result
+
+
+def per_batch(*tensors):
+    return [[t[b : b + 1] for b in range(t.shape[0])] for t in tensors]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "head_dims, tile_n", [((64, 512), 64), ((512, 512), 32), ((128, 256), 128)], ids=str
+)
+@pytest.mark.parametrize("seqlens", [(113, 1000), (1000, 113), (1, 17)])
+def test_o_split_prefill(head_dims, tile_n, causal, seqlens):
+    (d, dv), (sq, sk) = head_dims, seqlens
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("osplit", head_dims, seqlens))
+    batch, h = 2, 4
+    q, k = (torch.randn(batch, s, h, d, device="cuda", dtype=BF16, generator=gen) for s in (sq, sk))
+    v = torch.randn(batch, sk, h, dv, device="cuda", dtype=BF16, generator=gen)
+    problem = Problem(
+        batch=batch, nheads=h, nheads_kv=h, head_dim=d, head_dim_v=dv, dtype="bfloat16",
+        max_seqlen_q=sq, max_seqlen_k=sk, kv_capacity=sk, causal=causal, writes_lse=True,
+    )  # fmt: skip
+    variant, (out, lse) = launch(problem, AttentionConfig(64, tile_n, **O_SPLIT), q, k, v)
+    assert variant.config.o_split == 2
+    refs, lowps, lse_refs = reference_per_sequence(*per_batch(q, k, v), causal)
+    assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("page_size", [64, 1])
+@pytest.mark.parametrize("seqlen_q, nheads", [(1, 128), (2, 64), (1, 16)])
+def test_absorbed_mla_decode(seqlen_q, nheads, page_size, num_splits):
+    """q (batch, seqlen_q, nheads, 576) against one latent head of 576 whose first 512 dims are
+    V (v = k_cache[..., :512], a view): FlashMLA's form of DeepSeek's decode."""
+    d, dv, batch, capacity = 576, 512, 3, 700
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla", seqlen_q, page_size))
+    k_cache, _, page_table, k_pad, _ = make_cache(batch, capacity, 1, d, BF16, page_size, gen)
+    v_cache, v_pad = k_cache[..., :dv], k_pad[..., :dv]
+    q = torch.randn(batch, seqlen_q, nheads, d, device="cuda", dtype=BF16, generator=gen)
+    lens = torch.tensor([700, 1, 333], device="cuda", dtype=torch.int32)
+    problem = Problem(
+        batch=batch, nheads=nheads, nheads_kv=1, head_dim=d, head_dim_v=dv, dtype="bfloat16",
+        max_seqlen_q=seqlen_q, max_seqlen_k=capacity, kv_capacity=capacity, causal=True,
+        writes_lse=True, kv_layout="paged", page_size=page_size, seqused_k=True, v_in_k=True,
+    )  # fmt: skip
+    variant, (out, lse) = launch(
+        problem, AttentionConfig(64, 64, **O_SPLIT), q, k_cache, v_cache, num_splits, True,
+        seqused_k=lens, page_table=page_table,
+    )  # fmt: skip
+    assert variant.v_in_k and variant.pack_gqa_ratio == min(nheads, 64)
+    n = lens.tolist()
+    refs, lowps, lse_refs = reference_per_sequence(
+        [q[b : b + 1] for b in range(batch)],
+        [k_pad[b : b + 1, : n[b]] for b in range(batch)],
+        [v_pad[b : b + 1, : n[b]] for b in range(batch)],
+        True,
+    )
+    assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
+
+
+def test_v_in_k_at_a_served_pair():
+    """V = k[..., :128] of a 256-wide K, read from K's stages (prefill)."""
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("v_in_k", 256))
+    q, k = (torch.randn(2, 300, 4, 256, device="cuda", dtype=BF16, generator=gen) for _ in "qk")
+    v = k[..., :128]
+    problem = Problem(
+        batch=2, nheads=4, nheads_kv=4, head_dim=256, head_dim_v=128, dtype="bfloat16",
+        max_seqlen_q=300, max_seqlen_k=300, kv_capacity=300, causal=True, writes_lse=True,
+        v_in_k=True,
+    )  # fmt: skip
+    config = AttentionConfig(128, 64, pingpong=False, rescale_o_before_pv=True)
+    variant, (out, lse) = launch(problem, config, q, k, v)
+    assert variant.v_in_k
+    refs, lowps, lse_refs = reference_per_sequence(*per_batch(q, k, v), True)
+    assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
