@@ -106,6 +106,7 @@ OPTIONAL_TENSORS = (
     "seqused_q",
     "kv_batch_idx",
     "leftpad_k",
+    "qv",
 )
 
 
@@ -124,6 +125,7 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
     sym = cute.sym_int
     batch, seqlen_q, nheads, seqlen_k, nheads_kv = (sym() for _ in range(5))
     d, dv = variant.head_dim, variant.head_dim_v
+    d_qk = d - dv if variant.qv else d  # q's and k's own columns (qv: the rope part)
 
     def tensor(dtype_, shape, align=16):
         div = STRIDE_DIVISIBILITY_16BIT if align == 16 else 1
@@ -143,8 +145,8 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
     lse_shape = (nheads, seqlen_q) if variant.varlen_q else (batch, nheads, seqlen_q)
     gmem = cute.AddressSpace.gmem
     return {
-        "q": tensor(dtype, (*q_rows, nheads, d)),
-        "k": tensor(dtype, (*kv_rows, d)),
+        "q": tensor(dtype, (*q_rows, nheads, d_qk)),
+        "k": tensor(dtype, (*kv_rows, d_qk)),
         "v": tensor(dtype, (*kv_rows, dv)),
         "out": tensor(dtype, (*q_rows, nheads, dv)),
         "lse": tensor(cutlass.Float32, lse_shape, align=4) if variant.writes_lse else None,
@@ -161,6 +163,7 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
         "seqused_q": int32_tensor(1) if variant.seqused_q else None,
         "kv_batch_idx": int32_tensor(1) if variant.kv_batch_idx else None,
         "leftpad_k": int32_tensor(1) if variant.leftpad_k else None,
+        "qv": tensor(dtype, (*q_rows, nheads, dv)) if variant.qv else None,
         "kv_length": cutlass.Int32(0),
         # Split scratch (partial O, then partial LSE) and the zeroed int32 counters (the
         # dynamic scheduler's, or a split launch's arrivals): addresses, which TVM-FFI

@@ -44,6 +44,9 @@ def _aligned_1k(nbytes: int) -> int:
 TILE_SCHEDULERS = ("single_tile", "static_persistent", "dynamic_persistent")
 # Standard producer / MMA register split per number of MMA warpgroups (FA3's choice).
 DEFAULT_REGISTER_SPLIT = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
+# Two warpgroups splitting O (o_split): the producer's wide-row loads (varlen, two sources)
+# spill at 24 registers; the MMA warps need ~208 (O of 512 columns in halves).
+O_SPLIT_REGISTER_SPLIT = (40, 232)
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,11 @@ class AttentionConfig:
             raise ValueError(
                 f"AttentionConfig.ctas_per_sm must be 1, 2, 3 or 4, got {self.ctas_per_sm}"
             )
-        split = DEFAULT_REGISTER_SPLIT[self.num_mma_warpgroups]
+        split = (
+            O_SPLIT_REGISTER_SPLIT
+            if self.o_split > 1
+            else DEFAULT_REGISTER_SPLIT[self.num_mma_warpgroups]
+        )
         if self.ctas_per_sm > 1:  # a share of the register file each: scale the split down
             per_thread = self.entry_registers
             split = (max(24, per_thread // 4 // 8 * 8), None)

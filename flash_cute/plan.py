@@ -77,6 +77,7 @@ class Problem:
     learnable_sink: Optional[str] = None  # the (nheads,) sink logits' dtype; None: no sink
     head_dim_v: Optional[int] = None  # V's (and O's) head dim; None: head_dim
     v_in_k: bool = False  # V is the first head_dim_v columns of K (a view of the same memory)
+    qv: bool = False  # FlashAttention-3's qv: head_dim counts qv's columns and q's
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -127,6 +128,10 @@ class ForwardVariant:
     # V is the first head_dim_v columns of K (absorbed MLA's latent cache, v = k[..., :dv]):
     # read from K's smem stages, never loaded.
     v_in_k: bool = False
+    # FlashAttention-3's absorbed-MLA form: scores q k^T + qv v^T, with q and k head_dim -
+    # head_dim_v wide and qv like q with head_dim_v; Q's and K's tiles hold qv / v's columns
+    # then q / k's (so V is K's leading columns: v_in_k).
+    qv: bool = False
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -138,6 +143,10 @@ class ForwardVariant:
         problems = []
         if self.v_in_k and (self.head_dim_v > self.head_dim or self.head_dim_v % 64):
             problems.append("v_in_k reads V from K's columns: head_dim_v <= head_dim, % 64")
+        if self.qv and not (self.v_in_k and self.head_dim > self.head_dim_v):
+            problems.append("qv variants read V from K's columns (v_in_k), after which q's follow")
+        if self.qv and self.leftpad_k:
+            problems.append("qv variants take no left-padded caches")
         if (
             self.head_dim_v != self.head_dim
             and not c.store_o_from_registers
@@ -224,6 +233,7 @@ class ForwardVariant:
                 "kv_batch_idx",
                 "leftpad_k",
                 "v_in_k",
+                "qv",
             )
             if getattr(self, name)
         ]
@@ -265,6 +275,7 @@ class ForwardVariant:
             or self.split
             or self.uses_tile_counter
             or self.learnable_sink is not None
+            or self.qv
         )
 
 
@@ -374,7 +385,8 @@ def plan_forward(
         softcap=float(problem.softcap),
         learnable_sink=problem.learnable_sink,
         head_dim_v=problem.head_dim_v,
-        v_in_k=problem.v_in_k,
+        v_in_k=problem.v_in_k or problem.qv,
+        qv=problem.qv,
     )
     if variant.uses_tile_counter:
         num_counters = 2

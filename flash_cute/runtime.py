@@ -376,6 +376,7 @@ class LaunchPlan:
         seqused_q=None,
         kv_batch_idx=None,
         leftpad_k=None,
+        qv=None,
     ):
         """Launch on the current stream; out is allocated when None. Returns out, or (out,
         lse) when the plan returns the LSE. The arguments go in the signature's order
@@ -413,7 +414,7 @@ class LaunchPlan:
                     self.buffers = (raw, BUFFERS.version, (partials, counters))
         self.kernel(
             q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, learnable_sink,
-            seqused_q, kv_batch_idx, leftpad_k, kv_length, partials, counters, self.scale_log2,
+            seqused_q, kv_batch_idx, leftpad_k, qv, kv_length, partials, counters, self.scale_log2,
             self.max_ctas, self.num_splits,
         )  # fmt: skip
         return out if lse is None else (out, lse)

@@ -73,7 +73,7 @@ from .tile_scheduler import (
     TileSpace,
     WorkTile,
 )
-from .tma_loads import TmaBlockLoader, TmaPagedBlockLoader
+from .tma_loads import PairedBlockLoader, TmaBlockLoader, TmaPagedBlockLoader
 
 THREADS_PER_WARPGROUP = 128
 LOG2_E = math.log2(math.e)
@@ -184,6 +184,8 @@ class FlashAttentionForwardSm90:
       learnable_sink: (nheads,) sink logits
       seqused_q, kv_batch_idx, leftpad_k: (B,) int32 (None where the variant has none); with
             kv_batch_idx, k/v (padded) and page_table have the cache's own batch size
+      qv:   qv variants (FlashAttention-3's absorbed MLA): like q with V's head dim dv; the
+            scores are q k^T + qv v^T (q and k then have d - dv dims), the output P v
       kv_length: the keys of every sequence (scalar_kv_length variants); unused by others
       partials: split variants' fp32 scratch, 16-byte aligned: the partial O (S, *out.shape)
             and right after it the partial LSE (S, *lse.shape), both contiguous; unused by
@@ -299,6 +301,7 @@ class FlashAttentionForwardSm90:
         seqused_q: Optional[cute.Tensor],
         kv_batch_idx: Optional[cute.Tensor],
         leftpad_k: Optional[cute.Tensor],
+        qv: Optional[cute.Tensor],
         kv_length: Int32,
         partials: Optional[cute.Pointer],
         counters: Optional[cute.Pointer],
@@ -328,7 +331,7 @@ class FlashAttentionForwardSm90:
             mCounters = cute.make_tensor(counters, cute.make_layout(1 << 30))
         self._launch(
             q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, learnable_sink,
-            seqused_q, kv_batch_idx, leftpad_k, kv_length, out_partial, lse_partial, mCounters,
+            seqused_q, kv_batch_idx, leftpad_k, qv, kv_length, out_partial, lse_partial, mCounters,
             scale_log2, max_ctas, num_splits, stream,
         )  # fmt: skip
 
@@ -347,7 +350,7 @@ class FlashAttentionForwardSm90:
         """The signature of a variant that uses none of the optional arguments: a call passes
         eight arguments fewer through TVM-FFI, which converts each on the host."""
         self._launch(
-            q, k, v, out, None, None, None, None, None, None, None, None, None, kv_length,
+            q, k, v, out, None, None, None, None, None, None, None, None, None, None, kv_length,
             None, None, None, scale_log2, max_ctas, Int32(1), stream,
         )  # fmt: skip
 
@@ -367,6 +370,7 @@ class FlashAttentionForwardSm90:
         mSeqUsedQ: Optional[cute.Tensor],
         mKvBatchIdx: Optional[cute.Tensor],
         mLeftPadK: Optional[cute.Tensor],
+        mQV: Optional[cute.Tensor],
         kv_length: Int32,
         mOPartial: Optional[cute.Tensor],
         mLSEPartial: Optional[cute.Tensor],
@@ -380,6 +384,8 @@ class FlashAttentionForwardSm90:
         # (rows, head_dim) at coordinate (head, batch).
         q_modes = (0, 2, 1) if const_expr(self.variant.varlen_q) else (1, 3, 2, 0)
         mQ = hopper_mma.permute_modes(mQ, q_modes)
+        if const_expr(self.variant.qv):
+            mQV = hopper_mma.permute_modes(mQV, q_modes)
         lse_modes = (1, 0) if const_expr(self.variant.varlen_q) else (2, 1, 0)
         mO = hopper_mma.permute_modes(mO, q_modes)
         if const_expr(mLSE is not None):
@@ -428,16 +434,26 @@ class FlashAttentionForwardSm90:
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         ratio = self.variant.pack_gqa_ratio
-        if const_expr(ratio > 1):
-            tma_atom_Q, tma_Q = _make_packed_gqa_tma_atom(
-                tma_load, mQ, sQ_layout, self.config.tile_m, d, ratio
-            )
-        else:
-            tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
-                tma_load, mQ, sQ_layout, (self.config.tile_m, d)
-            )
+        # qv variants: Q's tile is qv's dv columns, then q's d - dv (K's: v's, then k's).
+        q_width = d - dv if const_expr(self.variant.qv) else d
+        tma_atom_Q, tma_Q = self._q_tma_atom(tma_load, mQ, q_width)
+        tma_atom_QV, tma_QV = None, None
+        if const_expr(self.variant.qv):
+            tma_atom_QV, tma_QV = self._q_tma_atom(tma_load, mQV, dv)
         if const_expr(self.kv_gather):  # cp.async reads the tensors themselves
             tma_atom_K, tma_K, tma_atom_V, tma_V = None, mK, None, mV
+        elif const_expr(self.variant.qv):  # both fill K's stages
+            (tma_atom_K, tma_K), (tma_atom_V, tma_V) = [
+                self._kv_tma_atom(
+                    tma_load,
+                    mX,
+                    hopper_mma.make_row_major_smem_layout(
+                        self.dtype, self.config.tile_n, width, self.config.num_stages
+                    ),
+                    width,
+                )
+                for mX, width in ((mK, d - dv), (mV, dv))
+            ]
         elif const_expr(self.variant.v_in_k):  # V is never loaded
             tma_atom_K, tma_K = self._kv_tma_atom(tma_load, mK, sK_layout, d)
             tma_atom_V, tma_V = None, mV
@@ -495,6 +511,7 @@ class FlashAttentionForwardSm90:
             tma_Q,
             tma_K,
             tma_V,
+            tma_QV,
             mO_kernel,
             mLSE,
             mOPartial,
@@ -517,6 +534,7 @@ class FlashAttentionForwardSm90:
             tma_atom_K,
             tma_atom_V,
             tma_atom_O,
+            tma_atom_QV,
             softmax_scale_log2,
             sQ_layout,
             sK_layout,
@@ -546,6 +564,7 @@ class FlashAttentionForwardSm90:
         mQ: cute.Tensor,
         mK: cute.Tensor,
         mV: cute.Tensor,
+        mQV: Optional[cute.Tensor],
         mO: cute.Tensor,
         mLSE: Optional[cute.Tensor],
         mOPartial: Optional[cute.Tensor],
@@ -568,6 +587,7 @@ class FlashAttentionForwardSm90:
         tma_atom_K: cute.CopyAtom,
         tma_atom_V: cute.CopyAtom,
         tma_atom_O: Optional[cute.CopyAtom],
+        tma_atom_QV: Optional[cute.CopyAtom],
         softmax_scale_log2: Float32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
@@ -580,7 +600,7 @@ class FlashAttentionForwardSm90:
         """mQ_shape / mK_shape: q and k in kernel mode order, for their run-time shapes."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, tma_atom_QV):
                 if const_expr(atom is not None):
                     cpasync.prefetch_descriptor(atom)
 
@@ -683,6 +703,7 @@ class FlashAttentionForwardSm90:
                         mQ,
                         mK,
                         mV,
+                        mQV,
                         mPageTable,
                         sQ,
                         sK,
@@ -690,6 +711,7 @@ class FlashAttentionForwardSm90:
                         tma_atom_Q,
                         tma_atom_K,
                         tma_atom_V,
+                        tma_atom_QV,
                         pipeline_q,
                         pipeline_k,
                         pipeline_v,
@@ -811,6 +833,7 @@ class FlashAttentionForwardSm90:
         mQ: cute.Tensor,
         mK: cute.Tensor,
         mV: cute.Tensor,
+        mQV: Optional[cute.Tensor],
         mPageTable: Optional[cute.Tensor],
         sQ: cute.Tensor,
         sK: cute.Tensor,
@@ -818,6 +841,7 @@ class FlashAttentionForwardSm90:
         tma_atom_Q: cute.CopyAtom,
         tma_atom_K: cute.CopyAtom,
         tma_atom_V: cute.CopyAtom,
+        tma_atom_QV: Optional[cute.CopyAtom],
         pipeline_q: pipeline.PipelineAsync,
         pipeline_k: pipeline.PipelineAsync,
         pipeline_v: pipeline.PipelineAsync,
@@ -835,20 +859,26 @@ class FlashAttentionForwardSm90:
         persistent kernel (whose consumers wait for Q on every tile).
         """
         seqlen, _, n_block_min, n_block_max = self._tile_problem(tile, shapes)
-        d = self.variant.head_dim
+        d, dv = self.variant.head_dim, self.variant.head_dim_v
         q_head = tile.head_idx  # (packed GQA: the group of q heads in the packed view)
-        gQ = cute.local_tile(
-            self._rows_of(mQ, q_head, tile.batch_idx, seqlen.offset_q),
-            (self.config.tile_m, d),
-            (tile.m_block, 0),
-        )
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_Q,
-            0,
-            cute.make_layout(1),
-            cute.group_modes(sQ, 0, 2),
-            cute.group_modes(gQ, 0, 2),
-        )
+        # (atom, gmem, smem) of Q's tile: q, or with qv its columns 0..dv and then q's.
+        q_parts = [(tma_atom_Q, mQ, sQ, d)]
+        if const_expr(self.variant.qv):
+            q_parts = [
+                (tma_atom_QV, mQV, self._columns(sQ, 0, dv), dv),
+                (tma_atom_Q, mQ, self._columns(sQ, dv, d - dv), d - dv),
+            ]
+        q_copies = []
+        for atom, mX, sX, width in q_parts:
+            gX = cute.local_tile(
+                self._rows_of(mX, q_head, tile.batch_idx, seqlen.offset_q),
+                (self.config.tile_m, width),
+                (tile.m_block, 0),
+            )
+            dst, src = cpasync.tma_partition(
+                atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
+            )
+            q_copies.append((atom, src, dst))
         # The cache row of this batch (cache_batch_idx picks it; the lengths stay per batch).
         kv_batch = tile.batch_idx
         if const_expr(shapes.mKvBatchIdx is not None):  # clamped: a bad index reads a real row
@@ -858,18 +888,27 @@ class FlashAttentionForwardSm90:
                 else shapes.mK.shape[3]
             )
             kv_batch = cutlass.max(cutlass.min(shapes.mKvBatchIdx[tile.batch_idx], rows - 1), 0)
-        k_loader = self._block_loader(
-            mK, sK, pipeline_k, tma_atom_K, d, tile, kv_batch, seqlen, mPageTable
-        )
+        if const_expr(self.variant.qv):  # K's stage: v's columns 0..dv, then k's
+            k_loader = PairedBlockLoader(
+                self._block_loader(
+                    mV, sV, pipeline_k, tma_atom_V, dv, tile, kv_batch, seqlen, mPageTable
+                ),
+                self._block_loader(
+                    mK, self._columns(sK, dv, d - dv), pipeline_k, tma_atom_K, d - dv, tile,
+                    kv_batch, seqlen, mPageTable,
+                ),
+            )  # fmt: skip
+        else:
+            k_loader = self._block_loader(
+                mK, sK, pipeline_k, tma_atom_K, d, tile, kv_batch, seqlen, mPageTable
+            )
         v_loader = None  # (v_in_k: V is in K's stages)
         if const_expr(not self.variant.v_in_k):
             v_loader = self._block_loader(
                 mV, sV, pipeline_v, tma_atom_V, self.variant.head_dim_v, tile, kv_batch, seqlen,
                 mPageTable,
             )  # fmt: skip
-        q_load = SimpleNamespace(
-            atom=tma_atom_Q, src=tQgQ, dst=tQsQ, ring=pipeline_q, state=q_state
-        )
+        q_load = SimpleNamespace(copies=q_copies, ring=pipeline_q, state=q_state)
 
         # (Gathering variants run this in every producer warp; Q is warp 0's.)
         loads_q = True
@@ -927,12 +966,32 @@ class FlashAttentionForwardSm90:
 
     def _load_q(self, q_load: SimpleNamespace):
         q_load.ring.producer_acquire(q_load.state)
-        cute.copy(
-            q_load.atom,
-            q_load.src,
-            q_load.dst,
-            tma_bar_ptr=q_load.ring.producer_get_barrier(q_load.state),
+        for atom, src, dst in q_load.copies:  # (one barrier: its tx_count is Q's whole tile)
+            cute.copy(atom, src, dst, tma_bar_ptr=q_load.ring.producer_get_barrier(q_load.state))
+
+    def _columns(self, t: cute.Tensor, first: int, cols: int) -> cute.Tensor:
+        """Columns first .. first + cols of a (rows, wider[, stages]) smem tile laid out by
+        make_row_major_smem_layout (first and cols multiples of 64: whole swizzle columns,
+        which start rows * 64 elements apart)."""
+        rows = cute.size(t, mode=[0])
+        if const_expr(cute.rank(t) == 2):
+            layout = hopper_mma.make_row_major_smem_layout(self.dtype, rows, cols)
+            return cute.make_tensor(t.iterator + first * rows, layout.outer)
+        stages = cute.size(t, mode=[2])
+        narrow = hopper_mma.make_row_major_smem_layout(self.dtype, rows, cols, stages)
+        outer = cute.make_layout(
+            narrow.outer.shape, stride=(*narrow.outer.stride[:2], t.layout.stride[2])
         )
+        return cute.make_tensor(t.iterator + first * rows, outer)
+
+    def _q_tma_atom(self, op, mX, width: int):
+        """TMA atom of Q's tile (or of its columns from one tensor, width wide)."""
+        layout = hopper_mma.make_row_major_smem_layout(self.dtype, self.config.tile_m, width)
+        if const_expr(self.variant.pack_gqa_ratio > 1):
+            return _make_packed_gqa_tma_atom(
+                op, mX, layout, self.config.tile_m, width, self.variant.pack_gqa_ratio
+            )
+        return cpasync.make_tiled_tma_atom(op, mX, layout, (self.config.tile_m, width))
 
     @cute.jit
     def _load_kv_blocks(

@@ -71,11 +71,19 @@ class GatherPagedBlockLoader:
             cute.size(smem_stages, mode=[1]),
         )
 
-    @cute.jit
     def load(self, n_block: Int32, state: pipeline.PipelineState):
         """Wait for the stage to be free, copy the block's valid rows, and arrive on the stage's
         full barrier once this thread's copies have landed."""
         self.ring.producer_acquire(state)
+        self.copy(n_block, state)
+        self.commit(state)
+
+    def commit(self, state: pipeline.PipelineState):
+        self.ring.producer_commit(state)
+
+    @cute.jit
+    def copy(self, n_block: Int32, state: pipeline.PipelineState):
+        """This thread's copies of the block's valid rows into the stage (no barrier)."""
         pieces_per_row = self.head_dim // PIECE
         rows_per_pass = PRODUCER_THREADS // pieces_per_row
         piece = self.thread % pieces_per_row
@@ -105,7 +113,6 @@ class GatherPagedBlockLoader:
                         self._copy_piece(atom, dst, block_key, row, piece)
                 else:
                     self._copy_piece(atom, dst, block_key, row, piece)
-        self.ring.producer_commit(state)
 
     @cute.jit
     def _copy_piece(self, atom, dst, block_key: Int32, row: Int32, piece: Int32):

@@ -34,6 +34,12 @@ class TmaBlockLoader:
         """Wait for the stage to be free, then issue the copy; it completes on the stage's
         full barrier (the pipeline's tx_count is the bytes of one block)."""
         self.ring.producer_acquire(state)
+        self.copy(n_block, state)
+
+    def commit(self, state: pipeline.PipelineState):
+        """(A TMA copy arrives on the stage's barrier by itself.)"""
+
+    def copy(self, n_block: Int32, state: pipeline.PipelineState):
         cute.copy(
             self.atom,
             self.src_blocks[None, n_block],
@@ -83,9 +89,15 @@ class TmaPagedBlockLoader:
             atom, src, dst, ring, page_table_row, gmem_pages.shape[0], tile_n, box_rows
         )
 
-    @cute.jit
     def load(self, n_block: Int32, state: pipeline.PipelineState):
         self.ring.producer_acquire(state)
+        self.copy(n_block, state)
+
+    def commit(self, state: pipeline.PipelineState):
+        """(A TMA copy arrives on the stage's barrier by itself.)"""
+
+    @cute.jit
+    def copy(self, n_block: Int32, state: pipeline.PipelineState):
         last_page = cute.size(self.page_table_row) - 1
         for j in cutlass.range_constexpr(self.tile_n // self.box_rows):
             key = n_block * self.tile_n + j * self.box_rows
@@ -97,3 +109,19 @@ class TmaPagedBlockLoader:
                 self.dst_boxes[None, j, 0, state.index],
                 tma_bar_ptr=self.ring.producer_get_barrier(state),
             )
+
+
+@dataclass(frozen=True)
+class PairedBlockLoader:
+    """Fills each stage from two tensors, side by side in its columns (FlashAttention-3's qv
+    form of absorbed MLA: a K stage is v_cache's columns, then k_cache's), under one acquire
+    and one barrier; the loaders are any two of this module's or the gather loader."""
+
+    first: object
+    second: object
+
+    def load(self, n_block: Int32, state: pipeline.PipelineState):
+        self.first.ring.producer_acquire(state)
+        self.first.copy(n_block, state)
+        self.second.copy(n_block, state)
+        self.first.commit(state)

@@ -25,11 +25,12 @@ def launch(problem, config, q, k, v, num_splits=1, pack_gqa=False, **tensors):
     plan = plan_forward(problem, num_sms(q.device.index or 0), config, num_splits, pack_gqa)
     out = torch.full((*q.shape[:-1], v.shape[-1]), float("nan"), device="cuda", dtype=q.dtype)
     lse_shape = (problem.batch, problem.nheads, problem.max_seqlen_q)
+    # (qv: head_dim counts qv's columns and q's, the default scale 1 / sqrt(d + dv).)
     scale_log2 = math.log2(math.e) / math.sqrt(problem.head_dim)
     runner = LaunchPlan.build(plan, q, k, v, out, lse_shape, scale_log2)
     result = runner.launch(
         q, k, v, out, tensors.get("seqused_k"), tensors.get("page_table"), None, None, 0, None,
-        None, None, tensors.get("leftpad_k"),
+        None, None, tensors.get("leftpad_k"), tensors.get("qv"),
     )  # fmt: skip
     return plan.variant, result
 
@@ -105,4 +106,41 @@ def test_v_in_k_at_a_served_pair():
     variant, (out, lse) = launch(problem, config, q, k, v)
     assert variant.v_in_k
     refs, lowps, lse_refs = reference_per_sequence(*per_batch(q, k, v), True)
+    assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("page_size", [64, 1])
+@pytest.mark.parametrize("seqlen_q, nheads", [(1, 128), (2, 32)])
+def test_absorbed_mla_qv_form(seqlen_q, nheads, page_size, num_splits):
+    """FlashAttention-3's form: q (.., 64) against k_cache (.., 1, 64) plus qv (.., 512)
+    against v_cache (.., 1, 512); scores q k^T + qv v^T, out P v, scale 1 / sqrt(576)."""
+    d_rope, dv, batch, capacity = 64, 512, 3, 700
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("qv", seqlen_q, page_size))
+    k_cache, v_cache, page_table, k_pad, v_pad = make_cache(
+        batch, capacity, 1, d_rope, BF16, page_size, gen, head_dim_v=dv
+    )
+    q = torch.randn(batch, seqlen_q, nheads, d_rope, device="cuda", dtype=BF16, generator=gen)
+    qv = torch.randn(batch, seqlen_q, nheads, dv, device="cuda", dtype=BF16, generator=gen)
+    lens = torch.tensor([700, 1, 333], device="cuda", dtype=torch.int32)
+    problem = Problem(
+        batch=batch, nheads=nheads, nheads_kv=1, head_dim=d_rope + dv, head_dim_v=dv,
+        dtype="bfloat16", max_seqlen_q=seqlen_q, max_seqlen_k=capacity, kv_capacity=capacity,
+        causal=True, writes_lse=True, kv_layout="paged", page_size=page_size, seqused_k=True,
+        qv=True,
+    )  # fmt: skip
+    variant, (out, lse) = launch(
+        problem, AttentionConfig(64, 64, **O_SPLIT), q, k_cache, v_cache, num_splits, True,
+        seqused_k=lens, page_table=page_table, qv=qv,
+    )  # fmt: skip
+    assert variant.qv and variant.v_in_k
+    # The same attention with q' = [qv, q] against k' = [v, k].
+    q_all, k_all = torch.cat([qv, q], -1), torch.cat([v_pad, k_pad], -1)
+    n = lens.tolist()
+    refs, lowps, lse_refs = reference_per_sequence(
+        [q_all[b : b + 1] for b in range(batch)],
+        [k_all[b : b + 1, : n[b]] for b in range(batch)],
+        [v_pad[b : b + 1, : n[b]] for b in range(batch)],
+        True,
+    )
     assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
