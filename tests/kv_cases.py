@@ -24,6 +24,21 @@ def reference_per_sequence(q_list, k_list, v_list, causal, mask=None):
     return refs, lowps, lses
 
 
+def cache_reference(q, k_pad, v_pad, lengths, causal, rows=None, first=None, mask=None):
+    """reference_per_sequence for q (batch, ...) over padded caches: sequence b's keys are
+    cache row rows[b] (default b), slots first[b] (default 0) .. lengths[b] - 1."""
+    batch = q.shape[0]
+    rows = rows or list(range(batch))
+    first = first or [0] * batch
+    return reference_per_sequence(
+        [q[b : b + 1] for b in range(batch)],
+        [k_pad[r : r + 1, f:n] for r, f, n in zip(rows, first, lengths)],
+        [v_pad[r : r + 1, f:n] for r, f, n in zip(rows, first, lengths)],
+        causal,
+        mask,
+    )
+
+
 def assert_close_to_reference(outs, lses, refs, lowps, lse_refs):
     for i, (out, ref, lowp) in enumerate(zip(outs, refs, lowps)):
         assert not out.isnan().any(), f"sequence {i}: NaN in output (unwritten?)"

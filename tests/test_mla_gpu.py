@@ -3,7 +3,12 @@ every entry point, against the float32 reference, with poisoned outputs."""
 
 import pytest
 import torch
-from kv_cases import assert_close_to_reference, make_cache, reference_per_sequence
+from kv_cases import (
+    assert_close_to_reference,
+    cache_reference,
+    make_cache,
+    reference_per_sequence,
+)
 
 import flash_cute
 from flash_cute import flash_attn_interface as fa3
@@ -57,13 +62,7 @@ def test_kvcache_decode_and_graph_replay(head_dims, page_size, num_splits):
         return_softmax_lse=True,
     )  # fmt: skip
     out, lse = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, **call)
-    n = lens.tolist()
-    refs, lowps, lse_refs = reference_per_sequence(
-        [q[b : b + 1] for b in range(batch)],
-        [k_pad[b : b + 1, : n[b]] for b in range(batch)],
-        [v_pad[b : b + 1, : n[b]] for b in range(batch)],
-        True,
-    )
+    refs, lowps, lse_refs = cache_reference(q, k_pad, v_pad, lens.tolist(), True)
     assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
     # Captured, then replayed with other lengths.
     graph = torch.cuda.CUDAGraph()
@@ -72,13 +71,7 @@ def test_kvcache_decode_and_graph_replay(head_dims, page_size, num_splits):
     lens.copy_(torch.tensor([5, 1499, 64], dtype=torch.int32))
     graph.replay()
     torch.cuda.synchronize()
-    n = lens.tolist()
-    refs, lowps, lse_refs = reference_per_sequence(
-        [q[b : b + 1] for b in range(batch)],
-        [k_pad[b : b + 1, : n[b]] for b in range(batch)],
-        [v_pad[b : b + 1, : n[b]] for b in range(batch)],
-        True,
-    )
+    refs, lowps, lse_refs = cache_reference(q, k_pad, v_pad, lens.tolist(), True)
     assert_close_to_reference(*per_batch(g_out, g_lse), refs, lowps, lse_refs)
 
 

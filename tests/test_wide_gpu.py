@@ -8,7 +8,12 @@ import math
 
 import pytest
 import torch
-from kv_cases import assert_close_to_reference, make_cache, reference_per_sequence
+from kv_cases import (
+    assert_close_to_reference,
+    cache_reference,
+    make_cache,
+    reference_per_sequence,
+)
 
 from flash_cute.config import AttentionConfig
 from flash_cute.plan import Problem, plan_forward
@@ -82,13 +87,7 @@ def test_absorbed_mla_decode(seqlen_q, nheads, page_size, num_splits):
         seqused_k=lens, page_table=page_table,
     )  # fmt: skip
     assert variant.v_in_k and variant.pack_gqa_ratio == min(nheads, 64)
-    n = lens.tolist()
-    refs, lowps, lse_refs = reference_per_sequence(
-        [q[b : b + 1] for b in range(batch)],
-        [k_pad[b : b + 1, : n[b]] for b in range(batch)],
-        [v_pad[b : b + 1, : n[b]] for b in range(batch)],
-        True,
-    )
+    refs, lowps, lse_refs = cache_reference(q, k_pad, v_pad, lens.tolist(), True)
     assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
 
 
@@ -136,11 +135,5 @@ def test_absorbed_mla_qv_form(seqlen_q, nheads, page_size, num_splits):
     assert variant.qv and variant.v_in_k
     # The same attention with q' = [qv, q] against k' = [v, k].
     q_all, k_all = torch.cat([qv, q], -1), torch.cat([v_pad, k_pad], -1)
-    n = lens.tolist()
-    refs, lowps, lse_refs = reference_per_sequence(
-        [q_all[b : b + 1] for b in range(batch)],
-        [k_all[b : b + 1, : n[b]] for b in range(batch)],
-        [v_pad[b : b + 1, : n[b]] for b in range(batch)],
-        True,
-    )
+    refs, lowps, lse_refs = cache_reference(q_all, k_all, v_pad, lens.tolist(), True)
     assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
