@@ -188,7 +188,9 @@ def check_grid(nheads: int, batch: int) -> None:
         raise ValueError(f"batch size must be at most {MAX_GRID_YZ}, got {batch}")
 
 
-def check_config(config, head_dim: int, dtype: str, head_dim_v: Optional[int] = None):
+def check_config(
+    config, head_dim: int, dtype: str, head_dim_v: Optional[int] = None, v_in_k: bool = False
+):
     from .config import AttentionConfig
 
     if config is None:
@@ -197,7 +199,7 @@ def check_config(config, head_dim: int, dtype: str, head_dim_v: Optional[int] = 
         raise TypeError(
             f"config must be a flash_cute.AttentionConfig or None, got {type(config).__name__}"
         )
-    return config.validate(head_dim, dtype, head_dim_v)
+    return config.validate(head_dim, dtype, head_dim_v, v_in_k)
 
 
 def optional_bool(name: str, value) -> bool:

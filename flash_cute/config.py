@@ -14,17 +14,42 @@ from typing import Optional
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 SUPPORTED_DTYPES = ("float16", "bfloat16")
+# Wide heads: V's head dim 512 (absorbed MLA's latent, Gemma 4's global layers), whose O two
+# MMA warpgroups split along its columns (AttentionConfig.o_split), with q/k head dims of the
+# supported ones or 512 and 576 (= 512 + 64: the latent and the rope part); and V read from
+# K's columns when v is a view of k's leading columns (ForwardVariant.v_in_k). Their kernels
+# compile clean (tests/test_compile.py); the API serves them once a GPU run has passed
+# tests/test_wide_gpu.py, which flips this switch.
+WIDE_HEAD_DIMS = (512, 576)
+WIDE_HEAD_DIM_V = 512
+WIDE_PATHS_VERIFIED = False
 
 
 def check_head_dims(head_dim: int, head_dim_v: Optional[int] = None) -> None:
     """ValueError unless q/k's head dim and V's (default: the same) are supported: each one
-    of SUPPORTED_HEAD_DIMS, in any pair (whether a config fits the pair is validate's)."""
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
-    if head_dim_v is not None and head_dim_v not in SUPPORTED_HEAD_DIMS:
+    of SUPPORTED_HEAD_DIMS, in any pair (whether a config fits the pair is validate's), and
+    once the wide paths are served, V's 512 with q/k's of those or 512 / 576."""
+    wide = WIDE_PATHS_VERIFIED
+    qk_dims = SUPPORTED_HEAD_DIMS + (WIDE_HEAD_DIMS if wide else ())
+    v_dims = SUPPORTED_HEAD_DIMS + ((WIDE_HEAD_DIM_V,) if wide else ())
+    if head_dim not in qk_dims:
+        raise ValueError(f"head_dim must be one of {qk_dims}, got {head_dim}")
+    if head_dim_v is not None and head_dim_v not in v_dims:
+        raise ValueError(f"head_dim_v (v's head dim) must be one of {v_dims}, got {head_dim_v}")
+    if head_dim in WIDE_HEAD_DIMS and (head_dim_v or head_dim) != WIDE_HEAD_DIM_V:
         raise ValueError(
-            f"head_dim_v (v's head dim) must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim_v}"
+            f"head_dim {head_dim} goes with head_dim_v {WIDE_HEAD_DIM_V}, got {head_dim_v}"
         )
+
+
+def wide_config(head_dim: int, head_dim_v: int, v_in_k: bool = False) -> "AttentionConfig":
+    """The config of V head dims above 256: 64 rows whose O two warpgroups split, and the
+    longest key block whose K (and V, unless read from K's columns) stages fit."""
+    for tile_n in (64, 48, 32, 16):
+        config = AttentionConfig(64, tile_n, pingpong=False, o_split=2, store_o_from_registers=True)
+        if config.smem_bytes(head_dim, 2, head_dim_v, v_in_k) <= config.smem_limit():
+            return config
+    raise ValueError(f"no tile fits head_dim={head_dim}, head_dim_v={head_dim_v}")
 
 
 # Hopper limits used by validation.
@@ -306,10 +331,14 @@ class AttentionConfig:
         return regs
 
     def validate(
-        self, head_dim: int, dtype: str = "bfloat16", head_dim_v: Optional[int] = None
+        self,
+        head_dim: int,
+        dtype: str = "bfloat16",
+        head_dim_v: Optional[int] = None,
+        v_in_k: bool = False,
     ) -> "AttentionConfig":
         """Raise ValueError if this config cannot run for head_dim/dtype (and V's head dim
-        head_dim_v, default head_dim); return self."""
+        head_dim_v, default head_dim; v_in_k: V read from K's stages); return self."""
         check_head_dims(head_dim, head_dim_v)
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if dtype not in SUPPORTED_DTYPES:
@@ -351,7 +380,7 @@ class AttentionConfig:
                     f"accumulators need ~{acc} registers per MMA thread, more than mma_registers "
                     f"- {REGISTER_HEADROOM} = {self.mma_registers - REGISTER_HEADROOM}"
                 )
-        smem = self.smem_bytes(head_dim, 2, head_dim_v)
+        smem = self.smem_bytes(head_dim, 2, head_dim_v, v_in_k)
         smem_limit = self.smem_limit()
         dims = f"head_dim={head_dim}" + (
             f", head_dim_v={head_dim_v}" if head_dim_v != head_dim else ""
@@ -543,11 +572,15 @@ DECODE_CONFIGS = {
 }
 
 
-def decode_config(head_dim: int, dtype: str, head_dim_v: Optional[int] = None) -> AttentionConfig:
+def decode_config(
+    head_dim: int, dtype: str, head_dim_v: Optional[int] = None, v_in_k: bool = False
+) -> AttentionConfig:
     """The config for decode-like problems (few query rows per kv head); with a V head dim
-    head_dim_v other than head_dim, the row of the larger one."""
+    head_dim_v other than head_dim, the row of the larger one; V above 256: wide_config."""
     if head_dim_v is not None:
         check_head_dims(head_dim, head_dim_v)
+        if head_dim_v > 256:
+            return wide_config(head_dim, head_dim_v, v_in_k)
         head_dim = max(head_dim, head_dim_v)
     try:
         return DECODE_CONFIGS[(head_dim, dtype)]
@@ -565,12 +598,17 @@ def default_config(
     seqlen_q: Optional[int] = None,
     window_span: Optional[int] = None,
     head_dim_v: Optional[int] = None,
+    v_in_k: bool = False,
 ) -> AttentionConfig:
     """The table's config for this problem; ValueError for an unsupported head dim or dtype.
     With seqlen_q, short sequences may get their own config (SHORT_SEQUENCE_CONFIGS); with
     window_span (the most keys a row of a local mask can see), short windows may
     (SHORT_WINDOW_CONFIGS). Other local masks take the causal rows. A V head dim head_dim_v
-    other than head_dim takes its pair's row (PAIR_CONFIGS), or the larger head dim's."""
+    other than head_dim takes its pair's row (PAIR_CONFIGS), or the larger head dim's; V
+    above 256 wide_config."""
+    if head_dim_v is not None and head_dim_v > 256:
+        check_head_dims(head_dim, head_dim_v)
+        return wide_config(head_dim, head_dim_v, v_in_k)
     if head_dim_v is not None and head_dim_v != head_dim:
         check_head_dims(head_dim, head_dim_v)
         pair = PAIR_CONFIGS.get((head_dim, head_dim_v, dtype, bool(causal)))

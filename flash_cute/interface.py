@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import checks, ops, runtime
+from . import config as configs
 from .config import AttentionConfig
 from .plan import Problem, plan_forward
 from .runtime import (
@@ -151,6 +152,7 @@ def flash_attn_func(
         nheads_kv=k.shape[2],
         head_dim=head_dim,
         head_dim_v=v.shape[3],
+        v_in_k=_v_in_k(k, v),
         dtype=checks.dtype_name(q.dtype),
         max_seqlen_q=seqlen_q,
         max_seqlen_k=k.shape[1],
@@ -357,6 +359,7 @@ def flash_attn_varlen_func(
         nheads_kv=k.shape[-2],
         head_dim=head_dim,
         head_dim_v=v.shape[-1],
+        v_in_k=_v_in_k(k, v),
         dtype=checks.dtype_name(q.dtype),
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
@@ -576,6 +579,7 @@ def flash_attn_with_kvcache(
         nheads_kv=k_cache.shape[2],
         head_dim=head_dim,
         head_dim_v=v_cache.shape[3],
+        v_in_k=_v_in_k(k_cache, v_cache),
         dtype=checks.dtype_name(q.dtype),
         max_seqlen_q=seqlen_q,
         max_seqlen_k=max_seqlen_k,
@@ -710,7 +714,9 @@ def _forward(
     checks.check_gqa(problem.nheads, problem.nheads_kv)
     checks.check_grid(problem.nheads, problem.batch)
     scale_log2 = checks.softmax_scale_log2(softmax_scale, problem.head_dim)
-    config = checks.check_config(config, problem.head_dim, problem.dtype, problem.head_dim_v)
+    config = checks.check_config(
+        config, problem.head_dim, problem.dtype, problem.head_dim_v, problem.v_in_k
+    )
     num_splits = checks.check_num_splits(num_splits)
     pack_gqa = checks.check_optional_bool("pack_gqa", pack_gqa)
     named = named or (("q", q), ("k", k), ("v", v))
@@ -762,6 +768,18 @@ def _mask_options(window_size, attention_chunk, softcap, learnable_sink, nheads)
         attention_chunk=checks.check_host_int("attention_chunk", attention_chunk),
         softcap=checks.check_softcap(softcap),
         learnable_sink=checks.check_learnable_sink(learnable_sink, nheads),
+    )
+
+
+def _v_in_k(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether v is a view of k's leading columns (absorbed MLA's latent cache: v = k[..., :dv]),
+    so the kernel reads V from K's tiles instead of loading it (served with the wide paths)."""
+    return (
+        configs.WIDE_PATHS_VERIFIED
+        and v.shape[-1] > 256
+        and v.data_ptr() == k.data_ptr()
+        and v.stride() == k.stride()
+        and v.shape[-1] % 64 == 0
     )
 
 

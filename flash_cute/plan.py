@@ -276,6 +276,7 @@ class ForwardVariant:
             or self.uses_tile_counter
             or self.learnable_sink is not None
             or self.qv
+            or self.v_in_k  # (its replays check that v still aliases k: LaunchPlan.launch)
         )
 
 
@@ -317,7 +318,9 @@ def plan_forward(
     if config is None:
         decode_like = decode_rows and problem.max_seqlen_q * ratio <= DECODE_ROWS
         if decode_like:
-            config = decode_config(problem.head_dim, problem.dtype, problem.head_dim_v)
+            config = decode_config(
+                problem.head_dim, problem.dtype, problem.head_dim_v, problem.v_in_k or problem.qv
+            )
         else:  # a local mask takes the causal rows (a band of the causal triangle, usually)
             config = default_config(
                 problem.head_dim,
@@ -326,6 +329,7 @@ def plan_forward(
                 problem.max_seqlen_q,
                 window_span(window_left, window_right, chunk) if local else None,
                 problem.head_dim_v,
+                problem.v_in_k or problem.qv,
             )
     if pack_gqa is None:  # K/V tiles read once for all q heads of a kv head
         pack_gqa = ratio > 1 and config.tile_m % ratio == 0

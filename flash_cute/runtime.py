@@ -288,6 +288,7 @@ class LaunchPlan:
         "out_like_q",
         "int_capacity",
         "buffers",
+        "v_in_k",
     )
 
     def __init__(
@@ -316,6 +317,7 @@ class LaunchPlan:
             plan.num_splits,
         )
         self.num_counters = plan.num_counters
+        self.v_in_k = plan.variant.v_in_k  # replays check that v still aliases k
         self.scratch = None  # a split launch's scratch layout
         if plan.variant.split:
             self.scratch = SplitScratchLayout.for_shapes(plan.num_splits, out_shape, lse_shape)
@@ -389,6 +391,9 @@ class LaunchPlan:
         if self.short:  # the common call
             self.kernel(q, k, v, out, kv_length, self.scale_log2, self.max_ctas)
             return out
+        if self.v_in_k and (v.data_ptr() != k.data_ptr() or v.stride() != k.stride()):
+            # (A call whose key matched, with a v of its own: the checks plan it anew.)
+            raise ValueError("this launch plan reads v from k's columns; v is not a view of k")
         lse = None
         if self.lse_shape is not None:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)

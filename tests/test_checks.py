@@ -389,3 +389,16 @@ def test_sink_must_be_on_q_device():
     cpu = SimpleNamespace(is_cuda=False, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="learnable_sink must be on q's device"):
         checks.check_cuda((("q", gpu0), ("learnable_sink", cpu)))
+
+
+def test_v_in_k_is_a_view_of_k_leading_columns(monkeypatch):
+    from flash_cute import config as configs
+    from flash_cute.interface import _v_in_k
+
+    cache = torch.randn(4, 16, 1, 576, dtype=torch.bfloat16)
+    assert not _v_in_k(cache, cache[..., :512])  # (until the wide paths are served)
+    monkeypatch.setattr(configs, "WIDE_PATHS_VERIFIED", True)
+    assert _v_in_k(cache, cache[..., :512])
+    assert not _v_in_k(cache, cache[..., :512].clone())
+    assert not _v_in_k(cache, cache[..., 64:])  # V must be K's leading columns
+    assert not _v_in_k(cache[..., :256], cache[..., :128])  # served pairs load V themselves

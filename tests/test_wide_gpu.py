@@ -137,3 +137,30 @@ def test_absorbed_mla_qv_form(seqlen_q, nheads, page_size, num_splits):
     q_all, k_all = torch.cat([qv, q], -1), torch.cat([v_pad, k_pad], -1)
     refs, lowps, lse_refs = cache_reference(q_all, k_all, v_pad, lens.tolist(), True)
     assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
+
+
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_api_serves_the_latent_cache_once_switched_on(monkeypatch, page_size):
+    """Through flash_attn_with_kvcache (with the wide paths switched on): v_cache a view of
+    the latent cache's first 512 dims plans V read from K's columns; a separate v does not."""
+    import flash_cute
+    from flash_cute import config as configs
+    from flash_cute.runtime import KVCACHE_PLANS
+
+    monkeypatch.setattr(configs, "WIDE_PATHS_VERIFIED", True)
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla-api", page_size))
+    k_cache, _, page_table, k_pad, _ = make_cache(2, 300, 1, 576, BF16, page_size, gen)
+    q = torch.randn(2, 1, 64, 576, device="cuda", dtype=BF16, generator=gen)
+    lens = torch.tensor([300, 17], device="cuda", dtype=torch.int32)
+    call = dict(cache_seqlens=lens, page_table=page_table, return_softmax_lse=True)
+    KVCACHE_PLANS.clear()
+    out, lse = flash_cute.flash_attn_with_kvcache(q, k_cache, k_cache[..., :512], **call)
+    assert [p.v_in_k for p in KVCACHE_PLANS.values()] == [True]
+    refs, lowps, lse_refs = cache_reference(q, k_pad, k_pad[..., :512], lens.tolist(), False)
+    assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
+    # A v of its own with the same shapes: the v_in_k plan refuses it and the call is planned
+    # anew (V loaded).
+    v_own = k_cache[..., :512].clone()
+    again, lse = flash_cute.flash_attn_with_kvcache(q, k_cache, v_own, **call)
+    assert sorted(p.v_in_k for p in KVCACHE_PLANS.values()) == [False]
+    assert_close_to_reference(*per_batch(again, lse), refs, lowps, lse_refs)
