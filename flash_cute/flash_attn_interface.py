@@ -94,26 +94,20 @@ def flash_attn_func(
     num_splits: 1 none, 0 the heuristic, n forces n. See flash_cute.flash_attn_func."""
     if type(window_size) is not tuple:
         window_size = _window_pair(window_size)
-    if (
-        qv is not None
-        or q_descale is not None
-        or k_descale is not None
-        or v_descale is not None
-        or sm_margin
-    ):
+    if q_descale is not None or k_descale is not None or v_descale is not None or sm_margin:
         _unsupported(
-            qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
             sm_margin=sm_margin or None,
         )  # fmt: skip
     if num_splits == 1 and pack_gqa is None:
         return _native_func(
             q, k, v, softmax_scale, causal, return_attn_probs, None, None, window_size,
-            attention_chunk, softcap, learnable_sink,
+            attention_chunk, softcap, learnable_sink, qv,
         )  # fmt: skip
     # Split-KV or packed GQA over a padded batch: the cache entry point, whole cache.
     return _native_kvcache(
         q, k, v, None, None, softmax_scale, causal, num_splits, pack_gqa, return_attn_probs,
-        None, None, window_size, attention_chunk, softcap, learnable_sink,
+        None, None, window_size, attention_chunk, softcap, learnable_sink, qv=qv,
     )  # fmt: skip
 
 
@@ -198,15 +192,9 @@ def flash_attn_varlen_func(
     See flash_cute.flash_attn_varlen_func."""
     if type(window_size) is not tuple:
         window_size = _window_pair(window_size)
-    if (
-        qv is not None
-        or q_descale is not None
-        or k_descale is not None
-        or v_descale is not None
-        or sm_margin
-    ):
+    if q_descale is not None or k_descale is not None or v_descale is not None or sm_margin:
         _unsupported(
-            qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
             sm_margin=sm_margin or None,
         )  # fmt: skip
     if cu_seqlens_q is None:
@@ -219,11 +207,12 @@ def flash_attn_varlen_func(
         return _native_kvcache(
             q, k, v, seqused_k, None, softmax_scale, causal, num_splits, pack_gqa,
             return_attn_probs, None, None, window_size, attention_chunk, softcap, learnable_sink,
+            qv=qv,
         )  # fmt: skip
     return _native_varlen(
         q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k, None,
         softmax_scale, causal, num_splits, pack_gqa, return_attn_probs, None, None, window_size,
-        attention_chunk, softcap, learnable_sink, seqused_q,
+        attention_chunk, softcap, learnable_sink, seqused_q, qv=qv,
     )  # fmt: skip
 
 
@@ -284,7 +273,6 @@ def flash_attn_with_kvcache(
     if (
         k is not None
         or v is not None
-        or qv is not None
         or rotary_cos is not None
         or rotary_sin is not None
         or cu_seqlens_k_new is not None
@@ -296,7 +284,6 @@ def flash_attn_with_kvcache(
         _unsupported(
             k=k,
             v=v,
-            qv=qv,
             rotary_cos=rotary_cos,
             rotary_sin=rotary_sin,
             cu_seqlens_k_new=cu_seqlens_k_new,
@@ -311,7 +298,7 @@ def flash_attn_with_kvcache(
         result = _native_kvcache(
             q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, causal, num_splits,
             pack_gqa, return_softmax_lse, None, None, window_size, attention_chunk, softcap,
-            learnable_sink, cache_batch_idx, cache_leftpad,
+            learnable_sink, cache_batch_idx, cache_leftpad, qv,
         )  # fmt: skip
     else:
         if max_seqlen_q is None:
@@ -326,7 +313,7 @@ def flash_attn_with_kvcache(
             q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, None, seqused_k, None, page_table,
             softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, None, None,
             window_size, attention_chunk, softcap, learnable_sink, None, cache_batch_idx,
-            cache_leftpad,
+            cache_leftpad, qv,
         )  # fmt: skip
     if not return_softmax_lse:
         return result

@@ -53,6 +53,7 @@ def flash_attn_func(
     attention_chunk: int = 0,
     softcap: float = 0.0,
     learnable_sink: Optional[torch.Tensor] = None,
+    qv: Optional[torch.Tensor] = None,
 ):
     """Scaled dot-product attention forward on Hopper.
 
@@ -83,6 +84,10 @@ def flash_attn_func(
             term exp(sink) in each row's softmax denominator with no value row (not scaled by
             softmax_scale). The returned LSE includes it; a row that sees no key gets out = 0
             and lse = its sink.
+        qv: FlashAttention-3's absorbed-MLA form: (..., nheads, headdim_v) like q with v's
+            head dim; the scores are q k^T + qv v^T (q and k then hold the rope part, e.g.
+            64 against v's 512) and the default scale 1/sqrt(headdim + headdim_v). Served
+            with the wide heads (flash_cute.config.WIDE_PATHS_VERIFIED).
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype, and with return_lse also
@@ -95,7 +100,7 @@ def flash_attn_func(
     if _is_compiling():
         return ops.traced_func(
             q, k, v, softmax_scale, causal, return_lse, out, config, window_size,
-            attention_chunk, softcap, learnable_sink,
+            attention_chunk, softcap, learnable_sink, qv,
         )  # fmt: skip
     try:  # a call like an earlier one replays its launch plan (runtime.LaunchPlan); hot
         # The compiled function checks the rest of q, k, v and out (LaunchPlan.launch); without
@@ -117,6 +122,7 @@ def flash_attn_func(
             attention_chunk,
             softcap,
             None if learnable_sink is None else (learnable_sink.shape, learnable_sink.dtype),
+            qv if qv is None else (qv.shape, qv.dtype),
             type(softmax_scale),
             type(causal),
             type(return_lse),
@@ -130,9 +136,11 @@ def flash_attn_func(
         plan.device_index == current_device() if out is None else plan.usable(q, k, v, out)
     ):
         try:
-            if learnable_sink is None:
+            if learnable_sink is None and qv is None:
                 return plan.launch(q, k, v, out)
-            return plan.launch(q, k, v, out, None, None, None, None, 0, learnable_sink)
+            return plan.launch(
+                q, k, v, out, None, None, None, None, 0, learnable_sink, None, None, None, qv
+            )
         except Exception:  # an argument the compiled function refused: the checks below name it
             pass
     checks.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
@@ -146,13 +154,15 @@ def flash_attn_func(
     if k.shape[3] != head_dim:
         raise ValueError(f"k must have headdim {head_dim} (that of q), got shape {tuple(k.shape)}")
     checks.check_v_shape("v", v, "k", k)
+    _check_qv(qv, q, v)
     problem = Problem(
         batch=batch,
         nheads=nheads,
         nheads_kv=k.shape[2],
-        head_dim=head_dim,
+        head_dim=head_dim + (0 if qv is None else v.shape[3]),
         head_dim_v=v.shape[3],
         v_in_k=_v_in_k(k, v),
+        qv=qv is not None,
         dtype=checks.dtype_name(q.dtype),
         max_seqlen_q=seqlen_q,
         max_seqlen_k=k.shape[1],
@@ -175,8 +185,9 @@ def flash_attn_func(
         1,
         False,
         decode_rows=False,
-        named=(("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink)),
+        named=(("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink), ("qv", qv)),
         learnable_sink=learnable_sink,
+        qv=qv,
     )
 
 
@@ -204,6 +215,7 @@ def flash_attn_varlen_func(
     seqused_q: Optional[torch.Tensor] = None,
     cache_batch_idx: Optional[torch.Tensor] = None,
     cache_leftpad: Optional[torch.Tensor] = None,
+    qv: Optional[torch.Tensor] = None,
 ):
     """Attention over a batch of variable-length sequences packed along one token dimension.
 
@@ -250,7 +262,7 @@ def flash_attn_varlen_func(
             q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k,
             page_table, softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out,
             config, window_size, attention_chunk, softcap, learnable_sink, seqused_q,
-            cache_batch_idx, cache_leftpad,
+            cache_batch_idx, cache_leftpad, qv,
         )  # fmt: skip
     try:  # a call like an earlier one replays its launch plan (runtime.LaunchPlan); hot
         # As in flash_attn_func: the compiled function checks the rest of the arguments (the
@@ -271,6 +283,7 @@ def flash_attn_varlen_func(
             _int_meta(seqused_q),
             _int_meta(cache_batch_idx),
             _int_meta(cache_leftpad),
+            _int_meta(qv),
             max_seqlen_q,
             max_seqlen_k,
             softmax_scale,
@@ -302,7 +315,7 @@ def flash_attn_varlen_func(
         try:
             return plan.launch(
                 q, k, v, out, seqused_k, page_table, cu_seqlens_q, cu_seqlens_k, 0, learnable_sink,
-                seqused_q, cache_batch_idx, cache_leftpad,
+                seqused_q, cache_batch_idx, cache_leftpad, qv,
             )  # fmt: skip
         except Exception:  # an argument the compiled function refused: the checks below name it
             pass
@@ -326,6 +339,7 @@ def flash_attn_varlen_func(
     checks.check_same_dtype("k", k, "q", q)
     checks.check_same_dtype("v", v, "q", q)
     checks.check_v_shape("v", v, "k", k)
+    _check_qv(qv, q, v)
     total_q, nheads, head_dim = q.shape
     if k.shape[-1] != head_dim:
         raise ValueError(f"k must have headdim {head_dim} (that of q), got shape {tuple(k.shape)}")
@@ -357,9 +371,10 @@ def flash_attn_varlen_func(
         batch=batch,
         nheads=nheads,
         nheads_kv=k.shape[-2],
-        head_dim=head_dim,
+        head_dim=head_dim + (0 if qv is None else v.shape[-1]),
         head_dim_v=v.shape[-1],
         v_in_k=_v_in_k(k, v),
+        qv=qv is not None,
         dtype=checks.dtype_name(q.dtype),
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
@@ -400,6 +415,7 @@ def flash_attn_varlen_func(
             ("seqused_q", seqused_q),
             ("cache_batch_idx", cache_batch_idx),
             ("cache_leftpad", cache_leftpad),
+            ("qv", qv),
         ),
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
@@ -409,6 +425,7 @@ def flash_attn_varlen_func(
         seqused_q=seqused_q,
         kv_batch_idx=cache_batch_idx,
         leftpad_k=cache_leftpad,
+        qv=qv,
     )
 
 
@@ -431,6 +448,7 @@ def flash_attn_with_kvcache(
     learnable_sink: Optional[torch.Tensor] = None,
     cache_batch_idx: Optional[torch.Tensor] = None,
     cache_leftpad: Optional[torch.Tensor] = None,
+    qv: Optional[torch.Tensor] = None,
 ):
     """Attention of new queries over a KV cache (decoding, and prefill against a cache).
 
@@ -474,7 +492,7 @@ def flash_attn_with_kvcache(
         return ops.traced_kvcache(
             q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, causal, num_splits,
             pack_gqa, return_softmax_lse, out, config, window_size, attention_chunk, softcap,
-            learnable_sink, cache_batch_idx, cache_leftpad,
+            learnable_sink, cache_batch_idx, cache_leftpad, qv,
         )  # fmt: skip
     try:  # a call like an earlier one replays its launch plan (runtime.LaunchPlan); hot
         if isinstance(cache_seqlens, torch.Tensor):
@@ -496,6 +514,7 @@ def flash_attn_with_kvcache(
             _int_meta(page_table),
             _int_meta(cache_batch_idx),
             _int_meta(cache_leftpad),
+            _int_meta(qv),
             q.is_contiguous()
             if out is None
             else (q.stride(), k_cache.stride(), v_cache.stride(), out.stride()),
@@ -529,12 +548,12 @@ def flash_attn_with_kvcache(
             if plan.int_capacity is None:
                 return plan.launch(
                     q, k_cache, v_cache, out, cache_seqlens, page_table, None, None, 0,
-                    learnable_sink, None, cache_batch_idx, cache_leftpad,
+                    learnable_sink, None, cache_batch_idx, cache_leftpad, qv,
                 )  # fmt: skip
             if 0 <= cache_seqlens <= plan.int_capacity:  # otherwise the checks below raise
                 return plan.launch(
                     q, k_cache, v_cache, out, None, page_table, None, None, cache_seqlens,
-                    learnable_sink, None, cache_batch_idx, cache_leftpad,
+                    learnable_sink, None, cache_batch_idx, cache_leftpad, qv,
                 )  # fmt: skip
         except Exception:  # an argument the compiled function refused: the checks below name it
             pass
@@ -549,6 +568,7 @@ def flash_attn_with_kvcache(
     checks.check_same_dtype("k_cache", k_cache, "q", q)
     checks.check_same_dtype("v_cache", v_cache, "q", q)
     checks.check_v_shape("v_cache", v_cache, "k_cache", k_cache)
+    _check_qv(qv, q, v_cache)
     batch, seqlen_q, nheads, head_dim = q.shape
     if k_cache.shape[3] != head_dim:
         raise ValueError(
@@ -577,9 +597,10 @@ def flash_attn_with_kvcache(
         batch=batch,
         nheads=nheads,
         nheads_kv=k_cache.shape[2],
-        head_dim=head_dim,
+        head_dim=head_dim + (0 if qv is None else v_cache.shape[3]),
         head_dim_v=v_cache.shape[3],
         v_in_k=_v_in_k(k_cache, v_cache),
+        qv=qv is not None,
         dtype=checks.dtype_name(q.dtype),
         max_seqlen_q=seqlen_q,
         max_seqlen_k=max_seqlen_k,
@@ -617,6 +638,7 @@ def flash_attn_with_kvcache(
             ("learnable_sink", learnable_sink),
             ("cache_batch_idx", cache_batch_idx),
             ("cache_leftpad", cache_leftpad),
+            ("qv", qv),
         ),
         seqused_k=seqused_k,
         page_table=page_table,
@@ -625,6 +647,7 @@ def flash_attn_with_kvcache(
         learnable_sink=learnable_sink,
         kv_batch_idx=cache_batch_idx,
         leftpad_k=cache_leftpad,
+        qv=qv,
     )
 
 
@@ -704,6 +727,7 @@ def _forward(
     seqused_q=None,
     kv_batch_idx=None,
     leftpad_k=None,
+    qv=None,
 ):
     """The forward path every entry point shares once its own arguments are checked and its
     call is described by `problem`: the common checks, the plan step, a launch plan (kept in
@@ -742,17 +766,18 @@ def _forward(
     # TMA reads strides of 16 bytes: a tensor with others goes in as a copy (and such a call
     # is not replayed).
     q_k, k_k, v_k = checks.for_tma(q), checks.for_tma(k), checks.for_tma(v)
+    qv_k = qv if qv is None else checks.for_tma(qv)
     out_k = checks.for_tma(out) if checks.aligned_16b(out) else None
     with runtime.on_device(q.device):  # (its buffers follow q's device's current stream)
         result = launch.launch(
             q_k, k_k, v_k, out_k, seqused_k, page_table, cu_seqlens_q, cu_seqlens_k,
             0 if kv_length is None else kv_length, learnable_sink, seqused_q, kv_batch_idx,
-            leftpad_k,
+            leftpad_k, qv_k,
         )  # fmt: skip
     out_k, lse = result if problem.writes_lse else (result, None)
     if out_k.data_ptr() != out.data_ptr():
         out.copy_(out_k)
-    if q_k is q and k_k is k and v_k is v and out_k is out:
+    if q_k is q and k_k is k and v_k is v and out_k is out and qv_k is qv:
         if kv_length is not None:
             launch.int_capacity = int_capacity  # replays check their length against it
         plans.remember(key, launch)
@@ -769,6 +794,24 @@ def _mask_options(window_size, attention_chunk, softcap, learnable_sink, nheads)
         softcap=checks.check_softcap(softcap),
         learnable_sink=checks.check_learnable_sink(learnable_sink, nheads),
     )
+
+
+def _check_qv(qv, q: torch.Tensor, v: torch.Tensor) -> None:
+    """qv (FlashAttention-3's absorbed MLA): like q with v's head dim, q's dtype; served with
+    the wide heads."""
+    if qv is None:
+        return
+    if not configs.WIDE_PATHS_VERIFIED:
+        raise NotImplementedError(
+            "flash_cute does not serve qv (absorbed MLA) yet: its kernels await a GPU run"
+        )
+    checks.check_tensor("qv", qv, q.dim(), "q's shape with v's head dim")
+    checks.check_same_dtype("qv", qv, "q", q)
+    if tuple(qv.shape) != (*q.shape[:-1], v.shape[-1]):
+        raise ValueError(
+            f"qv must have shape {(*q.shape[:-1], v.shape[-1])} (q's, with v's head dim), "
+            f"got {tuple(qv.shape)}"
+        )
 
 
 def _v_in_k(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -815,10 +858,10 @@ def _int_meta(t):
 
 
 def _func_op(q, k, v, out, softmax_scale, causal, return_lse, config, window_size,
-             attention_chunk, softcap, learnable_sink):  # fmt: skip
+             attention_chunk, softcap, learnable_sink, qv):  # fmt: skip
     result = flash_attn_func(
         q, k, v, softmax_scale, causal, return_lse, out, ops.config_from_str(config),
-        tuple(window_size), attention_chunk, softcap, learnable_sink,
+        tuple(window_size), attention_chunk, softcap, learnable_sink, qv,
     )  # fmt: skip
     return ops.lse_or_empty(result, return_lse, q)
 
@@ -826,12 +869,12 @@ def _func_op(q, k, v, out, softmax_scale, causal, return_lse, config, window_siz
 def _varlen_op(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k,
                page_table, softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out,
                config, window_size, attention_chunk, softcap, learnable_sink, seqused_q,
-               cache_batch_idx, cache_leftpad):  # fmt: skip
+               cache_batch_idx, cache_leftpad, qv):  # fmt: skip
     result = flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k, page_table,
         softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out,
         ops.config_from_str(config), tuple(window_size), attention_chunk, softcap,
-        learnable_sink, seqused_q, cache_batch_idx, cache_leftpad,
+        learnable_sink, seqused_q, cache_batch_idx, cache_leftpad, qv,
     )  # fmt: skip
     return ops.lse_or_empty(result, return_softmax_lse, q)
 
@@ -839,13 +882,12 @@ def _varlen_op(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max
 def _kvcache_op(q, k_cache, v_cache, cache_seqlens, cache_seqlens_int, page_table,
                 softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out, config,
                 window_size, attention_chunk, softcap, learnable_sink, cache_batch_idx,
-                cache_leftpad):  # fmt: skip
+                cache_leftpad, qv):  # fmt: skip
     lengths = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
     result = flash_attn_with_kvcache(
         q, k_cache, v_cache, lengths, page_table, softmax_scale, causal, num_splits, pack_gqa,
         return_softmax_lse, out, ops.config_from_str(config), tuple(window_size),
-        attention_chunk, softcap, learnable_sink, cache_batch_idx=cache_batch_idx,
-        cache_leftpad=cache_leftpad,
+        attention_chunk, softcap, learnable_sink, cache_batch_idx, cache_leftpad, qv,
     )  # fmt: skip
     return ops.lse_or_empty(result, return_softmax_lse, q)
 

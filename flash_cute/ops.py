@@ -76,13 +76,14 @@ def flash_attn_func_op(
     attention_chunk: int,
     softcap: float,
     learnable_sink: Optional[torch.Tensor],
+    qv: Optional[torch.Tensor],
 ) -> torch.Tensor:
     _no_kernel(q)
 
 
 @flash_attn_func_op.register_fake
 def _(q, k, v, out, softmax_scale, causal, return_lse, config, window_size, attention_chunk,
-      softcap, learnable_sink):  # fmt: skip
+      softcap, learnable_sink, qv):  # fmt: skip
     batch, seqlen_q, nheads, _ = q.shape
     return _fake_lse(q, (batch, nheads, seqlen_q), return_lse)
 
@@ -117,6 +118,7 @@ def flash_attn_varlen_func_op(
     seqused_q: Optional[torch.Tensor],
     cache_batch_idx: Optional[torch.Tensor],
     cache_leftpad: Optional[torch.Tensor],
+    qv: Optional[torch.Tensor],
 ) -> torch.Tensor:
     _no_kernel(q)
 
@@ -124,8 +126,8 @@ def flash_attn_varlen_func_op(
 @flash_attn_varlen_func_op.register_fake
 def _(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k, page_table,
       softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out, config, window_size,
-      attention_chunk, softcap, learnable_sink, seqused_q, cache_batch_idx,
-      cache_leftpad):  # fmt: skip
+      attention_chunk, softcap, learnable_sink, seqused_q, cache_batch_idx, cache_leftpad,
+      qv):  # fmt: skip
     total_q, nheads, _ = q.shape
     return _fake_lse(q, (nheads, total_q), return_softmax_lse)
 
@@ -156,6 +158,7 @@ def flash_attn_with_kvcache_op(
     learnable_sink: Optional[torch.Tensor],
     cache_batch_idx: Optional[torch.Tensor],
     cache_leftpad: Optional[torch.Tensor],
+    qv: Optional[torch.Tensor],
 ) -> torch.Tensor:
     _no_kernel(q)
 
@@ -163,7 +166,7 @@ def flash_attn_with_kvcache_op(
 @flash_attn_with_kvcache_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, cache_seqlens_int, page_table, softmax_scale, causal,
       num_splits, pack_gqa, return_softmax_lse, out, config, window_size, attention_chunk,
-      softcap, learnable_sink, cache_batch_idx, cache_leftpad):  # fmt: skip
+      softcap, learnable_sink, cache_batch_idx, cache_leftpad, qv):  # fmt: skip
     batch, seqlen_q, nheads, _ = q.shape
     return _fake_lse(q, (batch, nheads, seqlen_q), return_softmax_lse)
 
@@ -202,12 +205,12 @@ def _new_out(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def traced_func(q, k, v, softmax_scale, causal, return_lse, out, config, window_size,
-                attention_chunk, softcap, learnable_sink):  # fmt: skip
+                attention_chunk, softcap, learnable_sink, qv=None):  # fmt: skip
     if out is None:
         out = _new_out(q, v)
     lse = flash_attn_func_op(
         q, k, v, out, softmax_scale, causal, return_lse, config_to_str(config),
-        list(window_size), attention_chunk, softcap, learnable_sink,
+        list(window_size), attention_chunk, softcap, learnable_sink, qv,
     )  # fmt: skip
     return _result(out, lse, return_lse)
 
@@ -215,14 +218,14 @@ def traced_func(q, k, v, softmax_scale, causal, return_lse, out, config, window_
 def traced_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k,
                   page_table, softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse,
                   out, config, window_size, attention_chunk, softcap, learnable_sink,
-                  seqused_q, cache_batch_idx, cache_leftpad):  # fmt: skip
+                  seqused_q, cache_batch_idx, cache_leftpad, qv=None):  # fmt: skip
     if out is None:
         out = _new_out(q, v)
     lse = flash_attn_varlen_func_op(
         q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k, page_table,
         softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out,
         config_to_str(config), list(window_size), attention_chunk, softcap, learnable_sink,
-        seqused_q, cache_batch_idx, cache_leftpad,
+        seqused_q, cache_batch_idx, cache_leftpad, qv,
     )  # fmt: skip
     return _result(out, lse, return_softmax_lse)
 
@@ -230,7 +233,7 @@ def traced_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, 
 def traced_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, causal,
                    num_splits, pack_gqa, return_softmax_lse, out, config, window_size,
                    attention_chunk, softcap, learnable_sink, cache_batch_idx,
-                   cache_leftpad):  # fmt: skip
+                   cache_leftpad, qv=None):  # fmt: skip
     if out is None:
         out = _new_out(q, v_cache)
     tensor_lengths = isinstance(cache_seqlens, torch.Tensor)
@@ -238,7 +241,7 @@ def traced_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale
         q, k_cache, v_cache, cache_seqlens if tensor_lengths else None,
         None if tensor_lengths else cache_seqlens, page_table, softmax_scale, causal, num_splits,
         pack_gqa, return_softmax_lse, out, config_to_str(config), list(window_size),
-        attention_chunk, softcap, learnable_sink, cache_batch_idx, cache_leftpad,
+        attention_chunk, softcap, learnable_sink, cache_batch_idx, cache_leftpad, qv,
     )  # fmt: skip
     return _result(out, lse, return_softmax_lse)
 

@@ -402,3 +402,10 @@ def test_v_in_k_is_a_view_of_k_leading_columns(monkeypatch):
     assert not _v_in_k(cache, cache[..., :512].clone())
     assert not _v_in_k(cache, cache[..., 64:])  # V must be K's leading columns
     assert not _v_in_k(cache[..., :256], cache[..., :128])  # served pairs load V themselves
+
+
+def test_qv_waits_for_the_wide_heads():
+    q, k, v = (torch.randn(1, 4, 8, 64, dtype=torch.bfloat16) for _ in range(3))
+    qv = torch.randn(1, 4, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="qv"):
+        flash_cute.flash_attn_func(q, k, v, qv=qv)

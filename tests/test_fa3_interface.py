@@ -271,6 +271,24 @@ def test_kvcache_maps_to_native(natives):
         fa3.flash_attn_with_kvcache(qv, pages, pages, page_table=table, cu_seqlens_q=int32(0, 7))
 
 
+def test_qv_passes_through(natives):
+    """FlashAttention-3's absorbed-MLA qv reaches every native entry point (which serve it with
+    the wide heads)."""
+    q, k, v, qv = (
+        tensors(1, 4, 8, 64),
+        tensors(1, 9, 1, 64),
+        tensors(1, 9, 1, 512),
+        tensors(1, 4, 8, 512),
+    )
+    fa3.flash_attn_func(q, k, v, qv=qv)
+    assert natives["func"].calls[-1]["qv"] is qv
+    fa3.flash_attn_with_kvcache(q, k, v, qv=qv, cache_seqlens=5)
+    assert natives["kvcache"].calls[-1]["qv"] is qv
+    qv0 = qv[0]
+    fa3.flash_attn_varlen_func(q[0], k[0], v[0], int32(0, 4), int32(0, 9), 4, 9, qv=qv0)
+    assert natives["varlen"].calls[-1]["qv"] is qv0
+
+
 def test_kvcache_lse_returns_fa3_tuple(monkeypatch):
     out, lse = tensors(1, 1, 8, 64), torch.zeros(1, 8, 1)
     monkeypatch.setattr(fa3, "_native_kvcache", lambda *a, **k: (out, lse))
@@ -287,7 +305,6 @@ def _q_k():
 @pytest.mark.parametrize(
     "call, names",
     [
-        (lambda q, k: fa3.flash_attn_func(q, k, k, qv=q), ["qv"]),
         (
             lambda q, k: fa3.flash_attn_func(q, k, k, q_descale=1, v_descale=1),
             ["q_descale", "v_descale"],
@@ -297,12 +314,6 @@ def _q_k():
             lambda q, k: fa3.flash_attn_qkvpacked_func(torch.stack([q, k, k], 2), k_descale=1),
             ["k_descale"],
         ),  # noqa: E501
-        (
-            lambda q, k: fa3.flash_attn_varlen_func(
-                q[0], k[0], k[0], int32(0, 4), int32(0, 4), 4, 4, qv=q
-            ),  # noqa: E501
-            ["qv"],
-        ),
         (lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, k=k, v=k), ["k", "v"]),
         (
             lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, rotary_cos=q, rotary_sin=q),

@@ -29,32 +29,32 @@ def op_cases():
     yield (
         "func",
         ops.flash_attn_func_op,
-        (q, k, k, meta(2, 9, 8, 64), 0.125, True, True, config, [4, 0], 0, 5.0, sink),
+        (q, k, k, meta(2, 9, 8, 64), 0.125, True, True, config, [4, 0], 0, 5.0, sink, None),
     )
     yield (
         "func-no-lse",
         ops.flash_attn_func_op,
-        (q, k, k, meta(2, 9, 8, 64), None, False, False, None, [-1, -1], 8, 0.0, None),
+        (q, k, k, meta(2, 9, 8, 64), None, False, False, None, [-1, -1], 8, 0.0, None, None),
     )
     yield (
         "varlen",
         ops.flash_attn_varlen_func_op,
         (qv, kv, kv, meta_int32(3), 20, meta_int32(3), meta_int32(2), 25, None, None, True,
          0, None, True, meta(30, 8, 64), None, [-1, -1], 0, 0.0, None, meta_int32(2), None,
-         None),
+         None, None),
     )  # fmt: skip
     yield (
         "kvcache",
         ops.flash_attn_with_kvcache_op,
         (q, meta(50, 16, 2, 64), meta(50, 16, 2, 64), meta_int32(2), None,
          torch.empty(2, 4, dtype=torch.int32, device=META), None, True, 0, True, True,
-         meta(2, 9, 8, 64), None, [-1, -1], 0, 0.0, sink, None, None),
+         meta(2, 9, 8, 64), None, [-1, -1], 0, 0.0, sink, None, None, None),
     )  # fmt: skip
     yield (
         "kvcache-int",
         ops.flash_attn_with_kvcache_op,
         (q, k, k, None, 11, None, None, False, 1, None, False, meta(2, 9, 8, 64), None,
-         [-1, -1], 0, 0.0, None, meta_int32(2), meta_int32(2)),
+         [-1, -1], 0, 0.0, None, meta_int32(2), meta_int32(2), None),
     )  # fmt: skip
     yield (
         "combine",

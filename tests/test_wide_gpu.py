@@ -164,3 +164,25 @@ def test_api_serves_the_latent_cache_once_switched_on(monkeypatch, page_size):
     again, lse = flash_cute.flash_attn_with_kvcache(q, k_cache, v_own, **call)
     assert sorted(p.v_in_k for p in KVCACHE_PLANS.values()) == [False]
     assert_close_to_reference(*per_batch(again, lse), refs, lowps, lse_refs)
+
+
+def test_api_serves_qv_once_switched_on(monkeypatch):
+    """FlashAttention-3's qv through flash_attn_with_kvcache, native and FA3 module (with the
+    wide paths switched on): default scale 1 / sqrt(64 + 512)."""
+    import flash_cute
+    from flash_cute import config as configs
+    from flash_cute import flash_attn_interface as fa3
+
+    monkeypatch.setattr(configs, "WIDE_PATHS_VERIFIED", True)
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("qv-api"))
+    k_cache, v_cache, page_table, k_pad, v_pad = make_cache(2, 300, 1, 64, BF16, 64, gen, 512)
+    q = torch.randn(2, 1, 64, 64, device="cuda", dtype=BF16, generator=gen)
+    qv = torch.randn(2, 1, 64, 512, device="cuda", dtype=BF16, generator=gen)
+    lens = torch.tensor([300, 17], device="cuda", dtype=torch.int32)
+    call = dict(cache_seqlens=lens, page_table=page_table, qv=qv, return_softmax_lse=True)
+    out, lse = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, **call)
+    q_all, k_all = torch.cat([qv, q], -1), torch.cat([v_pad, k_pad], -1)
+    refs, lowps, lse_refs = cache_reference(q_all, k_all, v_pad, lens.tolist(), False)
+    assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
+    fa3_out, fa3_lse, *_ = fa3.flash_attn_with_kvcache(q, k_cache, v_cache, **call)
+    assert torch.equal(fa3_out, out) and torch.equal(fa3_lse, lse)
