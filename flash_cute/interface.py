@@ -240,6 +240,7 @@ def flash_attn_varlen_func(
         cache_batch_idx, cache_leftpad: with padded or paged k, v, as in
             flash_attn_with_kvcache (sequence b reads cache row or page-table row
             cache_batch_idx[b]; its keys start at slot cache_leftpad[b]).
+        qv: (total_q, nheads, headdim_v), as in flash_attn_func.
         page_table: (batch, max_pages_per_seq) int32 page indices.
         num_splits: 1 (default) no split-KV; n forces n; 0 picks with the heuristic.
         pack_gqa: fold the q heads of a kv head into one tile (as in flash_attn_with_kvcache).
@@ -277,13 +278,13 @@ def flash_attn_varlen_func(
             else (q.stride(), k.stride(), v.stride(), out.stride()),
             cu_seqlens_q.shape,
             cu_seqlens_q.dtype,
-            _int_meta(cu_seqlens_k),
-            _int_meta(seqused_k),
-            _int_meta(page_table),
-            _int_meta(seqused_q),
-            _int_meta(cache_batch_idx),
-            _int_meta(cache_leftpad),
-            _int_meta(qv),
+            None if cu_seqlens_k is None else (cu_seqlens_k.shape, cu_seqlens_k.dtype),
+            None if seqused_k is None else (seqused_k.shape, seqused_k.dtype),
+            None if page_table is None else (page_table.shape, page_table.dtype),
+            None if seqused_q is None else (seqused_q.shape, seqused_q.dtype),
+            None if cache_batch_idx is None else (cache_batch_idx.shape, cache_batch_idx.dtype),
+            None if cache_leftpad is None else (cache_leftpad.shape, cache_leftpad.dtype),
+            None if qv is None else (qv.shape, qv.dtype),
             max_seqlen_q,
             max_seqlen_k,
             softmax_scale,
@@ -478,6 +479,8 @@ def flash_attn_with_kvcache(
             rows. Indices are clamped to the rows there are (checking needs a host sync).
         cache_leftpad: (batch,) int32: sequence b's keys are cache slots cache_leftpad[b] ..
             cache_seqlens[b] - 1 (of its cache row, or of its pages in table order).
+        qv: (batch, seqlen_q, nheads, headdim_v), as in flash_attn_func: absorbed MLA decode
+            with k_cache the rope part and v_cache the latent.
         Other arguments as in flash_attn_func.
 
     Returns:
@@ -511,10 +514,10 @@ def flash_attn_with_kvcache(
             q.get_device(),
             k_cache.shape,
             seqlens_meta,
-            _int_meta(page_table),
-            _int_meta(cache_batch_idx),
-            _int_meta(cache_leftpad),
-            _int_meta(qv),
+            None if page_table is None else (page_table.shape, page_table.dtype),
+            None if cache_batch_idx is None else (cache_batch_idx.shape, cache_batch_idx.dtype),
+            None if cache_leftpad is None else (cache_leftpad.shape, cache_leftpad.dtype),
+            None if qv is None else (qv.shape, qv.dtype),
             q.is_contiguous()
             if out is None
             else (q.stride(), k_cache.stride(), v_cache.stride(), out.stride()),
@@ -844,12 +847,6 @@ def _check_cache_batch(k, name: str, batch: int, cache_batch: Optional[int]) -> 
         )
     if cache_batch is None and k.shape[0] == 0 and batch > 0:
         raise ValueError(f"cache_batch_idx needs a {name} with at least one cache row")
-
-
-def _int_meta(t):
-    """An optional int32 tensor's part of a launch-plan key: its shape and dtype (the compiled
-    function takes uint32 for int32, and checks the rest itself); None stays None."""
-    return None if t is None else (t.shape, t.dtype)
 
 
 # ----------------------------------------------------------------------------------------
