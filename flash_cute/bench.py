@@ -8,6 +8,7 @@
                                       [--pages 0 16 64] [--json PATH]
     python -m flash_cute.bench sweep --hdim 128 [--causal] [knob lists] [--json PATH] [--plot PNG]
     python -m flash_cute.bench host
+    python -m flash_cute.bench mla [--batch ...] [--seqlens ...]   (flash_cute.bench_mla)
 
 prefill: the FlashAttention-3 paper's grid (batch * seqlen = 16k tokens, nheads * hdim = 2048)
 timed for flash_cute, torch SDPA with the cuDNN and flash backends, and flash-attn-4
@@ -1197,6 +1198,12 @@ def main(argv=None) -> int:
     loc.add_argument("--seqlens", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     loc.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="decode batch sizes")
     loc.add_argument("--json", default=None)
+    mla = sub.add_parser("mla", help="absorbed-MLA decode (flash_cute.bench_mla)")
+    mla.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64, 128])
+    mla.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384, 65536])
+    mla.add_argument("--heads", type=int, nargs="+", default=[128])
+    mla.add_argument("--seqlen-q", type=int, nargs="+", default=[1, 2])
+    mla.add_argument("--json", default=None)
     plot = sub.add_parser("plot", help="draw a sweep's JSON as a PNG (no GPU needed)")
     plot.add_argument("json_path")
     plot.add_argument("png_path")
@@ -1298,6 +1305,16 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
+        return 0
+    if args.command == "mla":
+        from flash_cute import bench_mla
+
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+        rows = bench_mla.run_decode(args.batch, args.seqlens, args.heads, args.seqlen_q)
+        print("\n" + bench_mla.decode_table(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
         return 0
     if args.command == "decode":
         copy_gbs = copy_bandwidth_gbs()

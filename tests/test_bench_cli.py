@@ -197,3 +197,23 @@ def test_prefill_passes_merge_to_median_times():
 def test_prefill_passes_must_be_positive():
     with pytest.raises(SystemExit):
         bench.main(["prefill", "--passes", "0"])
+
+
+def test_prefill_rows_with_a_v_head_dim_count_both():
+    """MLA prefill rows: FLOPs 2 b h s^2 (d + dv), halved when causal; labelled d/dv."""
+    row = bench.PrefillRow("bf16", 192, True, 1024, 16, 16, hdim_v=128)
+    assert row.flops == 2 * 16 * 16 * 1024 * 1024 * (192 + 128) / 2
+    row.tflops = {"flash_cute": 500.0, "fa4": 400.0}
+    assert "| bf16 | 192/128 | yes | flash_cute |" in bench.prefill_table([row])
+
+
+def test_mla_table_reports_bandwidth_share():
+    from flash_cute import bench_mla
+
+    row = dict(
+        batch=1, keys=4096, nheads=128, seqlen_q=1, us={"latent": 10.0},
+        tbs={"latent": 2.7}, tflops={"latent": 5.0}, copy_tbs=3.0,
+    )  # fmt: skip
+    assert bench_mla.decode_table([row]).splitlines()[-1] == (
+        "| 1 | 4096 | 128 | 1 | latent | 10.0 | 2.70 | 90% | 5 |"
+    )
