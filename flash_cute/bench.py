@@ -172,10 +172,10 @@ def prefill_peers(q, k, v, causal: bool) -> Dict[str, Callable[[], object]]:
 
     # SDPA wants (b, h, s, d); transpose once, outside the timed region.
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-    for name, backend in (
-        ("cudnn", SDPBackend.CUDNN_ATTENTION),
-        ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
-    ):
+    backends = [("cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)]
+    if q.shape[-1] > 256:  # (head dims the fused backends refuse: SDPA's best is this one)
+        backends.append(("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION))
+    for name, backend in backends:
 
         def run(backend=backend):
             with sdpa_kernel(backend):
