@@ -145,8 +145,6 @@ class ForwardVariant:
             problems.append("v_in_k reads V from K's columns: head_dim_v <= head_dim, % 64")
         if self.qv and not (self.v_in_k and self.head_dim > self.head_dim_v):
             problems.append("qv variants read V from K's columns (v_in_k), after which q's follow")
-        if self.qv and self.leftpad_k:
-            problems.append("qv variants take no left-padded caches")
         if (
             self.head_dim_v != self.head_dim
             and not c.store_o_from_registers
