@@ -60,3 +60,11 @@ def test_dropout_in_training_is_refused():
 def test_left_padding():
     mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]], dtype=torch.bool)
     assert fc_transformers._left_padding(mask, 4).tolist() == [2, 0, 3]
+    # Every layer gets the same mask: checked once (the result is reused) until it changes.
+    first = fc_transformers._left_padding(mask, 4)
+    assert fc_transformers._left_padding(mask, 4) is first
+    mask[1, 0] = False  # (in place: a new version)
+    assert fc_transformers._left_padding(mask, 4).tolist() == [2, 1, 3]
+    mask[1, 2] = False
+    with pytest.raises(NotImplementedError, match="other than left padding"):
+        fc_transformers._left_padding(mask, 4)

@@ -111,10 +111,28 @@ def _half_dtype_of(module: torch.nn.Module, device_type: str) -> torch.dtype:
     return torch.float32
 
 
+# The last mask checked, its version and its result: every layer of one forward gets the same
+# mask, so only the first layer pays the check's host sync.
+_LAST_PADDING = [None, None, None]
+
+
 def _left_padding(attention_mask: torch.Tensor, kv_length: int) -> torch.Tensor:
     """(batch,) int32 first valid key of each row of a (batch, kv_length) bool mask that pads
-    on the left only; anything else is refused (one host sync, as transformers' own
-    FlashAttention path takes to unpad)."""
+    on the left only; anything else is refused (one host sync per mask, as transformers' own
+    FlashAttention path takes to unpad; the layers after the first reuse the result)."""
+    mask_seen, version, first = _LAST_PADDING
+    if (
+        mask_seen is attention_mask
+        and version == attention_mask._version
+        and attention_mask.shape[-1] == kv_length
+    ):
+        return first
+    first = _check_left_padding(attention_mask, kv_length)
+    _LAST_PADDING[:] = [attention_mask, attention_mask._version, first]
+    return first
+
+
+def _check_left_padding(attention_mask: torch.Tensor, kv_length: int) -> torch.Tensor:
     if attention_mask.dim() != 2 or attention_mask.shape[1] != kv_length:
         _refuse(f"an attention mask of shape {tuple(attention_mask.shape)} (a 2-D padding mask)")
     mask = attention_mask.bool()
