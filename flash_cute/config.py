@@ -17,21 +17,23 @@ SUPPORTED_DTYPES = ("float16", "bfloat16")
 # Wide heads: V's head dim 512 (absorbed MLA's latent, Gemma 4's global layers), whose O two
 # MMA warpgroups split along its columns (AttentionConfig.o_split), with q/k head dims of the
 # supported ones or 512 and 576 (= 512 + 64: the latent and the rope part); and V read from
-# K's columns when v is a view of k's leading columns (ForwardVariant.v_in_k). Their kernels
-# compile clean (tests/test_compile.py); the API serves them once a GPU run has passed
-# tests/test_wide_gpu.py, which flips this switch.
+# K's columns when v is a view of k's leading columns (ForwardVariant.v_in_k).
 WIDE_HEAD_DIMS = (512, 576)
 WIDE_HEAD_DIM_V = 512
-WIDE_PATHS_VERIFIED = False
+# The kernels of V head dims other than q's (MLA prefill's 192 / 128), of the wide heads and
+# of FlashAttention-3's qv compile clean (tests/test_compile.py, zero spills) and are checked
+# to leave every other variant's PTX unchanged; the API serves them (checks.check_head_dim,
+# qv, v read from k) once a GPU run has passed tests/test_mla_gpu.py and
+# tests/test_wide_gpu.py, which flips this switch.
+NEW_HEAD_DIMS_VERIFIED = False
 
 
 def check_head_dims(head_dim: int, head_dim_v: Optional[int] = None) -> None:
-    """ValueError unless q/k's head dim and V's (default: the same) are supported: each one
-    of SUPPORTED_HEAD_DIMS, in any pair (whether a config fits the pair is validate's), and
-    once the wide paths are served, V's 512 with q/k's of those or 512 / 576."""
-    wide = WIDE_PATHS_VERIFIED
-    qk_dims = SUPPORTED_HEAD_DIMS + (WIDE_HEAD_DIMS if wide else ())
-    v_dims = SUPPORTED_HEAD_DIMS + ((WIDE_HEAD_DIM_V,) if wide else ())
+    """ValueError unless the kernels take q/k's head dim and V's (default: the same): each one
+    of SUPPORTED_HEAD_DIMS in any pair (whether a config fits is validate's), or V's 512 with
+    q/k's of those or 512 / 576."""
+    qk_dims = SUPPORTED_HEAD_DIMS + WIDE_HEAD_DIMS
+    v_dims = SUPPORTED_HEAD_DIMS + (WIDE_HEAD_DIM_V,)
     if head_dim not in qk_dims:
         raise ValueError(f"head_dim must be one of {qk_dims}, got {head_dim}")
     if head_dim_v is not None and head_dim_v not in v_dims:

@@ -63,7 +63,8 @@ def flash_attn_func(
         k, v: (batch, seqlen_k, nheads_kv, headdim), same dtype and device as q;
             nheads must be a multiple of nheads_kv (GQA/MQA read the shared K/V head).
             headdim is one of 64, 96, 128, 192, 256. v may have its own head dim headdim_v
-            (one of the same; MLA prefill: 192 / 128); out then has headdim_v.
+            (one of the same; MLA prefill: 192 / 128; out then has headdim_v) once
+            flash_cute.config.NEW_HEAD_DIMS_VERIFIED (docs/api.md).
             Each tensor needs a contiguous last dimension; other strides are arbitrary
             (slices of bigger tensors work; strides that are not multiples of 16 bytes cost
             a copy).
@@ -87,7 +88,7 @@ def flash_attn_func(
         qv: FlashAttention-3's absorbed-MLA form: (..., nheads, headdim_v) like q with v's
             head dim; the scores are q k^T + qv v^T (q and k then hold the rope part, e.g.
             64 against v's 512) and the default scale 1/sqrt(headdim + headdim_v). Served
-            with the wide heads (flash_cute.config.WIDE_PATHS_VERIFIED).
+            with the wide heads (flash_cute.config.NEW_HEAD_DIMS_VERIFIED).
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype, and with return_lse also
@@ -804,12 +805,18 @@ def _check_qv(qv, q: torch.Tensor, v: torch.Tensor) -> None:
     the wide heads."""
     if qv is None:
         return
-    if not configs.WIDE_PATHS_VERIFIED:
+    if not configs.NEW_HEAD_DIMS_VERIFIED:
         raise NotImplementedError(
             "flash_cute does not serve qv (absorbed MLA) yet: its kernels await a GPU run"
         )
     checks.check_tensor("qv", qv, q.dim(), "q's shape with v's head dim")
     checks.check_same_dtype("qv", qv, "q", q)
+    if q.shape[-1] + v.shape[-1] not in configs.WIDE_HEAD_DIMS:
+        raise NotImplementedError(
+            f"flash_cute serves qv with q's and v's head dims summing to one of "
+            f"{configs.WIDE_HEAD_DIMS} (absorbed MLA: 64 + 512), got {q.shape[-1]} + "
+            f"{v.shape[-1]}"
+        )
     if tuple(qv.shape) != (*q.shape[:-1], v.shape[-1]):
         raise ValueError(
             f"qv must have shape {(*q.shape[:-1], v.shape[-1])} (q's, with v's head dim), "
@@ -821,7 +828,7 @@ def _v_in_k(k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether v is a view of k's leading columns (absorbed MLA's latent cache: v = k[..., :dv]),
     so the kernel reads V from K's tiles instead of loading it (served with the wide paths)."""
     return (
-        configs.WIDE_PATHS_VERIFIED
+        configs.NEW_HEAD_DIMS_VERIFIED
         and v.shape[-1] > 256
         and v.data_ptr() == k.data_ptr()
         and v.stride() == k.stride()

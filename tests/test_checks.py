@@ -397,7 +397,7 @@ def test_v_in_k_is_a_view_of_k_leading_columns(monkeypatch):
 
     cache = torch.randn(4, 16, 1, 576, dtype=torch.bfloat16)
     assert not _v_in_k(cache, cache[..., :512])  # (until the wide paths are served)
-    monkeypatch.setattr(configs, "WIDE_PATHS_VERIFIED", True)
+    monkeypatch.setattr(configs, "NEW_HEAD_DIMS_VERIFIED", True)
     assert _v_in_k(cache, cache[..., :512])
     assert not _v_in_k(cache, cache[..., :512].clone())
     assert not _v_in_k(cache, cache[..., 64:])  # V must be K's leading columns

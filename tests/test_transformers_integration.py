@@ -34,6 +34,7 @@ def test_register():
 @pytest.mark.parametrize(
     "args, kwargs, message",
     [
+        (qkv(dv=128), {}, r"v head dim \(128\) other than q's \(64\)"),
         (qkv(dtype=torch.float32), {}, "float32 activations"),
         (qkv(grad=True), {}, "gradients"),
         (qkv(), dict(output_attentions=True), "output_attentions"),

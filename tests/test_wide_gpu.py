@@ -147,7 +147,7 @@ def test_api_serves_the_latent_cache_once_switched_on(monkeypatch, page_size):
     from flash_cute import config as configs
     from flash_cute.runtime import KVCACHE_PLANS
 
-    monkeypatch.setattr(configs, "WIDE_PATHS_VERIFIED", True)
+    monkeypatch.setattr(configs, "NEW_HEAD_DIMS_VERIFIED", True)
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla-api", page_size))
     k_cache, _, page_table, k_pad, _ = make_cache(2, 300, 1, 576, BF16, page_size, gen)
     q = torch.randn(2, 1, 64, 576, device="cuda", dtype=BF16, generator=gen)
@@ -173,7 +173,7 @@ def test_api_serves_qv_once_switched_on(monkeypatch):
     from flash_cute import config as configs
     from flash_cute import flash_attn_interface as fa3
 
-    monkeypatch.setattr(configs, "WIDE_PATHS_VERIFIED", True)
+    monkeypatch.setattr(configs, "NEW_HEAD_DIMS_VERIFIED", True)
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("qv-api"))
     k_cache, v_cache, page_table, k_pad, v_pad = make_cache(2, 300, 1, 64, BF16, 64, gen, 512)
     q = torch.randn(2, 1, 64, 64, device="cuda", dtype=BF16, generator=gen)
