@@ -241,6 +241,29 @@ class FlashAttentionForwardSm90:
         # follows); one CTA per tile, so every producer warp walks the same tile.
         self.kv_gather = variant.gather_page_size is not None
 
+    def _kv_ring(self, barriers, tx_count: int, tma_warp, mma_warps):
+        """The K or V ring: TMA loads complete on the bytes they carry (tx_count); gathered
+        rows arrive (noinc) from every producer thread once its copies land, and a
+        PipelineCpAsync consumer releases from every thread, not one per warp."""
+        if const_expr(self.kv_gather):
+            return pipeline.PipelineCpAsync.create(
+                barrier_storage=barriers.data_ptr(),
+                num_stages=self.config.num_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, PRODUCER_THREADS),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.num_mma_threads
+                ),
+                defer_sync=True,
+            )
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=barriers.data_ptr(),
+            num_stages=self.config.num_stages,
+            producer_group=tma_warp,
+            consumer_group=mma_warps,
+            tx_count=tx_count,
+            defer_sync=True,
+        )
+
     def _kv_tma_atom(self, op, mX, stages_layout, width: int):
         """TMA atom of the K or V ring (width: d or dv): a box of one key block, or of
         page_box_rows rows where paged blocks load page by page."""
@@ -423,8 +446,12 @@ class FlashAttentionForwardSm90:
             for width in (d, dv)
         ]
         if const_expr(self.variant.v_in_k):  # V: the first dv columns of each K stage
-            sV_layout = hopper_mma.leading_columns_layout(
-                self.dtype, sK_layout, self.config.tile_n, dv, self.config.num_stages
+            sV_layout = hopper_mma.column_block_layout(
+                self.dtype,
+                self.config.tile_n,
+                dv,
+                self.config.num_stages,
+                sK_layout.outer.stride[2],
             )
         sP_layout = None
         if const_expr(not self.config.pv_from_registers):
@@ -621,36 +648,13 @@ class FlashAttentionForwardSm90:
             tx_count=self.tma_bytes_q,
             defer_sync=True,
         )
-        if const_expr(self.kv_gather):
-            # Every producer thread arrives (noinc) once its copies into the stage land.
-            # (A PipelineCpAsync consumer releases from every thread, not one per warp.)
-            gatherers = pipeline.CooperativeGroup(pipeline.Agent.Thread, PRODUCER_THREADS)
-            mma_threads = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads)
-            pipeline_k, pipeline_v = [
-                pipeline.PipelineCpAsync.create(
-                    barrier_storage=bar.data_ptr(),
-                    num_stages=self.config.num_stages,
-                    producer_group=gatherers,
-                    consumer_group=mma_threads,
-                    defer_sync=True,
-                )
-                for bar in (storage.mbar_k, storage.mbar_v)
-            ]
-        else:
-            pipeline_k, pipeline_v = [
-                pipeline.PipelineTmaAsync.create(
-                    barrier_storage=bar.data_ptr(),
-                    num_stages=self.config.num_stages,
-                    producer_group=tma_warp,
-                    consumer_group=mma_warps,
-                    tx_count=tx_count,
-                    defer_sync=True,
-                )
-                for bar, tx_count in (
-                    (storage.mbar_k, self.tma_bytes_k),
-                    (storage.mbar_v, self.tma_bytes_v),
-                )
-            ]
+        pipeline_k, pipeline_v = [
+            self._kv_ring(bar, tx_count, tma_warp, mma_warps)
+            for bar, tx_count in (
+                (storage.mbar_k, self.tma_bytes_k),
+                (storage.mbar_v, self.tma_bytes_v),
+            )
+        ]
         space = self._tile_space(mQ_shape, mK_shape, mCuSeqlensQ, mPageTable, num_splits, max_ctas)
         scheduler = self.scheduler_cls.create(
             space,
@@ -976,13 +980,12 @@ class FlashAttentionForwardSm90:
         rows = cute.size(t, mode=[0])
         if const_expr(cute.rank(t) == 2):
             layout = hopper_mma.make_row_major_smem_layout(self.dtype, rows, cols)
-            return cute.make_tensor(t.iterator + first * rows, layout.outer)
-        stages = cute.size(t, mode=[2])
-        narrow = hopper_mma.make_row_major_smem_layout(self.dtype, rows, cols, stages)
-        outer = cute.make_layout(
-            narrow.outer.shape, stride=(*narrow.outer.stride[:2], t.layout.stride[2])
-        )
-        return cute.make_tensor(t.iterator + first * rows, outer)
+        else:
+            stages = cute.size(t, mode=[2])
+            layout = hopper_mma.column_block_layout(
+                self.dtype, rows, cols, stages, t.layout.stride[2]
+            )
+        return cute.make_tensor(t.iterator + first * rows, layout.outer)
 
     def _q_tma_atom(self, op, mX, width: int):
         """TMA atom of Q's tile (or of its columns from one tensor, width wide)."""

@@ -36,15 +36,15 @@ def make_row_major_smem_layout(
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
-def leading_columns_layout(dtype: Type[cutlass.Numeric], staged, rows: int, cols: int, stages: int):
-    """The layout of the first `cols` columns of a staged (rows, wider, stages) tile laid out
-    by make_row_major_smem_layout, over that tile's memory: a (rows, cols, stages) layout with
-    the wider tile's stage stride (both widths multiples of 64 elements, so one swizzle atom
-    and the same column-block stride)."""
+def column_block_layout(
+    dtype: Type[cutlass.Numeric], rows: int, cols: int, stages: int, stage_stride: int
+):
+    """The layout of `cols` columns of a staged (rows, wider, stages) tile laid out by
+    make_row_major_smem_layout, from one of its 64-column blocks on: a (rows, cols, stages)
+    layout with the wider tile's stage stride (both widths multiples of 64 elements, so one
+    swizzle atom and the same column-block stride; column c starts rows * c elements in)."""
     narrow = make_row_major_smem_layout(dtype, rows, cols, stages)
-    outer = cute.make_layout(
-        narrow.outer.shape, stride=(*narrow.outer.stride[:2], staged.outer.stride[2])
-    )
+    outer = cute.make_layout(narrow.outer.shape, stride=(*narrow.outer.stride[:2], stage_stride))
     return cute.make_composed_layout(narrow.inner, 0, outer)
 
 

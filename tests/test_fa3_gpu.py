@@ -7,7 +7,12 @@ import itertools
 
 import pytest
 import torch
-from kv_cases import assert_close_to_reference, make_cache, reference_per_sequence
+from kv_cases import (
+    assert_close_to_reference,
+    cache_reference,
+    make_cache,
+    reference_per_sequence,
+)
 
 import flash_cute
 from flash_cute import flash_attn_interface as fa3
@@ -181,14 +186,10 @@ def test_kvcache_batch_idx_and_leftpad(case, nheads_kv):
         page_table=page_table, causal=causal, window_size=window, num_splits=num_splits,
         return_softmax_lse=True,
     )  # fmt: skip
-    rows = idx.tolist() if has_idx else list(range(batch))
-    first = pad.tolist() if has_pad else [0] * batch
-    n = lens.tolist()
-    k_seqs = [k_pad[r : r + 1, f:e] for r, f, e in zip(rows, first, n)]
-    v_seqs = [v_pad[r : r + 1, f:e] for r, f, e in zip(rows, first, n)]
-    refs, lowps, lse_refs = reference_per_sequence(
-        [q[b : b + 1] for b in range(batch)], k_seqs, v_seqs, causal, dict(window_size=window)
-    )
+    refs, lowps, lse_refs = cache_reference(
+        q, k_pad, v_pad, lens.tolist(), causal, idx.tolist() if has_idx else None,
+        pad.tolist() if has_pad else None, dict(window_size=window),
+    )  # fmt: skip
     assert_close_to_reference(
         [out[b : b + 1] for b in range(batch)],
         [lse[b : b + 1] for b in range(batch)],
