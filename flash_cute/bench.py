@@ -5,7 +5,8 @@
                                        [--hdim 192 --hdim-v 128 --nheads 16]  (MLA)
 
     python -m flash_cute.bench decode [--batch 1 8 32 128] [--seqlens 1024 ... 131072]
-                                      [--pages 0 16 64] [--json PATH]
+                                      [--pages 0 16 64] [--hdim 512 --heads 8 4]
+                                      [--json PATH]
     python -m flash_cute.bench sweep --hdim 128 [--causal] [knob lists] [--json PATH] [--plot PNG]
     python -m flash_cute.bench host
     python -m flash_cute.bench mla [--batch ...] [--seqlens ...]   (flash_cute.bench_mla)
@@ -17,7 +18,7 @@ best peer. Times are CUDA-event medians after warm-up; FLOPs = 2 * b * h * s^2 *
 (4 * b * h * s^2 * d when dv = d), halved when causal.
 
 decode: one new token per sequence against a KV cache (32 q heads, 8 kv heads, hdim 128,
-bf16), contiguous and paged (page 16, 64, random page order), for flash_cute
+bf16; --hdim, --heads Q KV), contiguous and paged (page 16, 64, random page order), for flash_cute
 (flash_attn_with_kvcache, auto split count), torch SDPA and flash-attn-4 (paged through its
 varlen API), eager and as CUDA-graph replays. Reports microseconds and the K+V read bandwidth
 (bytes / time) beside the device-to-device copy bandwidth measured in the same run, plus a
@@ -403,7 +404,8 @@ class DecodeRow:
 def decode_peers(
     q, k, v, page_size: int, seqlens: torch.Tensor, gen
 ) -> Dict[str, Callable[[], object]]:
-    """(batch, 1, 32, 128) decode against k/v (batch, seqlen_k, 8, 128), paged when page_size."""
+    """(batch, 1, nheads, d) decode against k/v (batch, seqlen_k, nheads_kv, d), paged when
+    page_size."""
     import flash_cute
 
     batch, seqlen_k = k.shape[0], k.shape[1]
@@ -469,8 +471,10 @@ def run_decode(
     pages: List[int],
     graphs: bool = True,
     memory_fraction: float = 0.4,
+    head_dim: int = 128,
+    heads: tuple = (32, 8),
 ) -> List[DecodeRow]:
-    nheads, nheads_kv, d, dtype = 32, 8, 128, torch.bfloat16
+    (nheads, nheads_kv), d, dtype = heads, head_dim, torch.bfloat16
     free = torch.cuda.mem_get_info()[0]
     rows = []
     for batch in batches:
@@ -1177,6 +1181,8 @@ def main(argv=None) -> int:
     dec.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
     dec.add_argument("--seqlens", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
     dec.add_argument("--pages", type=int, nargs="+", default=[0, 16, 64], help="0: contiguous")
+    dec.add_argument("--hdim", type=int, default=128)
+    dec.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("Q", "KV"))
     dec.add_argument("--no-graphs", action="store_true")
     dec.add_argument("--no-varlen", action="store_true")
     dec.add_argument("--json", default=None)
@@ -1319,7 +1325,9 @@ def main(argv=None) -> int:
     if args.command == "decode":
         copy_gbs = copy_bandwidth_gbs()
         print(f"device-to-device copy: {copy_gbs / 1e3:.2f} TB/s (read + write)", flush=True)
-        rows = run_decode(args.batch, args.seqlens, args.pages, graphs=not args.no_graphs)
+        rows = run_decode(
+            args.batch, args.seqlens, args.pages, not args.no_graphs, 0.4, args.hdim, args.heads
+        )
         print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
         print(decode_table(rows, copy_gbs))
         if not args.no_varlen:

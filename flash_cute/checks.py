@@ -11,7 +11,6 @@ from typing import Optional, Tuple
 
 import torch
 
-from .config import SUPPORTED_HEAD_DIMS, check_head_dims
 from .plan import MAX_SPLITS
 
 TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -62,24 +61,6 @@ def check_cuda(named_tensors) -> None:
             raise ValueError(
                 f"{name} must be on {ref_name}'s device ({ref.device}), got {t.device}"
             )
-
-
-def check_head_dim(head_dim: int, head_dim_v: Optional[int] = None) -> None:
-    """q/k's head dim and v's (default the same) as the API serves them: see
-    config.check_head_dims; a v head dim other than q's, and the wide heads, wait for their
-    GPU verification (config.NEW_HEAD_DIMS_VERIFIED)."""
-    from . import config
-
-    check_head_dims(head_dim, head_dim_v)
-    if config.NEW_HEAD_DIMS_VERIFIED:
-        return
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
-    if head_dim_v is not None and head_dim_v != head_dim:
-        raise NotImplementedError(
-            f"flash_cute does not serve a v head dim ({head_dim_v}) other than q's "
-            f"({head_dim}) yet: its kernels await a GPU run"
-        )
 
 
 def check_v_shape(name: str, v: torch.Tensor, k_name: str, k: torch.Tensor) -> None:

@@ -172,7 +172,7 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
         if variant.split
         else None,
         "counters": cute.runtime.make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)
-        if variant.split or variant.uses_tile_counter
+        if variant.takes_counters
         else None,
         "scale_log2": cutlass.Float32(1.0),
         "max_ctas": cutlass.Int32(1),

@@ -20,12 +20,6 @@ SUPPORTED_DTYPES = ("float16", "bfloat16")
 # K's columns when v is a view of k's leading columns (ForwardVariant.v_in_k).
 WIDE_HEAD_DIMS = (512, 576)
 WIDE_HEAD_DIM_V = 512
-# The kernels of V head dims other than q's (MLA prefill's 192 / 128), of the wide heads and
-# of FlashAttention-3's qv compile clean (tests/test_compile.py, zero spills) and are checked
-# to leave every other variant's PTX unchanged; the API serves them (checks.check_head_dim,
-# qv, v read from k) once a GPU run has passed tests/test_mla_gpu.py and
-# tests/test_wide_gpu.py, which flips this switch.
-NEW_HEAD_DIMS_VERIFIED = False
 
 
 def check_head_dims(head_dim: int, head_dim_v: Optional[int] = None) -> None:

@@ -62,9 +62,9 @@ def flash_attn_func(
             compute capability 9.0.
         k, v: (batch, seqlen_k, nheads_kv, headdim), same dtype and device as q;
             nheads must be a multiple of nheads_kv (GQA/MQA read the shared K/V head).
-            headdim is one of 64, 96, 128, 192, 256. v may have its own head dim headdim_v
-            (one of the same; MLA prefill: 192 / 128; out then has headdim_v) once
-            flash_cute.config.NEW_HEAD_DIMS_VERIFIED (docs/api.md).
+            headdim is one of 64, 96, 128, 192, 256, 512 (576 with qv-less absorbed MLA;
+            docs/api.md). v may have its own head dim headdim_v (one of the same, or 512;
+            MLA prefill: 192 / 128); out then has headdim_v.
             Each tensor needs a contiguous last dimension; other strides are arbitrary
             (slices of bigger tensors work; strides that are not multiples of 16 bytes cost
             a copy).
@@ -87,8 +87,7 @@ def flash_attn_func(
             and lse = its sink.
         qv: FlashAttention-3's absorbed-MLA form: (..., nheads, headdim_v) like q with v's
             head dim; the scores are q k^T + qv v^T (q and k then hold the rope part, e.g.
-            64 against v's 512) and the default scale 1/sqrt(headdim + headdim_v). Served
-            with the wide heads (flash_cute.config.NEW_HEAD_DIMS_VERIFIED).
+            64 against v's 512) and the default scale 1/sqrt(headdim + headdim_v).
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype, and with return_lse also
@@ -738,7 +737,7 @@ def _forward(
     `plans` under `key` when it can be replayed), and the launch through it. named: the call's
     tensors by argument name (default q, k, v). kv_length: an int cache_seqlens (int_capacity:
     the cache's capacity, which its replays check against)."""
-    checks.check_head_dim(problem.head_dim, problem.head_dim_v)
+    configs.check_head_dims(problem.head_dim, problem.head_dim_v)
     checks.check_gqa(problem.nheads, problem.nheads_kv)
     checks.check_grid(problem.nheads, problem.batch)
     scale_log2 = checks.softmax_scale_log2(softmax_scale, problem.head_dim)
@@ -805,10 +804,6 @@ def _check_qv(qv, q: torch.Tensor, v: torch.Tensor) -> None:
     the wide heads."""
     if qv is None:
         return
-    if not configs.NEW_HEAD_DIMS_VERIFIED:
-        raise NotImplementedError(
-            "flash_cute does not serve qv (absorbed MLA) yet: its kernels await a GPU run"
-        )
     checks.check_tensor("qv", qv, q.dim(), "q's shape with v's head dim")
     checks.check_same_dtype("qv", qv, "q", q)
     if q.shape[-1] + v.shape[-1] not in configs.WIDE_HEAD_DIMS:
@@ -826,10 +821,9 @@ def _check_qv(qv, q: torch.Tensor, v: torch.Tensor) -> None:
 
 def _v_in_k(k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether v is a view of k's leading columns (absorbed MLA's latent cache: v = k[..., :dv]),
-    so the kernel reads V from K's tiles instead of loading it (served with the wide paths)."""
+    so the kernel reads V from K's tiles instead of loading it."""
     return (
-        configs.NEW_HEAD_DIMS_VERIFIED
-        and v.shape[-1] > 256
+        v.shape[-1] > 256
         and v.data_ptr() == k.data_ptr()
         and v.stride() == k.stride()
         and v.shape[-1] % 64 == 0

@@ -33,6 +33,12 @@ from typing import Optional
 from .config import DECODE_ROWS, AttentionConfig, decode_config, default_config
 
 MAX_SPLITS = 128
+# A split launch merges in the kernel (its last split to finish reads every split's rows of
+# the tile) while a tile's fp32 partials stay within this; above it the combine kernel, spread
+# over the GPU, merges them after the launch. One CTA reads partials at ~0.1 TB/s (latency-
+# bound), so 1 MiB is ~10 us: absorbed MLA at batch 1 (61 splits of 64 rows x 512) spent ~110
+# of its 120 us there on an H100.
+MERGE_IN_KERNEL_BYTES = 1 << 20
 KV_LAYOUTS = ("padded", "packed", "paged")
 
 
@@ -115,6 +121,9 @@ class ForwardVariant:
     page_box_rows: Optional[int] = None
     gather_page_size: Optional[int] = None
     split: bool = False
+    # A split launch whose partials the combine kernel merges, launched after it (rather than
+    # the last of a tile's splits: one CTA reading every split's rows; plan.MERGE_IN_KERNEL_BYTES).
+    combine_launch: bool = False
     pack_gqa_ratio: int = 1
     # Local attention (Problem's semantics), baked into the kernel: window sides (-1:
     # unbounded) and chunk (0: none). A variant with any of them is local and not causal
@@ -151,6 +160,8 @@ class ForwardVariant:
             and not c.separate_o_smem(self.head_dim, 2, self.head_dim_v, self.v_in_k)
         ):
             problems.append("O goes through Q's smem tile only where head_dim_v == head_dim")
+        if self.combine_launch and not self.split:
+            problems.append("combine_launch merges a split launch's partials: split")
         if self.kv_layout not in KV_LAYOUTS:
             problems.append(f"kv_layout must be one of {KV_LAYOUTS}")
         if (self.kv_layout == "paged") != (
@@ -243,7 +254,7 @@ class ForwardVariant:
             if self.gather_page_size is None
             else [f"paged-gather{self.gather_page_size}"]
         )
-        flags += ["split"] if self.split else []
+        flags += (["split+combine"] if self.combine_launch else ["split"]) if self.split else []
         flags += [f"pack{self.pack_gqa_ratio}"] if self.pack_gqa_ratio > 1 else []
         if self.local:
             flags.append(f"window({self.window_left},{self.window_right})")
@@ -256,6 +267,12 @@ class ForwardVariant:
     def uses_tile_counter(self) -> bool:
         """The dynamic persistent scheduler draws tiles from a global counter."""
         return self.config.scheduler == "dynamic_persistent"
+
+    @property
+    def takes_counters(self) -> bool:
+        """Zeroed int32 counters: the dynamic scheduler's, or the per-tile arrivals of a split
+        launch that merges in the kernel."""
+        return self.uses_tile_counter or (self.split and not self.combine_launch)
 
     @property
     def takes_optionals(self) -> bool:
@@ -306,7 +323,8 @@ def plan_forward(
 
     config: the caller's (validated) config, or None for the tables. num_splits: 1 no split,
     n forces n, 0 picks with the heuristic. pack_gqa: None picks (all q heads of a kv head
-    when their count divides the tile rows), True packs (the largest group of them that does),
+    when their count divides the tile rows, or tiles full of them when the tile rows divide
+    their count), True packs (the largest group of them that does),
     False never. decode_rows: whether decode-like
     problems take the decode table (flash_attn_func always takes the prefill table).
     """
@@ -329,8 +347,9 @@ def plan_forward(
                 problem.head_dim_v,
                 problem.v_in_k or problem.qv,
             )
-    if pack_gqa is None:  # K/V tiles read once for all q heads of a kv head
-        pack_gqa = ratio > 1 and config.tile_m % ratio == 0
+    if pack_gqa is None:  # K/V tiles read once for all q heads of a kv head (or once per
+        # tile of them where they fill several: MLA's 128 heads on one latent head)
+        pack_gqa = ratio > 1 and (config.tile_m % ratio == 0 or ratio % config.tile_m == 0)
     # A tile folds a group of consecutive q heads of one kv head into its rows: all of them,
     # or where their count does not divide the tile rows, the largest group that does (each
     # K/V tile is then read once per group).
@@ -364,6 +383,8 @@ def plan_forward(
     config = _effective_config(
         config, problem, pack_ratio, split, max_ctas, gather_page_size is not None
     )
+    tile_rows = min(config.tile_m, problem.max_seqlen_q * pack_ratio)
+    merge_bytes = num_splits * tile_rows * problem.head_dim_v * 4
     variant = ForwardVariant(
         dtype=problem.dtype,
         head_dim=problem.head_dim,
@@ -380,6 +401,7 @@ def plan_forward(
         page_box_rows=page_box_rows,
         gather_page_size=gather_page_size,
         split=split,
+        combine_launch=split and merge_bytes > MERGE_IN_KERNEL_BYTES,
         pack_gqa_ratio=pack_ratio,
         window_left=window_left,
         window_right=window_right,
@@ -392,7 +414,7 @@ def plan_forward(
     )
     if variant.uses_tile_counter:
         num_counters = 2
-    elif split:
+    elif split and not variant.combine_launch:
         num_counters = split_tiles(problem, config.tile_m, pack_ratio)
     else:
         num_counters = 0

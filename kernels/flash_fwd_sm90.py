@@ -41,7 +41,9 @@ Problem variants (static; each is a separate compiled kernel, flash_cute.plan.Fo
 - split: grid.y covers nheads x num_splits; split s takes the s-th share of the key blocks and
   writes its partial O (fp32, normalized over its own keys) and LSE (-inf for an empty split).
   The last of a tile's splits to finish (a per-tile arrival counter) merges the tile's
-  partials into O and the LSE, so a split launch needs no separate combine kernel.
+  partials into O and the LSE, so a split launch needs no separate combine kernel; with
+  combine_launch (partials too large for one CTA to merge fast) it leaves them to the combine
+  kernel, launched after it.
 - pack_gqa: pack_gqa_ratio consecutive query heads sharing a kv head (all of them, or a group
   whose size divides tile_m) are folded into the tile's rows (row = token * ratio + head in
   group), so each K/V tile is read once for the group.
@@ -348,7 +350,7 @@ class FlashAttentionForwardSm90:
             # Offset by a multiple of head_dim (>= 64) floats: the LSE partial stays 16-byte
             # aligned.
             lse_partial = cute.make_tensor(partials + o_size, _row_major_wide(lse_shape)[0])
-        if const_expr(self.variant.split or self.config.scheduler == "dynamic_persistent"):
+        if const_expr(self.variant.takes_counters):
             # Indexed by tile (split) or by its two slots (dynamic scheduler); the size is
             # never read.
             mCounters = cute.make_tensor(counters, cute.make_layout(1 << 30))
@@ -770,7 +772,7 @@ class FlashAttentionForwardSm90:
                 tile = scheduler.work_tile(tile_idx)
                 kv_state = self.mma(*mma_args, tile, shapes, q_state, kv_state)
                 q_state.advance()
-                if const_expr(self.variant.split):
+                if const_expr(self.variant.split and not self.variant.combine_launch):
                     split_last = storage.split_last.get_tensor(cute.make_layout(1))
                     self._merge_splits(
                         mO, mLSE, mOPartial, mLSEPartial, mCounters, split_last, tile, shapes, tidx

@@ -31,24 +31,6 @@ FILES = ("test_flash_attn.py", "padding.py", "test_util.py")
 # (text in test_flash_attn.py, replacement, why): each must match, or the run stops.
 PATCHES = [
     (
-        '@pytest.mark.parametrize("has_qv", [False, True])',
-        '@pytest.mark.parametrize("has_qv", [False])',
-        "qv (absorbed MLA) is not served yet",
-    ),
-    (
-        "dv_vals = [128, d] if d > 128 and d <= 192 else ([256, 512, d] if d <= 64 else [d])",
-        "dv_vals = [d]",
-        "V head dims other than q's await their GPU verification (--new-head-dims runs them)",
-    ),
-]
-# With --new-head-dims (flash_cute.config.NEW_HEAD_DIMS_VERIFIED on): dv != d runs, qv too.
-NEW_HEAD_DIM_PATCHES = [
-    (
-        "dv_vals = [128, d] if d > 128 and d <= 192 else ([256, 512, d] if d <= 64 else [d])",
-        "dv_vals = [128, d] if d > 128 and d <= 192 else ([256, 512, d] if d <= 64 else [d])",
-        "(none: every dv FlashAttention-3 tests)",
-    ),
-    (
         "dv_vals = [256, 512]",
         "dv_vals = [512]",
         "qv with v's head dim 256 (q and qv 320 wide) is not served",
@@ -66,10 +48,6 @@ SHIM = '"""FlashAttention-3\'s module name, served by flash_cute."""\n' + (
 
 SAMPLER = """import zlib
 
-import flash_cute.config
-
-flash_cute.config.NEW_HEAD_DIMS_VERIFIED = {new_head_dims}
-
 SAMPLE = {sample}
 
 
@@ -81,21 +59,20 @@ def pytest_collection_modifyitems(config, items):
 """
 
 
-def prepare(fa3_hopper: Path, work: Path, sample: int, new_head_dims: bool = False) -> list:
+def prepare(fa3_hopper: Path, work: Path, sample: int) -> list:
     """The work directory's files; returns the patches applied."""
     for name in FILES:
         shutil.copy(fa3_hopper / name, work / name)
     test = work / "test_flash_attn.py"
     text = test.read_text()
-    patches = NEW_HEAD_DIM_PATCHES if new_head_dims else PATCHES
-    for old, new, why in patches:
+    for old, new, why in PATCHES:
         if text.count(old) < 1:
             raise SystemExit(f"FlashAttention-3's tests changed: no {old!r} to patch ({why})")
         text = text.replace(old, new)
     test.write_text(text)
     (work / "flash_attn_interface.py").write_text(SHIM)
-    (work / "conftest.py").write_text(SAMPLER.format(sample=sample, new_head_dims=new_head_dims))
-    return patches
+    (work / "conftest.py").write_text(SAMPLER.format(sample=sample))
+    return PATCHES
 
 
 def main(argv=None) -> int:
@@ -104,13 +81,10 @@ def main(argv=None) -> int:
     parser.add_argument("--work", type=Path, help="work directory (default: a temporary one)")
     parser.add_argument("--sample", type=int, default=1, help="keep one test in N")
     parser.add_argument("--no-local", action="store_true", help="no windows or chunks")
-    parser.add_argument(
-        "--new-head-dims", action="store_true", help="serve dv != d and qv (unverified paths)"
-    )
     args, pytest_args = parser.parse_known_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="fa3_spec_"))
     work.mkdir(parents=True, exist_ok=True)
-    patches = prepare(args.fa3_hopper, work, args.sample, args.new_head_dims)
+    patches = prepare(args.fa3_hopper, work, args.sample)
     env = dict(os.environ)
     for switch in ("BACKWARD", "FP8", "APPENDKV") + (("LOCAL",) if args.no_local else ()):
         env[f"FLASH_ATTENTION_DISABLE_{switch}"] = "TRUE"

@@ -45,6 +45,8 @@ MODELS = {
         qk_nope_head_dim=128,
         v_head_dim=128,
         n_routed_experts=4,
+        n_group=2,  # (its router views the experts as n_group groups)
+        topk_group=1,
         num_experts_per_tok=2,
         first_k_dense_replace=1,
     ),

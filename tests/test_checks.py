@@ -391,21 +391,18 @@ def test_sink_must_be_on_q_device():
         checks.check_cuda((("q", gpu0), ("learnable_sink", cpu)))
 
 
-def test_v_in_k_is_a_view_of_k_leading_columns(monkeypatch):
-    from flash_cute import config as configs
+def test_v_in_k_is_a_view_of_k_leading_columns():
     from flash_cute.interface import _v_in_k
 
     cache = torch.randn(4, 16, 1, 576, dtype=torch.bfloat16)
-    assert not _v_in_k(cache, cache[..., :512])  # (until the wide paths are served)
-    monkeypatch.setattr(configs, "NEW_HEAD_DIMS_VERIFIED", True)
     assert _v_in_k(cache, cache[..., :512])
     assert not _v_in_k(cache, cache[..., :512].clone())
     assert not _v_in_k(cache, cache[..., 64:])  # V must be K's leading columns
     assert not _v_in_k(cache[..., :256], cache[..., :128])  # served pairs load V themselves
 
 
-def test_qv_waits_for_the_wide_heads():
+def test_qv_needs_q_and_v_head_dims_summing_to_576():
     q, k, v = (torch.randn(1, 4, 8, 64, dtype=torch.bfloat16) for _ in range(3))
     qv = torch.randn(1, 4, 8, 64, dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="qv"):
+    with pytest.raises(NotImplementedError, match="qv with q's and v's head dims summing"):
         flash_cute.flash_attn_func(q, k, v, qv=qv)

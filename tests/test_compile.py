@@ -437,8 +437,7 @@ MLA_KEYS = [
 
 
 # O split across two warpgroups along V's head dim (o_split=2): V head dims above 256 (absorbed
-# MLA's 512, Gemma 4's 512 / 512), compile-only until a GPU run verifies them (the public API
-# does not serve head dim 512 yet).
+# MLA's 512, Gemma 4's 512 / 512).
 _O_SPLIT = dict(pingpong=False, o_split=2, store_o_from_registers=True)
 O_SPLIT_KEYS = [
     ForwardVariant("bfloat16", 64, True, AttentionConfig(64, 64, **_O_SPLIT), True, head_dim_v=512),
@@ -458,7 +457,7 @@ O_SPLIT_KEYS = [
     ),
     # Absorbed MLA decode, FlashMLA's form: q and a latent cache 576 wide, V its first 512
     # columns read from K's stages (v_in_k); 64 of a kv head's q heads per tile, split, over
-    # pages of 64 (TMA) and of 1 (gathered, left-padded rows too).
+    # pages of 64 (TMA) and of 1 (gathered, left-padded rows too; merged in the kernel).
     ragged(
         "bfloat16",
         576,
@@ -469,6 +468,7 @@ O_SPLIT_KEYS = [
         seqused_k=True,
         page_box_rows=64,
         split=True,
+        combine_launch=True,  # (batch 1's: the combine kernel merges)
         pack_gqa_ratio=64,
         head_dim_v=512,
         v_in_k=True,
@@ -499,6 +499,7 @@ O_SPLIT_KEYS = [
         seqused_k=True,
         page_box_rows=64,
         split=True,
+        combine_launch=True,  # (batch 1's: the combine kernel merges)
         pack_gqa_ratio=64,
         head_dim_v=512,
         v_in_k=True,
@@ -562,6 +563,7 @@ def test_variant_compiles_clean(key):
         CombineKernelKey("bfloat16", 128, True),
         CombineKernelKey("float32", 96, False),
         CombineKernelKey("float16", 256, True),
+        CombineKernelKey("bfloat16", 512, False),
     ],
     ids=str,
 )

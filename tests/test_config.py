@@ -218,27 +218,19 @@ def test_o_split_shares_rows_and_halves_o_registers():
         bad.validate(128, "bfloat16")
 
 
-def test_new_head_dims_wait_for_the_switch(monkeypatch):
-    """The kernels take V head dims other than q's and V's 512 (with q/k's 512 or 576); the
-    API refuses them until NEW_HEAD_DIMS_VERIFIED. Wide heads take wide_config: 64 rows, O
+def test_new_head_dims():
+    """The kernels take V head dims other than q's and V's 512 (with q/k's 512 or 576). Wide
+    heads take wide_config: 64 rows, O
     split over two warpgroups, the longest key block that fits (V read from K's columns leaves
     room for 64 keys at 576)."""
-    from flash_cute import checks
     from flash_cute import config as configs
 
-    configs.check_head_dims(576, 512)
-    configs.check_head_dims(512)
+    for dims in [(576, 512), (512, None), (192, 128), (64, 512), (128, 128)]:
+        configs.check_head_dims(*dims)
     with pytest.raises(ValueError, match="head_dim 576 goes with head_dim_v 512"):
         configs.check_head_dims(576, 128)
-    for dims in [(192, 128), (64, 512)]:
-        with pytest.raises(NotImplementedError, match="v head dim .* other than q's"):
-            checks.check_head_dim(*dims)
     with pytest.raises(ValueError, match="head_dim must be one of"):
-        checks.check_head_dim(576, 512)
-    checks.check_head_dim(128, 128)
-    monkeypatch.setattr(configs, "NEW_HEAD_DIMS_VERIFIED", True)
-    checks.check_head_dim(576, 512)
-    checks.check_head_dim(192, 128)
+        configs.check_head_dims(80, 80)
     for head_dim, v_in_k, tile_n in [(576, True, 64), (576, False, 32), (512, False, 32)]:
         config = default_config(head_dim, "bfloat16", True, head_dim_v=512, v_in_k=v_in_k)
         assert (config.tile_m, config.tile_n, config.o_split) == (64, tile_n, 2)

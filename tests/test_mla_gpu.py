@@ -17,14 +17,6 @@ from flash_cute.reference import stable_seed
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True)
-def new_head_dims(monkeypatch):
-    """The API serves V head dims other than q's once this suite has passed on a GPU."""
-    from flash_cute import config
-
-    monkeypatch.setattr(config, "NEW_HEAD_DIMS_VERIFIED", True)
-
-
 BF16, FP16 = torch.bfloat16, torch.float16
 PAIRS = [(192, 128), (64, 256), (128, 64), (256, 128), (96, 192)]
 

@@ -88,6 +88,7 @@ CASES = {
         dict(
             config=DECODE_CONFIGS[(128, BF16)].replace(store_o_from_registers=True),
             split=True,
+            combine_launch=False,  # 16 splits x 4 rows x 128 fp32: merged in the kernel
             pack_gqa_ratio=4,
             seqused_k=True,
         ),
@@ -104,6 +105,18 @@ CASES = {
         dict(num_splits=1),
         dict(config=DECODE_CONFIGS[(128, BF16)], pack_gqa_ratio=1),
         dict(),
+    ),
+    "more q heads per kv head than tile rows (MLA's 128): packed a tile's worth at a time": (
+        decode(nheads=128, nheads_kv=1),
+        dict(num_splits=1, config=AttentionConfig(64, 128, pingpong=False)),
+        dict(pack_gqa_ratio=64),
+        dict(),
+    ),
+    "absorbed MLA decode, batch 1: 128 heads in 2 tiles, split, merged by the combine kernel": (
+        decode(nheads=128, nheads_kv=1, head_dim=576, head_dim_v=512, v_in_k=True, keys=4096),
+        dict(num_splits=0),
+        dict(split=True, combine_launch=True, pack_gqa_ratio=64, v_in_k=True),
+        dict(num_splits=61, num_counters=0),  # 61 x 64 rows x 512 fp32: 8 MB per tile
     ),
     "split prefill: one CTA per tile, O from registers, one arrival counter per tile": (
         prefill(batch=1, seqlen=256, nheads=4, seqlen_k=16384, causal=False),

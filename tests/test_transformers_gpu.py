@@ -28,14 +28,6 @@ def registered():
     fc_transformers.register()
 
 
-@pytest.fixture(autouse=True)
-def new_head_dims(monkeypatch):
-    """DeepSeek-V3's 192 / 128 heads: served once tests/test_mla_gpu.py has passed on a GPU."""
-    from flash_cute import config
-
-    monkeypatch.setattr(config, "NEW_HEAD_DIMS_VERIFIED", True)
-
-
 def within_sdpa_error(models, ids, mask=None, real=None):
     """Max logit error of flash_cute against float32 eager, and bf16 SDPA's (the bar; bf16
     eager where the model has no SDPA path), over the positions `real` marks (default all)."""

@@ -1,4 +1,4 @@
-"""Kernel-level GPU checks of the variants the public API does not serve yet: O split across two
+"""GPU checks of the wide-head variants, kernel-level and through the API: O split across two
 warpgroups along V's head dim (o_split, V head dims above 256: 512) and V read from K's columns
 (v_in_k: absorbed MLA's latent cache, q and cache 576 wide, V its first 512 dims). Each case
 plans its variant with an explicit config and launches it through a launch plan, bypassing the
@@ -65,12 +65,13 @@ def test_o_split_prefill(head_dims, tile_n, causal, seqlens):
     assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
 @pytest.mark.parametrize("page_size", [64, 1])
 @pytest.mark.parametrize("seqlen_q, nheads", [(1, 128), (2, 64), (1, 16)])
 def test_absorbed_mla_decode(seqlen_q, nheads, page_size, num_splits):
     """q (batch, seqlen_q, nheads, 576) against one latent head of 576 whose first 512 dims are
-    V (v = k_cache[..., :512], a view): FlashMLA's form of DeepSeek's decode."""
+    V (v = k_cache[..., :512], a view): FlashMLA's form of DeepSeek's decode. num_splits 0: the
+    heuristic's 11 splits, whose partials (64 rows) the combine kernel merges."""
     d, dv, batch, capacity = 576, 512, 3, 700
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla", seqlen_q, page_size))
     k_cache, _, page_table, k_pad, _ = make_cache(batch, capacity, 1, d, BF16, page_size, gen)
@@ -87,6 +88,7 @@ def test_absorbed_mla_decode(seqlen_q, nheads, page_size, num_splits):
         seqused_k=lens, page_table=page_table,
     )  # fmt: skip
     assert variant.v_in_k and variant.pack_gqa_ratio == min(nheads, 64)
+    assert variant.combine_launch == (num_splits == 0 and nheads * seqlen_q >= 64)
     refs, lowps, lse_refs = cache_reference(q, k_pad, v_pad, lens.tolist(), True)
     assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
 
@@ -108,7 +110,7 @@ def test_v_in_k_at_a_served_pair():
     assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
 @pytest.mark.parametrize("page_size", [64, 1])
 @pytest.mark.parametrize("seqlen_q, nheads", [(1, 128), (2, 32)])
 def test_absorbed_mla_qv_form(seqlen_q, nheads, page_size, num_splits):
@@ -132,7 +134,7 @@ def test_absorbed_mla_qv_form(seqlen_q, nheads, page_size, num_splits):
         problem, AttentionConfig(64, 64, **O_SPLIT), q, k_cache, v_cache, num_splits, True,
         seqused_k=lens, page_table=page_table, qv=qv,
     )  # fmt: skip
-    assert variant.qv and variant.v_in_k
+    assert variant.qv and variant.v_in_k and variant.combine_launch == (num_splits == 0)
     # The same attention with q' = [qv, q] against k' = [v, k].
     q_all, k_all = torch.cat([qv, q], -1), torch.cat([v_pad, k_pad], -1)
     refs, lowps, lse_refs = cache_reference(q_all, k_all, v_pad, lens.tolist(), True)
@@ -140,14 +142,12 @@ def test_absorbed_mla_qv_form(seqlen_q, nheads, page_size, num_splits):
 
 
 @pytest.mark.parametrize("page_size", [None, 64])
-def test_api_serves_the_latent_cache_once_switched_on(monkeypatch, page_size):
-    """Through flash_attn_with_kvcache (with the wide paths switched on): v_cache a view of
+def test_api_serves_the_latent_cache(page_size):
+    """Through flash_attn_with_kvcache: v_cache a view of
     the latent cache's first 512 dims plans V read from K's columns; a separate v does not."""
     import flash_cute
-    from flash_cute import config as configs
     from flash_cute.runtime import KVCACHE_PLANS
 
-    monkeypatch.setattr(configs, "NEW_HEAD_DIMS_VERIFIED", True)
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla-api", page_size))
     k_cache, _, page_table, k_pad, _ = make_cache(2, 300, 1, 576, BF16, page_size, gen)
     q = torch.randn(2, 1, 64, 576, device="cuda", dtype=BF16, generator=gen)
@@ -166,14 +166,12 @@ def test_api_serves_the_latent_cache_once_switched_on(monkeypatch, page_size):
     assert_close_to_reference(*per_batch(again, lse), refs, lowps, lse_refs)
 
 
-def test_api_serves_qv_once_switched_on(monkeypatch):
-    """FlashAttention-3's qv through flash_attn_with_kvcache, native and FA3 module (with the
-    wide paths switched on): default scale 1 / sqrt(64 + 512)."""
+def test_api_serves_qv():
+    """FlashAttention-3's qv through flash_attn_with_kvcache, native and FA3 module: default
+    scale 1 / sqrt(64 + 512)."""
     import flash_cute
-    from flash_cute import config as configs
     from flash_cute import flash_attn_interface as fa3
 
-    monkeypatch.setattr(configs, "NEW_HEAD_DIMS_VERIFIED", True)
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("qv-api"))
     k_cache, v_cache, page_table, k_pad, v_pad = make_cache(2, 300, 1, 64, BF16, 64, gen, 512)
     q = torch.randn(2, 1, 64, 64, device="cuda", dtype=BF16, generator=gen)
@@ -186,3 +184,40 @@ def test_api_serves_qv_once_switched_on(monkeypatch):
     assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
     fa3_out, fa3_lse, *_ = fa3.flash_attn_with_kvcache(q, k_cache, v_cache, **call)
     assert torch.equal(fa3_out, out) and torch.equal(fa3_lse, lse)
+
+
+@pytest.mark.parametrize("form", ["latent", "qv"])
+def test_api_mla_decode_merged_by_the_combine_kernel_and_replayed(form):
+    """DeepSeek decode at batch 1 through flash_attn_with_kvcache: 128 heads against a paged
+    latent cache of 3000 keys split so many ways that the combine kernel merges the partials
+    (launched after the forward kernel, both captured in the graph); replayed with other
+    lengths."""
+    import flash_cute
+    from flash_cute.runtime import KVCACHE_PLANS
+
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla-combine", form))
+    k_cache, _, page_table, k_pad, _ = make_cache(2, 3000, 1, 576, BF16, 64, gen)
+    q = torch.randn(2, 1, 128, 576, device="cuda", dtype=BF16, generator=gen)
+    lens = torch.tensor([3000, 1], device="cuda", dtype=torch.int32)
+    call = dict(cache_seqlens=lens, page_table=page_table, return_softmax_lse=True)
+    if form == "latent":
+        args = (q, k_cache, k_cache[..., :512])
+    else:  # the same numbers as FlashAttention-3's q / qv and k_cache / v_cache
+        k_rope, v_cache = k_cache[..., 512:].contiguous(), k_cache[..., :512].contiguous()
+        args = (q[..., 512:].contiguous(), k_rope, v_cache)
+        call["qv"] = q[..., :512].contiguous()
+        call["softmax_scale"] = 576**-0.5
+    KVCACHE_PLANS.clear()
+    out, lse = flash_cute.flash_attn_with_kvcache(*args, **call)
+    assert [p.merge is not None for p in KVCACHE_PLANS.values()] == [True]
+    refs, lowps, lse_refs = cache_reference(q, k_pad, k_pad[..., :512], lens.tolist(), True)
+    assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = flash_cute.flash_attn_with_kvcache(*args, **call)
+    g_out.fill_(float("nan"))
+    lens.copy_(torch.tensor([17, 2999], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    refs, lowps, lse_refs = cache_reference(q, k_pad, k_pad[..., :512], lens.tolist(), True)
+    assert_close_to_reference(*per_batch(g_out, g_lse), refs, lowps, lse_refs)
