@@ -72,6 +72,16 @@ def test_left_padding():
         fc_transformers._left_padding(mask, 4)
 
 
+def test_left_padding_of_inference_masks():
+    """A mask made under inference_mode has no version counter: checked every time (an
+    in-place change is seen)."""
+    with torch.inference_mode():
+        mask = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+        assert fc_transformers._left_padding(mask, 3).tolist() == [1, 0]
+        mask[1, 0] = False
+        assert fc_transformers._left_padding(mask, 3).tolist() == [1, 1]
+
+
 @pytest.mark.parametrize("model_type", sorted(hf_models.MODELS))
 def test_tiny_models_run_eagerly(model_type):
     """The GPU test's tiny configs build and run with transformers' own attention (a config

@@ -119,16 +119,20 @@ _LAST_PADDING = [None, None, None]
 def _left_padding(attention_mask: torch.Tensor, kv_length: int) -> torch.Tensor:
     """(batch,) int32 first valid key of each row of a (batch, kv_length) bool mask that pads
     on the left only; anything else is refused (one host sync per mask, as transformers' own
-    FlashAttention path takes to unpad; the layers after the first reuse the result)."""
+    FlashAttention path takes to unpad; the layers after the first reuse the result, except
+    for masks made under inference_mode, which have no version counter to tell an in-place
+    change by)."""
     mask_seen, version, first = _LAST_PADDING
     if (
         mask_seen is attention_mask
+        and version is not None
         and version == attention_mask._version
         and attention_mask.shape[-1] == kv_length
     ):
         return first
     first = _check_left_padding(attention_mask, kv_length)
-    _LAST_PADDING[:] = [attention_mask, attention_mask._version, first]
+    version = None if attention_mask.is_inference() else attention_mask._version
+    _LAST_PADDING[:] = [attention_mask, version, first]
     return first
 
 
