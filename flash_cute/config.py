@@ -113,8 +113,12 @@ class AttentionConfig:
     o_split: MMA warpgroups sharing the tile's 64 rows, each holding O for head_dim_v / o_split
         of its columns (2: V head dims above 256, whose O one warpgroup's registers cannot
         hold). Each computes the rows' scores and softmax itself (the Q K^T work is repeated
-        o_split times, as no P goes through shared memory). Needs tile_m 64, P from
-        registers and no ping-pong; O is stored from registers.
+        o_split times, as no P goes through shared memory) unless split_scores. Needs tile_m
+        64, P from registers (or split_scores) and no ping-pong; O is stored from registers.
+    split_scores: with o_split 2, each warpgroup computes the scores of half the key block
+        (Q K^T done once in all) and the two exchange their row maxima, their halves of P
+        (through shared memory: P V reads all of it) and at the end their row sums. Needs P
+        from shared memory, intra_wg_overlap, no lazy or pre-P V rescale, tile_n % 32 == 0.
     """
 
     tile_m: int
@@ -135,6 +139,7 @@ class AttentionConfig:
     rescale_threshold: int = 0
     store_o_from_registers: bool = False
     o_split: int = 1
+    split_scores: bool = False
 
     def __post_init__(self):
         for name in (
@@ -163,6 +168,7 @@ class AttentionConfig:
             "mbarrier_probe",
             "lazy_rescale",
             "store_o_from_registers",
+            "split_scores",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -276,7 +282,9 @@ class AttentionConfig:
         k = aligned(self.num_stages * self.tile_n * head_dim * element_bytes)
         v = aligned(self.num_stages * self.tile_n * head_dim_v * element_bytes)
         p = 0 if self.pv_from_registers else aligned(self.tile_m * self.tile_n * element_bytes)
-        return mbarriers + q + k + v + p
+        # split_scores: the row maxima and sums the two warpgroups exchange (fp32).
+        rows = aligned(2 * 2 * self.tile_m * 4) if self.split_scores else 0
+        return mbarriers + q + k + v + p + rows
 
     def separate_o_smem(
         self,
@@ -321,7 +329,7 @@ class AttentionConfig:
         S (tile_n/2) and O (head_dim_v/2), plus P (tile_n/4, packed 16-bit) when P stays in
         registers across the next block's Q K^T."""
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        regs = self.tile_n // 2 + head_dim_v // 2 // self.o_split
+        regs = self.tile_n // 2 // (2 if self.split_scores else 1) + head_dim_v // 2 // self.o_split
         if self.pv_from_registers and self.intra_wg_overlap:
             regs += self.tile_n // 4
         return regs
@@ -349,8 +357,20 @@ class AttentionConfig:
             problems.append(f"num_stages={self.num_stages} must be >= 2")
         if self.pingpong and self.tile_m < 128:
             problems.append("pingpong needs at least 2 MMA warpgroups (tile_m >= 128)")
-        if self.o_split > 1 and not self.pv_from_registers:
-            problems.append("o_split needs P from registers")
+        if self.o_split > 1 and self.pv_from_registers == self.split_scores:
+            problems.append("o_split needs P from registers, or split_scores and P from smem")
+        if self.split_scores and (
+            self.o_split != 2
+            or not self.intra_wg_overlap
+            or self.rescale_o_before_pv
+            or self.lazy_rescale
+            or self.rescale_threshold
+            or self.tile_n % 32
+        ):
+            problems.append(
+                "split_scores needs o_split 2, intra_wg_overlap, no rescale_o_before_pv, no "
+                "lazy_rescale or rescale_threshold, and tile_n % 32 == 0"
+            )
         if self.rescale_o_before_pv and not self.intra_wg_overlap:
             problems.append("rescale_o_before_pv needs intra_wg_overlap")
         for name in ("producer_registers", "mma_registers"):

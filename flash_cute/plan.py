@@ -188,8 +188,8 @@ class ForwardVariant:
             problems.append("split launches run one CTA per tile (scheduler 'single_tile')")
         if (self.split or self.varlen_q or c.o_split > 1) and not c.store_o_from_registers:
             problems.append("split, varlen and o_split launches store O from registers")
-        if c.o_split > 1 and (c.tile_m != 64 or not c.pv_from_registers):
-            problems.append("o_split needs tile_m 64 and P from registers")
+        if c.o_split > 1 and (c.tile_m != 64 or c.pv_from_registers == c.split_scores):
+            problems.append("o_split needs tile_m 64 and P from registers (smem: split_scores)")
         if c.pingpong and c.tile_m < 128:
             problems.append("pingpong needs two MMA warpgroups")
         if c.rescale_o_before_pv and not c.intra_wg_overlap:

@@ -67,7 +67,13 @@ from .masking import AttentionMask
 from .named_barriers import NamedBarrier
 from .paged_kv_gather import PRODUCER_THREADS, GatherPagedBlockLoader
 from .seqlen_info import SeqlenInfo
-from .softmax import OnlineSoftmax, apply_softcap, rescale_rows, rescale_rows_if_any_changed
+from .softmax import (
+    OnlineSoftmax,
+    ScoreHalves,
+    apply_softcap,
+    rescale_rows,
+    rescale_rows_if_any_changed,
+)
 from .split_merge import lanes_per_row, merge_row
 from .tile_scheduler import (
     PersistentTileScheduler,
@@ -141,6 +147,7 @@ class MainloopOperands:
     sV: cute.Tensor
     last_block: Int32  # the tile's last key block, processed first
     last_block_keys: Int32  # the keys of it that exist (may be fewer than tile_n)
+    halves: Optional[ScoreHalves] = None  # split_scores: the warpgroups' row exchange
 
 
 @dataclass(frozen=True)
@@ -208,8 +215,10 @@ class FlashAttentionForwardSm90:
         self.dtype = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[variant.dtype]
         self.num_mma_warpgroups = config.num_mma_warpgroups
         # o_split warpgroups share the tile's 64 rows, each with its part of O's columns (and
-        # each computing the rows' scores itself); otherwise warpgroup w has rows 64w..64w+63.
+        # each computing the rows' scores itself, or with split_scores its half of each key
+        # block's); otherwise warpgroup w has rows 64w..64w+63.
         self.o_split = config.o_split
+        self.split_scores = config.split_scores
         self.num_mma_threads = THREADS_PER_WARPGROUP * self.num_mma_warpgroups
         self.num_threads = THREADS_PER_WARPGROUP * (1 + self.num_mma_warpgroups)
         self.window = LocalWindow(
@@ -430,6 +439,7 @@ class FlashAttentionForwardSm90:
             self.config.tile_n,
             b_mn_major=False,
             a_from_registers=False,
+            split_n=self.o_split if const_expr(self.split_scores) else 1,
         )
         tiled_mma_pv = hopper_mma.make_tiled_mma(
             self.dtype,
@@ -514,6 +524,7 @@ class FlashAttentionForwardSm90:
         num_stages = self.config.num_stages
         sP_size = cute.cosize(sP_layout) if const_expr(sP_layout is not None) else 0
         sO_size = cute.cosize(sO_layout) if const_expr(self.separate_o_smem) else 0
+        score_rows_size = 4 * self.config.tile_m if const_expr(self.split_scores) else 0
 
         @cute.struct
         class SharedStorage:
@@ -532,6 +543,8 @@ class FlashAttentionForwardSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, sV_size], self.smem_align]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, sP_size], self.smem_align]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, sO_size], self.smem_align]
+            # split_scores: (max or sum, warpgroup, row), ScoreHalves.
+            score_rows: cute.struct.MemRange[Float32, score_rows_size]
 
         self.shared_storage = SharedStorage
 
@@ -675,6 +688,9 @@ class FlashAttentionForwardSm90:
         sP = None
         if const_expr(sP_layout is not None):
             sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        sRows = None
+        if const_expr(self.split_scores):
+            sRows = storage.score_rows.get_tensor(cute.make_layout((2, 2, self.config.tile_m)))
         sO = sQ  # (a TMA-stored O without a tile of its own has dv == d: the plan's rule)
         if const_expr(self.separate_o_smem):
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
@@ -756,6 +772,7 @@ class FlashAttentionForwardSm90:
                 sK,
                 sV,
                 sP,
+                sRows,
                 sO,
                 tma_atom_O,
                 tiled_mma_qk,
@@ -1036,6 +1053,7 @@ class FlashAttentionForwardSm90:
         sK: cute.Tensor,
         sV: cute.Tensor,
         sP: Optional[cute.Tensor],
+        sRows: Optional[cute.Tensor],
         sO: cute.Tensor,
         tma_atom_O: Optional[cute.CopyAtom],
         tiled_mma_qk: cute.TiledMma,
@@ -1065,8 +1083,9 @@ class FlashAttentionForwardSm90:
         m_block = tile.m_block
         # WGMMA operands are per warpgroup: slice at the warpgroup's first thread. Warpgroups
         # splitting O share the scores' rows: the Q K^T slices of the first one.
-        qk_tidx = tidx if const_expr(self.o_split == 1) else tidx % THREADS_PER_WARPGROUP
-        qk_warpgroup = warpgroup_idx if const_expr(self.o_split == 1) else 0
+        own_scores = self.o_split == 1 or self.split_scores
+        qk_tidx = tidx if const_expr(own_scores) else tidx % THREADS_PER_WARPGROUP
+        qk_warpgroup = warpgroup_idx if const_expr(own_scores) else 0
         wg_mma_qk = tiled_mma_qk.get_slice(qk_warpgroup * THREADS_PER_WARPGROUP)
         wg_mma_pv = tiled_mma_pv.get_slice(warpgroup_idx * THREADS_PER_WARPGROUP)
         acc_O = cute.make_rmem_tensor(
@@ -1124,6 +1143,9 @@ class FlashAttentionForwardSm90:
             sV=sV,
             last_block=n_block_max - 1,
             last_block_keys=seqlen.seqlen_k - (n_block_max - 1) * self.config.tile_n,
+            halves=self._score_halves(sRows, tiled_mma_qk, tidx, warpgroup_idx)
+            if const_expr(self.split_scores)
+            else None,
         )
 
         acc_O.fill(0.0)
@@ -1149,7 +1171,7 @@ class FlashAttentionForwardSm90:
                 acc_S = self._qk_gemm(ctx, kv_state.index, 0)
                 self._release_k(ctx, kv_state)
                 self._mask_scores(ctx, acc_S, n_block_max - 1, mask_seqlen=True, masked=True)
-                softmax.step(acc_S, is_first=True)
+                softmax.step(acc_S, is_first=True, halves=ctx.halves)
                 self._scores_to_p(ctx, acc_S)
                 if const_expr(self.config.rescale_o_before_pv):
                     ctx.pending_scale.fill(1.0)
@@ -1177,6 +1199,8 @@ class FlashAttentionForwardSm90:
 
             # A split's partial O is normalized by its own row sum; the merge (_merge_splits)
             # weighs it by exp(lse_split - lse).
+            if const_expr(self.split_scores):
+                softmax.combine_halves(ctx.halves)
             inv_row_sum, row_lse = softmax.finalize(sink_log2)
             rescale_rows(acc_O, inv_row_sum)
             lse.store(row_lse.load())
@@ -1299,10 +1323,17 @@ class FlashAttentionForwardSm90:
         else:
             rP = cute.make_rmem_tensor_like(p_as_a, self.dtype)
             hopper_mma.convert_to_16bit(p_as_a, rP)
+            if const_expr(self.split_scores):
+                # Both warpgroups' P V reads all of sP: the other's last one (which it waited
+                # for before arriving) must be done before this half is overwritten.
+                self._split_scores_barrier()
             cute.copy(ctx.smem_copy_P, ctx.smem_copy_P.retile(rP), ctx.tPsP)
-            # Each warp reads back only the P rows it wrote, so a warp barrier suffices.
             cute.arch.fence_view_async_shared()
-            cute.arch.sync_warp()
+            if const_expr(self.split_scores):
+                self._split_scores_barrier()  # both halves written before either P V
+            else:
+                # Each warp reads back only the P rows it wrote, so a warp barrier suffices.
+                cute.arch.sync_warp()
 
     def _block_overlap(self, ctx, kv_state, n_block, masked: bool):
         """Issue S = Q K(n), then O += P(n+1) V(n+1); the softmax of S(n) runs under P V."""
@@ -1321,7 +1352,7 @@ class FlashAttentionForwardSm90:
         warpgroup.wait_group(1)
         self._release_k(ctx, kv_state)
         self._mask_scores(ctx, acc_S, n_block, mask_seqlen=False, masked=masked)
-        row_scale = ctx.softmax.step(acc_S, is_first=False)
+        row_scale = ctx.softmax.step(acc_S, is_first=False, halves=ctx.halves)
         warpgroup.wait_group(0)
         self._release_v(ctx, v_state)
         self._scores_to_p(ctx, acc_S)
@@ -1352,6 +1383,30 @@ class FlashAttentionForwardSm90:
         self._release_v(ctx, kv_state)
         kv_state.advance()
         return kv_state
+
+    def _split_scores_barrier(self):
+        cute.arch.barrier(
+            barrier_id=int(NamedBarrier.SPLIT_SCORES), number_of_threads=self.num_mma_threads
+        )
+
+    def _score_halves(self, sRows, tiled_mma_qk, tidx, warpgroup_idx) -> ScoreHalves:
+        """split_scores: the row exchange of this thread (its accumulator rows' tile rows)."""
+        coords = hopper_mma.acc_as_rows_cols(
+            tiled_mma_qk.get_slice(tidx).partition_C(
+                cute.make_identity_tensor((self.config.tile_m, self.config.tile_n))
+            )
+        )
+        rows = cute.make_rmem_tensor(cute.size(coords, mode=[0]), Int32)
+        for r in range(cute.size(rows)):  # (a plain Python loop: this is not a jit function)
+            rows[r] = coords[r, 0][0]
+        return ScoreHalves(
+            smem=sRows,
+            rows=rows,
+            warpgroup=warpgroup_idx,
+            writer=tidx % 4 == 0,
+            barrier_id=int(NamedBarrier.SPLIT_SCORES),
+            num_threads=self.num_mma_threads,
+        )
 
     @cute.jit
     def _clear_v_tail(self, ctx, stage, v_block: Int32):

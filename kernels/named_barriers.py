@@ -15,3 +15,4 @@ class NamedBarrier(enum.IntEnum):
     V_TAIL_1 = 7
     V_TAIL_2 = 8
     V_TAIL_3 = 9
+    SPLIT_SCORES = 10  # split_scores: the two warpgroups sharing a tile's rows

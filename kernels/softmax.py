@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -157,47 +157,91 @@ class OnlineSoftmax:
         )
 
     @cute.jit
-    def step(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
-        """Turn scores into unnormalized probabilities in place; return the O rescale per row."""
+    def step(
+        self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool], halves=None
+    ) -> cute.Tensor:
+        """Turn scores into unnormalized probabilities in place; return the O rescale per row.
+        halves (ScoreHalves): the scores are this warpgroup's half of the key block, and the
+        row maxima are taken over both halves."""
         scores = acc_as_rows_cols(acc_S)
         ncols = cute.size(scores, mode=[1])
         row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
-        for r in cutlass.range_constexpr(self.num_rows):
-            row = cute.make_rmem_tensor(ncols, Float32)
-            row.store(scores[r, None].load())
-            row_max = _row_max(row, ncols)
-            if const_expr(not is_first):
-                row_max = cute.arch.fmax(row_max, self.row_max[r])
-            row_max = _quad_allreduce_max(row_max)
-            row_max_prev = self.row_max[r]
-            if const_expr(self.rescale_threshold > 0 and not is_first):
-                # The bound depends on the old max only, so it is ready before the new max is
-                # reduced: one compare and select after it. An old max of -inf (no keys so far)
-                # gives a bound of -inf, which any new max but -inf passes.
-                if row_max <= row_max_prev + self.max_lag:
-                    row_max = row_max_prev
-            self.row_max[r] = row_max
-            # A row masked out so far has max -inf: use 0 so exp2 gives 0, not NaN.
-            row_max_safe = Float32(0.0) if row_max == -Float32.inf else row_max
-            max_scaled = row_max_safe * self.scale_log2
-            on_fma = fma_exp2_columns(ncols, self.fma_exp2_per_16)
-            for c in cutlass.range_constexpr(ncols):
-                if const_expr(c in on_fma):
-                    row[c] = exp2_on_fma(row[c] * self.scale_log2 - max_scaled)
-                else:
-                    row[c] = cute.math.exp2(row[c] * self.scale_log2 - max_scaled, fastmath=True)
-            row_sum = _row_sum(row, ncols)
-            if const_expr(is_first):
-                row_scale[r] = Float32(1.0)
-                self.row_sum[r] = row_sum
-            else:
-                scale = cute.math.exp2(
-                    (row_max_prev - row_max_safe) * self.scale_log2, fastmath=True
-                )
-                row_scale[r] = scale
-                self.row_sum[r] = self.row_sum[r] * scale + row_sum
-            scores[r, None].store(row.load())
+        if const_expr(halves is None):
+            for r in cutlass.range_constexpr(self.num_rows):
+                row = cute.make_rmem_tensor(ncols, Float32)
+                row.store(scores[r, None].load())
+                row_max = _row_max(row, ncols)
+                if const_expr(not is_first):
+                    row_max = cute.arch.fmax(row_max, self.row_max[r])
+                row_max = _quad_allreduce_max(row_max)
+                row_max_prev = self.row_max[r]
+                if const_expr(self.rescale_threshold > 0 and not is_first):
+                    # The bound depends on the old max only, so it is ready before the new max
+                    # is reduced: one compare and select after it. An old max of -inf (no keys
+                    # so far) gives a bound of -inf, which any new max but -inf passes.
+                    if row_max <= row_max_prev + self.max_lag:
+                        row_max = row_max_prev
+                self._exponentiate(scores, row, r, row_max, row_max_prev, is_first, row_scale)
+        else:
+            # Every row's max first, then one exchange for all of them.
+            maxes = cute.make_rmem_tensor(self.num_rows, Float32)
+            for r in cutlass.range_constexpr(self.num_rows):
+                row_max = _row_max(scores[r, None], ncols)
+                if const_expr(not is_first):
+                    row_max = cute.arch.fmax(row_max, self.row_max[r])
+                maxes[r] = _quad_allreduce_max(row_max)
+            halves.combine(maxes, is_max=True)
+            for r in cutlass.range_constexpr(self.num_rows):
+                row = cute.make_rmem_tensor(ncols, Float32)
+                row.store(scores[r, None].load())
+                self._exponentiate(scores, row, r, maxes[r], self.row_max[r], is_first, row_scale)
         return row_scale
+
+    @cute.jit
+    def _exponentiate(
+        self,
+        scores: cute.Tensor,
+        row: cute.Tensor,
+        r: cutlass.Constexpr[int],
+        row_max: Float32,
+        row_max_prev: Float32,
+        is_first: cutlass.Constexpr[bool],
+        row_scale: cute.Tensor,
+    ):
+        """Row r's new max in place, its scores (a register copy in `row`) to probabilities,
+        its running sum and O rescale."""
+        ncols = cute.size(row)
+        self.row_max[r] = row_max
+        # A row masked out so far has max -inf: use 0 so exp2 gives 0, not NaN.
+        row_max_safe = Float32(0.0) if row_max == -Float32.inf else row_max
+        max_scaled = row_max_safe * self.scale_log2
+        on_fma = fma_exp2_columns(ncols, self.fma_exp2_per_16)
+        for c in cutlass.range_constexpr(ncols):
+            if const_expr(c in on_fma):
+                row[c] = exp2_on_fma(row[c] * self.scale_log2 - max_scaled)
+            else:
+                row[c] = cute.math.exp2(row[c] * self.scale_log2 - max_scaled, fastmath=True)
+        row_sum = _row_sum(row, ncols)
+        if const_expr(is_first):
+            row_scale[r] = Float32(1.0)
+            self.row_sum[r] = row_sum
+        else:
+            scale = cute.math.exp2((row_max_prev - row_max_safe) * self.scale_log2, fastmath=True)
+            row_scale[r] = scale
+            self.row_sum[r] = self.row_sum[r] * scale + row_sum
+        scores[r, None].store(row.load())
+
+    @cute.jit
+    def combine_halves(self, halves):
+        """After the last key block of a split_scores tile: the row sums over both halves of
+        the key blocks (this thread's partial sums reduced over its quad, exchanged, and left
+        on the quad's first lane, so that finalize's quad sum gives the total)."""
+        sums = cute.make_rmem_tensor(self.num_rows, Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            sums[r] = _quad_allreduce_sum(self.row_sum[r])
+        halves.combine(sums, is_max=False)
+        for r in cutlass.range_constexpr(self.num_rows):
+            self.row_sum[r] = sums[r] if halves.writer else Float32(0.0)
 
     @cute.jit
     def finalize(self, sink_log2: cute.Tensor = None) -> tuple:
@@ -239,6 +283,42 @@ class OnlineSoftmax:
                     inv_sum[r] = scores_weight * cute.arch.rcp_approx(denom)
                     lse[r] = (top + cute.math.log2(denom, fastmath=True)) * LN2
         return inv_sum, lse
+
+
+@dataclass(frozen=True)
+class ScoreHalves:
+    """Two warpgroups sharing a tile's rows, each with the scores of half of every key block
+    (AttentionConfig.split_scores): their row maxima, and at the end their row sums, meet in
+    shared memory.
+
+    smem: (2, 2, tile_m) fp32: (max or sum, warpgroup, tile row). rows: (num_rows,) Int32, the
+    tile rows of the thread's accumulator rows. writer: the thread is the first lane of its
+    quad (the four lanes holding a row, which agree after their reduction)."""
+
+    smem: cute.Tensor
+    rows: cute.Tensor
+    warpgroup: Int32
+    writer: cutlass.Boolean
+    barrier_id: cutlass.Constexpr[int]
+    num_threads: cutlass.Constexpr[int]
+
+    @cute.jit
+    def combine(self, values: cute.Tensor, is_max: cutlass.Constexpr[bool]):
+        """values[r] (this warpgroup's, per accumulator row) becomes the max or sum of both
+        warpgroups'. The barrier also orders this exchange after the other warpgroup's reads
+        of the previous one (each passes two more barriers per key block before writing
+        again: kernels/flash_fwd_sm90.py, _scores_to_p)."""
+        which = 0 if const_expr(is_max) else 1
+        if self.writer:
+            for r in cutlass.range_constexpr(cute.size(values)):
+                self.smem[which, self.warpgroup, self.rows[r]] = values[r]
+        cute.arch.barrier(barrier_id=self.barrier_id, number_of_threads=self.num_threads)
+        for r in cutlass.range_constexpr(cute.size(values)):
+            other = self.smem[which, 1 - self.warpgroup, self.rows[r]]
+            if const_expr(is_max):
+                values[r] = cute.arch.fmax(values[r], other)
+            else:
+                values[r] = values[r] + other
 
 
 @cute.jit

@@ -439,6 +439,7 @@ MLA_KEYS = [
 # O split across two warpgroups along V's head dim (o_split=2): V head dims above 256 (absorbed
 # MLA's 512, Gemma 4's 512 / 512).
 _O_SPLIT = dict(pingpong=False, o_split=2, store_o_from_registers=True)
+_SPLIT_SCORES = dict(_O_SPLIT, pv_from_registers=False, split_scores=True)
 O_SPLIT_KEYS = [
     ForwardVariant("bfloat16", 64, True, AttentionConfig(64, 64, **_O_SPLIT), True, head_dim_v=512),
     ForwardVariant("float16", 512, True, AttentionConfig(64, 32, **_O_SPLIT), True, head_dim_v=512),
@@ -520,6 +521,43 @@ O_SPLIT_KEYS = [
         v_in_k=True,
         qv=True,
     ),
+    # split_scores: each warpgroup the scores of half of each key block, P through smem.
+    ForwardVariant(
+        "float16", 512, True, AttentionConfig(64, 32, **_SPLIT_SCORES), True, head_dim_v=512
+    ),
+    ForwardVariant(
+        "bfloat16", 64, False, AttentionConfig(64, 64, **_SPLIT_SCORES), True, head_dim_v=512
+    ),
+    ragged(
+        "bfloat16",
+        576,
+        True,
+        AttentionConfig(64, 64, **_SPLIT_SCORES),
+        True,
+        kv_layout="paged",
+        seqused_k=True,
+        page_box_rows=64,
+        split=True,
+        combine_launch=True,
+        pack_gqa_ratio=64,
+        head_dim_v=512,
+        v_in_k=True,
+    ),
+    ragged(
+        "float16",
+        576,
+        True,
+        AttentionConfig(64, 64, **_SPLIT_SCORES),
+        True,
+        varlen_q=True,
+        kv_layout="paged",
+        seqused_k=True,
+        gather_page_size=1,
+        pack_gqa_ratio=16,
+        head_dim_v=512,
+        v_in_k=True,
+        qv=True,
+    ),
     # V in K's columns at a served pair (256 / 128): the K ring alone.
     ForwardVariant(
         "bfloat16",
@@ -544,6 +582,7 @@ def _id(variant):
         + ("-oregs" if c.store_o_from_registers else "")
         + ("-probe" if c.mbarrier_probe else "")
         + (f"-osplit{c.o_split}" if c.o_split > 1 else "")
+        + ("-splitscores" if c.split_scores else "")
     )
     return variant.describe().replace(" ", "-") + "-" + knobs
 

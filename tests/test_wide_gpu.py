@@ -23,6 +23,11 @@ from flash_cute.runtime import LaunchPlan, num_sms
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 O_SPLIT = dict(pingpong=False, o_split=2, store_o_from_registers=True)
+# Each warpgroup the scores of half of every key block (P through smem), or all of them.
+SCORES = {
+    "split_scores": dict(O_SPLIT, pv_from_registers=False, split_scores=True),
+    "repeat_scores": O_SPLIT,
+}
 
 
 def launch(problem, config, q, k, v, num_splits=1, pack_gqa=False, **tensors):
@@ -44,12 +49,13 @@ def per_batch(*tensors):
     return [[t[b : b + 1] for b in range(t.shape[0])] for t in tensors]
 
 
+@pytest.mark.parametrize("scores", list(SCORES))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
     "head_dims, tile_n", [((64, 512), 64), ((512, 512), 32), ((128, 256), 128)], ids=str
 )
 @pytest.mark.parametrize("seqlens", [(113, 1000), (1000, 113), (1, 17)])
-def test_o_split_prefill(head_dims, tile_n, causal, seqlens):
+def test_o_split_prefill(head_dims, tile_n, causal, seqlens, scores):
     (d, dv), (sq, sk) = head_dims, seqlens
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("osplit", head_dims, seqlens))
     batch, h = 2, 4
@@ -59,16 +65,17 @@ def test_o_split_prefill(head_dims, tile_n, causal, seqlens):
         batch=batch, nheads=h, nheads_kv=h, head_dim=d, head_dim_v=dv, dtype="bfloat16",
         max_seqlen_q=sq, max_seqlen_k=sk, kv_capacity=sk, causal=causal, writes_lse=True,
     )  # fmt: skip
-    variant, (out, lse) = launch(problem, AttentionConfig(64, tile_n, **O_SPLIT), q, k, v)
+    variant, (out, lse) = launch(problem, AttentionConfig(64, tile_n, **SCORES[scores]), q, k, v)
     assert variant.config.o_split == 2
     refs, lowps, lse_refs = reference_per_sequence(*per_batch(q, k, v), causal)
     assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
 
 
+@pytest.mark.parametrize("scores", list(SCORES))
 @pytest.mark.parametrize("num_splits", [1, 3, 0])
 @pytest.mark.parametrize("page_size", [64, 1])
 @pytest.mark.parametrize("seqlen_q, nheads", [(1, 128), (2, 64), (1, 16)])
-def test_absorbed_mla_decode(seqlen_q, nheads, page_size, num_splits):
+def test_absorbed_mla_decode(seqlen_q, nheads, page_size, num_splits, scores):
     """q (batch, seqlen_q, nheads, 576) against one latent head of 576 whose first 512 dims are
     V (v = k_cache[..., :512], a view): FlashMLA's form of DeepSeek's decode. num_splits 0: the
     heuristic's 11 splits, whose partials (64 rows) the combine kernel merges."""
@@ -84,8 +91,8 @@ def test_absorbed_mla_decode(seqlen_q, nheads, page_size, num_splits):
         writes_lse=True, kv_layout="paged", page_size=page_size, seqused_k=True, v_in_k=True,
     )  # fmt: skip
     variant, (out, lse) = launch(
-        problem, AttentionConfig(64, 64, **O_SPLIT), q, k_cache, v_cache, num_splits, True,
-        seqused_k=lens, page_table=page_table,
+        problem, AttentionConfig(64, 64, **SCORES[scores]), q, k_cache, v_cache, num_splits,
+        True, seqused_k=lens, page_table=page_table,
     )  # fmt: skip
     assert variant.v_in_k and variant.pack_gqa_ratio == min(nheads, 64)
     assert variant.combine_launch == (num_splits == 0 and nheads * seqlen_q >= 64)
@@ -110,10 +117,11 @@ def test_v_in_k_at_a_served_pair():
     assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
 
 
+@pytest.mark.parametrize("scores", list(SCORES))
 @pytest.mark.parametrize("num_splits", [1, 3, 0])
 @pytest.mark.parametrize("page_size", [64, 1])
 @pytest.mark.parametrize("seqlen_q, nheads", [(1, 128), (2, 32)])
-def test_absorbed_mla_qv_form(seqlen_q, nheads, page_size, num_splits):
+def test_absorbed_mla_qv_form(seqlen_q, nheads, page_size, num_splits, scores):
     """FlashAttention-3's form: q (.., 64) against k_cache (.., 1, 64) plus qv (.., 512)
     against v_cache (.., 1, 512); scores q k^T + qv v^T, out P v, scale 1 / sqrt(576)."""
     d_rope, dv, batch, capacity = 64, 512, 3, 700
@@ -131,8 +139,8 @@ def test_absorbed_mla_qv_form(seqlen_q, nheads, page_size, num_splits):
         qv=True,
     )  # fmt: skip
     variant, (out, lse) = launch(
-        problem, AttentionConfig(64, 64, **O_SPLIT), q, k_cache, v_cache, num_splits, True,
-        seqused_k=lens, page_table=page_table, qv=qv,
+        problem, AttentionConfig(64, 64, **SCORES[scores]), q, k_cache, v_cache, num_splits,
+        True, seqused_k=lens, page_table=page_table, qv=qv,
     )  # fmt: skip
     assert variant.qv and variant.v_in_k and variant.combine_launch == (num_splits == 0)
     # The same attention with q' = [qv, q] against k' = [v, k].
