@@ -640,13 +640,33 @@ def sweep_configs(
     rescale_threshold=(0,),
     store_o_from_registers=(False,),
     head_dim_v=None,
+    o_split=(1,),
+    split_scores=(False,),
 ):
     """Every valid AttentionConfig of the product of the knob lists (for V head dim
     head_dim_v, default head_dim)."""
     import itertools
 
     configs = []
-    for tm, tn, st, p, ov, pp, rb, c, sch, l2, probe, fma, lazy, thr, reg_o in itertools.product(
+    for (
+        tm,
+        tn,
+        st,
+        p,
+        ov,
+        pp,
+        rb,
+        c,
+        sch,
+        l2,
+        probe,
+        fma,
+        lazy,
+        thr,
+        reg_o,
+        osplit,
+        ssplit,
+    ) in itertools.product(  # fmt: skip
         tile_m,
         tile_n,
         stages,
@@ -662,6 +682,8 @@ def sweep_configs(
         lazy_rescale,
         rescale_threshold,
         store_o_from_registers,
+        o_split,
+        split_scores,
     ):
         if pp and tm == 64 or rb and not ov:
             continue
@@ -682,6 +704,8 @@ def sweep_configs(
                 lazy_rescale=lazy,
                 rescale_threshold=thr,
                 store_o_from_registers=reg_o,
+                o_split=osplit,
+                split_scores=ssplit,
             )
             cfg.validate(head_dim, "bfloat16" if dtype == "bf16" else "float16", head_dim_v)
         except ValueError:
@@ -744,6 +768,7 @@ def config_label(cfg) -> str:
     label += f" lag{cfg.rescale_threshold}" if cfg.rescale_threshold else ""
     label += " O-regs" if cfg.store_o_from_registers else ""
     label += f" O-split{cfg.o_split}" if cfg.o_split > 1 else ""
+    label += " split-scores" if cfg.split_scores else ""
     return label + short[cfg.scheduler]
 
 
@@ -1171,6 +1196,16 @@ def main(argv=None) -> int:
         default=["off"],
         help="padded problems store O from registers instead of through smem and TMA",
     )
+    sw.add_argument(
+        "--o-split", type=int, nargs="+", default=[1], help="warpgroups splitting O (2: dv > 256)"
+    )
+    sw.add_argument(
+        "--split-scores",
+        choices=["on", "off"],
+        nargs="+",
+        default=["off"],
+        help="o_split warpgroups split each key block's scores (P through smem)",
+    )
     sw.add_argument("--compile-workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     sw.add_argument("--reps", type=int, default=20)
     sw.add_argument("--list", action="store_true", help="print the valid configs and exit (no GPU)")
@@ -1245,6 +1280,8 @@ def main(argv=None) -> int:
             args.rescale_threshold,
             [ON_OFF[x] for x in args.store_o_from_registers],
             args.hdim_v,
+            args.o_split,
+            [ON_OFF[x] for x in args.split_scores],
         )
         print(f"{len(configs)} valid configs for hdim {args.hdim}", flush=True)
         if args.list:

@@ -234,6 +234,7 @@ def test_new_head_dims():
     for head_dim, v_in_k, tile_n in [(576, True, 64), (576, False, 32), (512, False, 32)]:
         config = default_config(head_dim, "bfloat16", True, head_dim_v=512, v_in_k=v_in_k)
         assert (config.tile_m, config.tile_n, config.o_split) == (64, tile_n, 2)
+        assert config.split_scores == v_in_k  # (the latent cache's scores split by key halves)
         assert config.validate(head_dim, "bfloat16", 512, v_in_k) is config
         assert decode_config(head_dim, "bfloat16", 512, v_in_k) == config
     assert default_config(64, "float16", False, head_dim_v=512).tile_n == 64
