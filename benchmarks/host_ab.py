@@ -1,7 +1,7 @@
 """Host cost per cached call, A/B in one process: an older revision of the package, importable
 as `flash_cute_old` from OLD_DIR (benchmarks/old_package.py exports it), against the working
 tree's `flash_cute`, on tiny problems (the GPU keeps up), interleaved round by round
-(flash_cute.bench.host_rounds_us). Prints each call's median / best round for both and the
+(flash_cute.timing.host_rounds_us). Prints each call's median / best round for both and the
 median of the rounds' differences: the comparison that holds on a shared CPU whose speed moves
 between rounds. Exporting the working tree's own revision as OLD_DIR gives an A/A run: the
 noise of the comparison. Run from the repository root on a GPU:
@@ -16,7 +16,7 @@ import sys
 import torch
 
 import flash_cute
-from flash_cute.bench import host_rounds_us
+from flash_cute.timing import host_rounds_us
 
 dev, bf16 = "cuda", torch.bfloat16
 q = torch.randn(1, 1, 8, 128, device=dev, dtype=bf16)

@@ -3,7 +3,7 @@ old_package.py) against the working tree's `flash_cute`.
 
 - prefill: flash_attn_func on the FlashAttention-3 paper's grid (batch x seqlen = 16k tokens,
   nheads x headdim = 2048; bf16, head dims 64/128/256, causal and not, 512-16k), the two taking
-  turns (flash_cute.bench.time_interleaved) in each of --passes passes; per point the median
+  turns (flash_cute.timing.time_interleaved) in each of --passes passes; per point the median
   over passes of new / old time.
 - decode: CUDA-graph replays of 20 flash_attn_with_kvcache decode steps (32 q heads, 8 kv
   heads, hdim 128, bf16, a (batch,) int32 cache_seqlens, contiguous and paged caches), the two
@@ -52,7 +52,8 @@ def precompile(old_dir, hdims, workers=16):
 
 
 def prefill(old, new, hdims, passes, reps):
-    from flash_cute.bench import prefill_flops, time_interleaved
+    from flash_cute.bench import prefill_flops
+    from flash_cute.timing import time_interleaved
 
     rows = []
     for hdim in hdims:
@@ -88,7 +89,7 @@ def prefill(old, new, hdims, passes, reps):
 
 
 def decode(old, new, reps):
-    from flash_cute.bench import time_interleaved
+    from flash_cute.timing import time_interleaved
 
     rows = []
     for batch in (1, 8, 32):

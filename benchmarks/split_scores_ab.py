@@ -14,9 +14,9 @@ and the largest difference between the two outputs. Run from the repository root
 import torch
 
 import flash_cute
-from flash_cute.bench import copy_bandwidth_gbs, time_graph
 from flash_cute.bench_mla import D_LATENT, D_ROPE, _paged
 from flash_cute.config import wide_config
+from flash_cute.timing import copy_bandwidth_gbs, time_graph
 
 # (heads, q tokens, batch, keys)
 MLA_POINTS = [

@@ -24,7 +24,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from flash_cute.bench import copy_bandwidth_gbs, time_cuda, time_graph, time_interleaved
+from flash_cute.timing import copy_bandwidth_gbs, time_cuda, time_graph, time_interleaved
 
 PREFILL_SHAPES = [
     # (name, q heads, kv heads, hdim, window left)

@@ -23,7 +23,7 @@ from typing import List
 
 import torch
 
-from flash_cute.bench import copy_bandwidth_gbs, time_graph
+from flash_cute.timing import copy_bandwidth_gbs, time_graph
 
 D_LATENT, D_ROPE, PAGE = 512, 64, 64
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from flash_cute import bench
+from flash_cute import bench, timing
 
 
 def _listed_labels(capsys, argv, count, head_dim):
@@ -134,7 +134,7 @@ def test_plot_redraws_sweep_json(tmp_path):
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
 def test_balanced_orders_let_each_peer_follow_every_other_equally(n):
-    orders = bench.balanced_orders(n)
+    orders = timing.balanced_orders(n)
     assert all(sorted(order) == list(range(n)) for order in orders)
     follows = {}
     for order in orders:
