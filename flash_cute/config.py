@@ -12,7 +12,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+# The head dims of the table's rows. The kernels take any multiple of 16 up to 256 (HEAD_DIMS):
+# one without a row of its own runs on the row of the next larger one, whose tile fits it.
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+HEAD_DIMS = tuple(range(16, 257, 16))
 SUPPORTED_DTYPES = ("float16", "bfloat16")
 # Wide heads: V's head dim 512 (absorbed MLA's latent, Gemma 4's global layers), whose O two
 # MMA warpgroups split along its columns (AttentionConfig.o_split), with q/k head dims of the
@@ -20,22 +23,36 @@ SUPPORTED_DTYPES = ("float16", "bfloat16")
 # K's columns when v is a view of k's leading columns (ForwardVariant.v_in_k).
 WIDE_HEAD_DIMS = (512, 576)
 WIDE_HEAD_DIM_V = 512
+# The head dims the API serves: those verified on a GPU (tests/*_gpu.py). The other multiples
+# of 16 compile clean (tests/test_compile.py) and are refused by name (checks.check_served_head
+# _dims) until tests/test_head_dims_gpu.py has passed on a GPU.
+SERVED_HEAD_DIMS = SUPPORTED_HEAD_DIMS + WIDE_HEAD_DIMS
 
 
 def check_head_dims(head_dim: int, head_dim_v: Optional[int] = None) -> None:
-    """ValueError unless the kernels take q/k's head dim and V's (default: the same): each one
-    of SUPPORTED_HEAD_DIMS in any pair (whether a config fits is validate's), or V's 512 with
+    """ValueError unless the kernels take q/k's head dim and V's (default: the same): each a
+    multiple of 16 up to 256 in any pair (whether a config fits is validate's), or V's 512 with
     q/k's of those or 512 / 576."""
-    qk_dims = SUPPORTED_HEAD_DIMS + WIDE_HEAD_DIMS
-    v_dims = SUPPORTED_HEAD_DIMS + (WIDE_HEAD_DIM_V,)
-    if head_dim not in qk_dims:
-        raise ValueError(f"head_dim must be one of {qk_dims}, got {head_dim}")
-    if head_dim_v is not None and head_dim_v not in v_dims:
-        raise ValueError(f"head_dim_v (v's head dim) must be one of {v_dims}, got {head_dim_v}")
+    if head_dim not in HEAD_DIMS + WIDE_HEAD_DIMS:
+        raise ValueError(
+            f"head_dim must be a multiple of 16 up to 256 or one of {WIDE_HEAD_DIMS}, got "
+            f"{head_dim}"
+        )
+    if head_dim_v is not None and head_dim_v not in HEAD_DIMS + (WIDE_HEAD_DIM_V,):
+        raise ValueError(
+            "head_dim_v (v's head dim) must be a multiple of 16 up to 256 or "
+            f"{WIDE_HEAD_DIM_V}, got {head_dim_v}"
+        )
     if head_dim in WIDE_HEAD_DIMS and (head_dim_v or head_dim) != WIDE_HEAD_DIM_V:
         raise ValueError(
             f"head_dim {head_dim} goes with head_dim_v {WIDE_HEAD_DIM_V}, got {head_dim_v}"
         )
+
+
+def table_head_dim(head_dim: int) -> int:
+    """The head dim of the table row that serves head_dim (<= 256): the smallest of
+    SUPPORTED_HEAD_DIMS not below it."""
+    return min(d for d in SUPPORTED_HEAD_DIMS if d >= head_dim)
 
 
 def wide_config(head_dim: int, head_dim_v: int, v_in_k: bool = False) -> "AttentionConfig":
@@ -598,14 +615,14 @@ def decode_config(
     head_dim: int, dtype: str, head_dim_v: Optional[int] = None, v_in_k: bool = False
 ) -> AttentionConfig:
     """The config for decode-like problems (few query rows per kv head); with a V head dim
-    head_dim_v other than head_dim, the row of the larger one; V above 256: wide_config."""
-    if head_dim_v is not None:
-        check_head_dims(head_dim, head_dim_v)
-        if head_dim_v > 256:
-            return wide_config(head_dim, head_dim_v, v_in_k)
-        head_dim = max(head_dim, head_dim_v)
+    head_dim_v other than head_dim, the row of the larger one (or the next larger one with a
+    row); V above 256: wide_config."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    check_head_dims(head_dim, head_dim_v)
+    if head_dim_v > 256:
+        return wide_config(head_dim, head_dim_v, v_in_k)
     try:
-        return DECODE_CONFIGS[(head_dim, dtype)]
+        return DECODE_CONFIGS[(table_head_dim(max(head_dim, head_dim_v)), dtype)]
     except KeyError:
         raise ValueError(
             f"no decode config for head_dim={head_dim}, dtype={dtype}: supported head dims are "
@@ -627,16 +644,17 @@ def default_config(
     window_span (the most keys a row of a local mask can see), short windows may
     (SHORT_WINDOW_CONFIGS). Other local masks take the causal rows. A V head dim head_dim_v
     other than head_dim takes its pair's row (PAIR_CONFIGS), or the larger head dim's; V
-    above 256 wide_config."""
-    if head_dim_v is not None and head_dim_v > 256:
-        check_head_dims(head_dim, head_dim_v)
+    above 256 wide_config. A head dim without a row takes the next larger one's
+    (table_head_dim)."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    check_head_dims(head_dim, head_dim_v)
+    if head_dim_v > 256:
         return wide_config(head_dim, head_dim_v, v_in_k)
-    if head_dim_v is not None and head_dim_v != head_dim:
-        check_head_dims(head_dim, head_dim_v)
+    if head_dim_v != head_dim:
         pair = PAIR_CONFIGS.get((head_dim, head_dim_v, dtype, bool(causal)))
         if pair is not None:
             return pair
-        head_dim = max(head_dim, head_dim_v)
+    head_dim = table_head_dim(max(head_dim, head_dim_v))
     short_window = SHORT_WINDOW_CONFIGS.get((head_dim, dtype))
     if short_window is not None and window_span is not None and window_span <= short_window[0]:
         return short_window[1]

@@ -587,8 +587,39 @@ def _id(variant):
     return variant.describe().replace(" ", "-") + "-" + knobs
 
 
+def _planned(head_dim, dtype="bfloat16", seqlen_q=1, keys=4096, nheads=8, nheads_kv=8, **kw):
+    """The variant the plan step picks (table rows, heuristics) for one call's problem."""
+    problem = Problem(
+        batch=kw.pop("batch", 2), nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim,
+        dtype=dtype, max_seqlen_q=seqlen_q, max_seqlen_k=keys, kv_capacity=keys, **kw,
+    )  # fmt: skip
+    return plan_forward(problem, 132, None, 0, None, True).variant
+
+
+# Head dims without a table row of their own (multiples of 16 up to 256), on the rows of the
+# next larger ones: prefill, paged decode (TMA boxes and gathered rows), varlen, pairs.
+ODD_HEAD_DIM_KEYS = [
+    _planned(80, seqlen_q=4096, causal=True),
+    _planned(16, "float16", seqlen_q=2048, keys=2048),
+    _planned(144, "float16", seqlen_q=4096, causal=True, writes_lse=True),
+    _planned(112, nheads=32, kv_layout="paged", page_size=16, seqused_k=True, causal=True),
+    _planned(80, nheads=32, kv_layout="paged", page_size=1, seqused_k=True, writes_lse=True),
+    _planned(48, seqlen_q=300, varlen_q=True, total_q=500, causal=True),
+    _planned(208, seqlen_q=4096, head_dim_v=128, causal=True),
+    _planned(256, "float16", seqlen_q=4096, head_dim_v=80),
+]
+
+
 @pytest.mark.parametrize(
-    "key", TABLE_KEYS + KNOB_KEYS + SPLITKV_KEYS + LOCAL_KEYS + MLA_KEYS + O_SPLIT_KEYS, ids=_id
+    "key",
+    TABLE_KEYS
+    + KNOB_KEYS
+    + SPLITKV_KEYS
+    + LOCAL_KEYS
+    + MLA_KEYS
+    + O_SPLIT_KEYS
+    + ODD_HEAD_DIM_KEYS,
+    ids=_id,
 )
 def test_variant_compiles_clean(key):
     report = compile_with_ptx_report(key)

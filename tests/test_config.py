@@ -59,8 +59,8 @@ def test_pair_rows_and_pair_model():
     c = AttentionConfig(128, 128, store_o_from_registers=True)
     assert c.smem_bytes(192, 2, 128) == (48 + 96 + 64 + 1) * 1024
     assert c.accumulator_registers(192, 128) == 64 + 64 + 32
-    with pytest.raises(ValueError, match=r"head_dim_v \(v's head dim\) must be one of"):
-        c.validate(128, "bfloat16", 80)
+    with pytest.raises(ValueError, match=r"head_dim_v \(v's head dim\) must be a multiple of 16"):
+        c.validate(128, "bfloat16", 72)
 
 
 def test_register_split_defaults_follow_warpgroups():
@@ -136,7 +136,7 @@ def test_bad_tile_m_and_types():
     with pytest.raises(TypeError, match="tile_n"):
         AttentionConfig(tile_m=128, tile_n=128.0)
     with pytest.raises(ValueError, match="head_dim"):
-        AttentionConfig(128, 128).validate(80)
+        AttentionConfig(128, 128).validate(72)
     with pytest.raises(ValueError, match="scheduler must be one of"):
         AttentionConfig(128, 128, scheduler="persistent")
     with pytest.raises(TypeError, match="pingpong must be a bool"):
@@ -149,9 +149,24 @@ def test_bad_tile_m_and_types():
         AttentionConfig(128, 128, exp2_on_fma=0.5)
 
 
+def test_head_dims_without_a_row_take_the_next_larger_rows():
+    """Any multiple of 16 up to 256 runs on the row of the next larger table head dim."""
+    from flash_cute.config import table_head_dim
+
+    assert [table_head_dim(d) for d in (16, 64, 80, 96, 112, 144, 208, 256)] == [
+        64, 64, 96, 96, 128, 192, 256, 256,
+    ]  # fmt: skip
+    for d, dv in [(80, 80), (16, 16), (112, 48), (48, 240), (208, 208)]:
+        for causal in (False, True):
+            row = default_config(d, "bfloat16", causal, head_dim_v=dv)
+            assert row is default_config(table_head_dim(max(d, dv)), "bfloat16", causal)
+            assert row.validate(d, "bfloat16", dv) is row
+        assert decode_config(d, "float16", dv).validate(d, "float16", dv)
+
+
 def test_unsupported_lookup():
-    with pytest.raises(ValueError, match="head_dim=80"):
-        default_config(80, "bfloat16", False)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        default_config(72, "bfloat16", False)
     with pytest.raises(ValueError, match="float32"):
         default_config(128, "float32", False)
 
@@ -229,8 +244,8 @@ def test_new_head_dims():
         configs.check_head_dims(*dims)
     with pytest.raises(ValueError, match="head_dim 576 goes with head_dim_v 512"):
         configs.check_head_dims(576, 128)
-    with pytest.raises(ValueError, match="head_dim must be one of"):
-        configs.check_head_dims(80, 80)
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 16 up to 256"):
+        configs.check_head_dims(72, 72)
     for head_dim, v_in_k, tile_n in [(576, True, 64), (576, False, 32), (512, False, 32)]:
         config = default_config(head_dim, "bfloat16", True, head_dim_v=512, v_in_k=v_in_k)
         assert (config.tile_m, config.tile_n, config.o_split) == (64, tile_n, 2)
