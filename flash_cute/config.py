@@ -617,8 +617,8 @@ def decode_config(
     """The config for decode-like problems (few query rows per kv head); with a V head dim
     head_dim_v other than head_dim, the row of the larger one (or the next larger one with a
     row); V above 256: wide_config."""
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     check_head_dims(head_dim, head_dim_v)
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if head_dim_v > 256:
         return wide_config(head_dim, head_dim_v, v_in_k)
     try:
@@ -646,8 +646,8 @@ def default_config(
     other than head_dim takes its pair's row (PAIR_CONFIGS), or the larger head dim's; V
     above 256 wide_config. A head dim without a row takes the next larger one's
     (table_head_dim)."""
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     check_head_dims(head_dim, head_dim_v)
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if head_dim_v > 256:
         return wide_config(head_dim, head_dim_v, v_in_k)
     if head_dim_v != head_dim:

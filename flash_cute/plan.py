@@ -160,8 +160,10 @@ class ForwardVariant:
             and not c.separate_o_smem(self.head_dim, 2, self.head_dim_v, self.v_in_k)
         ):
             problems.append("O goes through Q's smem tile only where head_dim_v == head_dim")
-        if self.combine_launch and not self.split:
-            problems.append("combine_launch merges a split launch's partials: split")
+        if self.combine_launch and (not self.split or self.varlen_q):
+            # (The combine kernel writes every row: a packed q's rows past its sequences stay
+            # untouched only with the in-kernel merge.)
+            problems.append("combine_launch merges a split, not varlen, launch's partials")
         if self.kv_layout not in KV_LAYOUTS:
             problems.append(f"kv_layout must be one of {KV_LAYOUTS}")
         if (self.kv_layout == "paged") != (
@@ -401,7 +403,7 @@ def plan_forward(
         page_box_rows=page_box_rows,
         gather_page_size=gather_page_size,
         split=split,
-        combine_launch=split and merge_bytes > MERGE_IN_KERNEL_BYTES,
+        combine_launch=split and merge_bytes > MERGE_IN_KERNEL_BYTES and not problem.varlen_q,
         pack_gqa_ratio=pack_ratio,
         window_left=window_left,
         window_right=window_right,

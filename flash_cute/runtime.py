@@ -329,17 +329,16 @@ class LaunchPlan:
             key = CombineKernelKey(
                 checks.ALL_DTYPE_NAMES[dtype], plan.variant.head_dim_v, self.lse_shape is not None
             )
-            self.merge = get_combine_kernel(key)
+            self.merge = raw_function(get_combine_kernel(key))
         self.extents = extents  # bytes spanned by q, k, v, out
         self.out_like_q = out_like_q  # q contiguous: empty_like(q) is out (and cheaper to call)
         # flash_attn_with_kvcache with an int cache_seqlens: the cache's capacity (replays pass
         # their length to the kernel as a scalar); None otherwise.
         self.int_capacity = None
-        # The per-stream buffers of the last launch: (raw stream, BUFFERS.version, (partials'
-        # and counters' addresses, the combine's views of the partials)), reused while the
-        # stream and version match (two cache lookups fewer per split call; the caches keep
-        # the buffers alive, and replacing or dropping one bumps the version); None before the
-        # first launch.
+        # The per-stream buffers' addresses of the last launch: (raw stream, BUFFERS.version,
+        # (partials, counters)), reused while the stream and version match (two cache lookups
+        # fewer per split call; the caches keep the buffers alive, and replacing or dropping
+        # one bumps the version); None before the first launch.
         self.buffers = None
 
     @staticmethod
@@ -416,19 +415,22 @@ class LaunchPlan:
             capturing = raw and stream_capturing()  # (the legacy default stream 0 cannot be)
             memo = self.buffers
             if not capturing and memo is not None and memo[0] == raw and memo[1] == BUFFERS.version:
-                partials, counters, merge_views = memo[2]
+                partials, counters = memo[2]
             else:
                 stream = None if capturing else (self.device_index, raw)
                 held, (partials, counters) = BUFFERS.for_launch(
                     self.device, stream, self.num_counters, self.scratch
                 )
                 if self.merge is not None:
-                    merge_views = combine_views(*held[1], lead=1)
-                # (A capture's buffers are its own; large split scratch is allocated per call.)
-                if stream is not None and (
-                    self.scratch is None or self.scratch.numel <= SCRATCH_MAX_FLOATS
+                    merge_views = combine_views(*held[1])
+                # (A capture's buffers are its own; large split scratch is allocated per call; a
+                # combine launch takes views of them, so it looks them up every call.)
+                if (
+                    stream is not None
+                    and self.merge is None
+                    and (self.scratch is None or self.scratch.numel <= SCRATCH_MAX_FLOATS)
                 ):
-                    self.buffers = (raw, BUFFERS.version, (partials, counters, merge_views))
+                    self.buffers = (raw, BUFFERS.version, (partials, counters))
         self.kernel(
             q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, learnable_sink,
             seqused_q, kv_batch_idx, leftpad_k, qv, kv_length, partials, counters, self.scale_log2,
@@ -456,16 +458,11 @@ def empty_cache() -> None:
 # ----------------------------------------------------------------------------------------
 
 
-def combine_views(out, lse, lead: int = 0):
-    """The combine kernel's views of a forward launch's out (B, S, H, D) or varlen (T, H, D)
-    and LSE (B, H, S) or (H, T), after `lead` leading modes (1: split partials): out
-    (..., B, S, H, D) and lse (..., B, S, H) (None stays None)."""
-    if lse is not None:
-        lse = lse.transpose(-1, -2)
-    if out.dim() - lead == 3:
-        out = out.unsqueeze(lead)
-        lse = None if lse is None else lse.unsqueeze(lead)
-    return out, lse
+def combine_views(out, lse):
+    """The combine kernel's views of a forward launch's out (..., B, S, H, D) and LSE
+    (..., B, H, S) (split partials: a leading split mode): out as it is and the LSE as
+    (..., B, S, H) (None stays None)."""
+    return out, None if lse is None else lse.transpose(-1, -2)
 
 
 def combine(out_partial, lse_partial, out, lse) -> None:
