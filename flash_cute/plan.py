@@ -35,7 +35,8 @@ from .config import DECODE_ROWS, AttentionConfig, decode_config, default_config
 MAX_SPLITS = 128
 # A split launch merges in the kernel (its last split to finish reads every split's rows of
 # the tile) while a tile's fp32 partials stay within this; above it the combine kernel, spread
-# over the GPU, merges them after the launch. One CTA reads partials at ~0.1 TB/s (latency-
+# over the GPU, merges them after the launch (varlen launches, which the combine kernel cannot
+# take, are split at most this far instead). One CTA reads partials at ~0.1 TB/s (latency-
 # bound), so 1 MiB is ~10 us: absorbed MLA at batch 1 (61 splits of 64 rows x 512) spent ~110
 # of its 120 us there on an H100.
 MERGE_IN_KERNEL_BYTES = 1 << 20
@@ -359,6 +360,8 @@ def plan_forward(
     if pack_gqa:
         pack_ratio = max(g for g in range(1, ratio + 1) if not ratio % g and not config.tile_m % g)
     max_ctas = num_sms * config.ctas_per_sm
+    # fp32 partial bytes per split of a tile (the rows of one tile that hold a token).
+    split_bytes = min(config.tile_m, problem.max_seqlen_q * pack_ratio) * problem.head_dim_v * 4
     if num_splits == 0:
         visible = problem.max_seqlen_k
         if local:  # the keys a tile's rows can see: the splits share those out
@@ -374,6 +377,8 @@ def plan_forward(
         num_splits = num_splits_heuristic(
             padded_tiles(problem, config.tile_m, pack_ratio), n_blocks, max_ctas
         )
+        if problem.varlen_q:  # merged in the kernel: at most MERGE_IN_KERNEL_BYTES per tile
+            num_splits = max(1, min(num_splits, MERGE_IN_KERNEL_BYTES // split_bytes))
     if problem.kv_capacity == 0:  # no keys: nothing for a kernel (or TMA) to read
         return ForwardPlan(None, num_splits, max_ctas, 0)
     split = num_splits > 1
@@ -385,8 +390,6 @@ def plan_forward(
     config = _effective_config(
         config, problem, pack_ratio, split, max_ctas, gather_page_size is not None
     )
-    tile_rows = min(config.tile_m, problem.max_seqlen_q * pack_ratio)
-    merge_bytes = num_splits * tile_rows * problem.head_dim_v * 4
     variant = ForwardVariant(
         dtype=problem.dtype,
         head_dim=problem.head_dim,
@@ -403,7 +406,9 @@ def plan_forward(
         page_box_rows=page_box_rows,
         gather_page_size=gather_page_size,
         split=split,
-        combine_launch=split and merge_bytes > MERGE_IN_KERNEL_BYTES and not problem.varlen_q,
+        combine_launch=split
+        and num_splits * split_bytes > MERGE_IN_KERNEL_BYTES
+        and not problem.varlen_q,
         pack_gqa_ratio=pack_ratio,
         window_left=window_left,
         window_right=window_right,

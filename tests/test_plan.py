@@ -118,7 +118,7 @@ CASES = {
         dict(split=True, combine_launch=True, pack_gqa_ratio=64, v_in_k=True),
         dict(num_splits=61, num_counters=0),  # 61 x 64 rows x 512 fp32: 8 MB per tile
     ),
-    "the same, varlen: merged in the kernel (the combine kernel would write every row)": (
+    "the same, varlen: merged in the kernel, so split at most 1 MiB of partials per tile": (
         decode(
             nheads=128,
             nheads_kv=1,
@@ -128,10 +128,10 @@ CASES = {
             keys=4096,
             varlen_q=True,
             total_q=1,
-        ),  # fmt: skip
+        ),
         dict(num_splits=0),
         dict(split=True, combine_launch=False, varlen_q=True),
-        dict(),
+        dict(num_splits=8),  # 8 x 64 rows x 512 fp32
     ),
     "split prefill: one CTA per tile, O from registers, one arrival counter per tile": (
         prefill(batch=1, seqlen=256, nheads=4, seqlen_k=16384, causal=False),
