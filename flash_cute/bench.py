@@ -334,6 +334,22 @@ def decode_peers(
         peers["sdpa"] = lambda: sdpa(qt, kt, vt, enable_gqa=True)
     except Exception as exc:
         print(f"# sdpa unavailable: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+    if q.shape[-1] > 256:  # SDPA's only backend for these head dims, on K/V expanded to q's heads
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        rep = q.shape[2] // k.shape[2]
+        ke, ve = (t.repeat_interleave(rep, dim=1) for t in (kt, vt))
+
+        def run_efficient():
+            with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                return sdpa(qt, ke, ve)
+
+        try:
+            run_efficient()
+            peers["sdpa_efficient"] = run_efficient
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {str(exc)[:120]}"
+            print(f"# sdpa_efficient unavailable: {reason}", file=sys.stderr)
     try:
         from flash_attn.cute import flash_attn_func as fa4_func
 
