@@ -229,3 +229,45 @@ def test_api_mla_decode_merged_by_the_combine_kernel_and_replayed(form):
     torch.cuda.synchronize()
     refs, lowps, lse_refs = cache_reference(q, k_pad, k_pad[..., :512], lens.tolist(), True)
     assert_close_to_reference(*per_batch(g_out, g_lse), refs, lowps, lse_refs)
+
+
+@pytest.mark.parametrize("num_splits", [1, 0])
+@pytest.mark.parametrize("form", ["latent", "qv"])
+def test_api_mla_varlen_speculative_decoding(form, num_splits):
+    """Speculative decoding's call: 1-4 query tokens per sequence packed (varlen), 128 heads
+    against a paged latent cache (page 64) of lengths 0, 1 and more, causal, through
+    flash_attn_varlen_func; the split heuristic caps a varlen launch's splits (merged in the
+    kernel)."""
+    import flash_cute
+
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla-spec", form, num_splits))
+    q_lens, k_lens = [1, 4, 2, 3, 1], [3000, 1, 0, 333, 64]
+    k_cache, _, page_table, k_pad, _ = make_cache(len(q_lens), 3000, 1, 576, BF16, 64, gen)
+    cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+    lens = torch.tensor(k_lens, device="cuda", dtype=torch.int32)
+    q = torch.randn(sum(q_lens), 128, 576, device="cuda", dtype=BF16, generator=gen)
+    out = torch.full((sum(q_lens), 128, 512), float("nan"), device="cuda", dtype=BF16)
+    call = dict(seqused_k=lens, page_table=page_table, causal=True, num_splits=num_splits)
+    if form == "latent":
+        flash_cute.flash_attn_varlen_func(
+            q, k_cache, k_cache[..., :512], cu_q, max(q_lens), out=out, **call
+        )
+    else:
+        k_rope, v_cache = k_cache[..., 512:].contiguous(), k_cache[..., :512].contiguous()
+        flash_cute.flash_attn_varlen_func(
+            q[..., 512:].contiguous(), k_rope, v_cache, cu_q, max(q_lens), out=out,
+            qv=q[..., :512].contiguous(), softmax_scale=576**-0.5, **call,
+        )  # fmt: skip
+    starts = cu_q[:-1].tolist()
+    refs, lowps, _ = cache_reference(
+        torch.stack([torch.nn.functional.pad(q[s : s + n], (0, 0, 0, 0, 4 - n, 0))
+                     for s, n in zip(starts, q_lens)]),
+        k_pad, k_pad[..., :512], k_lens, True,
+    )  # fmt: skip
+    for b, (s, n) in enumerate(zip(starts, q_lens)):
+        # (queries left-padded to 4 rows: the last n rows are the sequence's, bottom-right
+        # aligned like its keys)
+        assert_close_to_reference(
+            [out[s : s + n].unsqueeze(0)], None, [refs[b][:, 4 - n :]], [lowps[b][:, 4 - n :]],
+            None,
+        )  # fmt: skip
