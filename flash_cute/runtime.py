@@ -329,7 +329,7 @@ class LaunchPlan:
             key = CombineKernelKey(
                 checks.ALL_DTYPE_NAMES[dtype], plan.variant.head_dim_v, self.lse_shape is not None
             )
-            self.merge = raw_function(get_combine_kernel(key))
+            self.merge = get_combine_kernel(key)
         self.extents = extents  # bytes spanned by q, k, v, out
         self.out_like_q = out_like_q  # q contiguous: empty_like(q) is out (and cheaper to call)
         # flash_attn_with_kvcache with an int cache_seqlens: the cache's capacity (replays pass
