@@ -127,18 +127,19 @@ def softmax_scale_log2(softmax_scale, head_dim: int) -> float:
 
 def output_for(out, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The output of an attention call: out checked (q's shape with v's head dim, q's dtype
-    and device, and the checks of check_out_like against q, k, v), or a new contiguous
-    tensor."""
-    if v.shape[-1] == q.shape[-1]:
-        shape = tuple(q.shape)
-        if out is None:
-            return torch.empty_like(q, memory_format=torch.contiguous_format)
-    else:
-        shape = (*q.shape[:-1], v.shape[-1])
-        if out is None:
-            return q.new_empty(shape)
+    and device, and the checks of check_out_like against q, k, v), or new_out(q, v)."""
+    if out is None:
+        return new_out(q, v)
+    shape = (*q.shape[:-1], v.shape[-1])
     check_out_like(out, shape, q.dtype, q.device, (("q", q), ("k", k), ("v", v)))
     return out
+
+
+def new_out(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The output a call allocates: q's shape with v's head dim, q's dtype, contiguous."""
+    if v.shape[-1] == q.shape[-1]:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
 def byte_extent(t: torch.Tensor) -> int:

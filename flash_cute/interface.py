@@ -159,10 +159,7 @@ def flash_attn_func(
         batch=batch,
         nheads=nheads,
         nheads_kv=k.shape[2],
-        head_dim=head_dim + (0 if qv is None else v.shape[3]),
-        head_dim_v=v.shape[3],
-        v_in_k=_v_in_k(k, v),
-        qv=qv is not None,
+        **_head_dim_fields(head_dim, k, v, qv),
         dtype=checks.dtype_name(q.dtype),
         max_seqlen_q=seqlen_q,
         max_seqlen_k=k.shape[1],
@@ -372,10 +369,7 @@ def flash_attn_varlen_func(
         batch=batch,
         nheads=nheads,
         nheads_kv=k.shape[-2],
-        head_dim=head_dim + (0 if qv is None else v.shape[-1]),
-        head_dim_v=v.shape[-1],
-        v_in_k=_v_in_k(k, v),
-        qv=qv is not None,
+        **_head_dim_fields(head_dim, k, v, qv),
         dtype=checks.dtype_name(q.dtype),
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
@@ -600,10 +594,7 @@ def flash_attn_with_kvcache(
         batch=batch,
         nheads=nheads,
         nheads_kv=k_cache.shape[2],
-        head_dim=head_dim + (0 if qv is None else v_cache.shape[3]),
-        head_dim_v=v_cache.shape[3],
-        v_in_k=_v_in_k(k_cache, v_cache),
-        qv=qv is not None,
+        **_head_dim_fields(head_dim, k_cache, v_cache, qv),
         dtype=checks.dtype_name(q.dtype),
         max_seqlen_q=seqlen_q,
         max_seqlen_k=max_seqlen_k,
@@ -817,6 +808,17 @@ def _check_qv(qv, q: torch.Tensor, v: torch.Tensor) -> None:
             f"qv must have shape {(*q.shape[:-1], v.shape[-1])} (q's, with v's head dim), "
             f"got {tuple(qv.shape)}"
         )
+
+
+def _head_dim_fields(head_dim: int, k: torch.Tensor, v: torch.Tensor, qv) -> dict:
+    """The Problem's head-dim fields of a call: q/k's head dim (with qv, its columns too),
+    v's, and how V is read (from K's columns, or qv's form)."""
+    return dict(
+        head_dim=head_dim + (0 if qv is None else v.shape[-1]),
+        head_dim_v=v.shape[-1],
+        v_in_k=_v_in_k(k, v),
+        qv=qv is not None,
+    )
 
 
 def _v_in_k(k: torch.Tensor, v: torch.Tensor) -> bool:

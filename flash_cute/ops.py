@@ -23,6 +23,7 @@ from typing import List, Optional
 
 import torch
 
+from .checks import new_out
 from .config import AttentionConfig
 
 _EMPTY_LSE = (0,)
@@ -197,17 +198,10 @@ def _result(out, lse, wants_lse: bool):
     return (out, lse) if wants_lse else out
 
 
-def _new_out(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The output a call allocates: q's shape with v's head dim, q's dtype."""
-    if v.shape[-1] == q.shape[-1]:
-        return torch.empty_like(q)
-    return q.new_empty((*q.shape[:-1], v.shape[-1]))
-
-
 def traced_func(q, k, v, softmax_scale, causal, return_lse, out, config, window_size,
                 attention_chunk, softcap, learnable_sink, qv=None):  # fmt: skip
     if out is None:
-        out = _new_out(q, v)
+        out = new_out(q, v)
     lse = flash_attn_func_op(
         q, k, v, out, softmax_scale, causal, return_lse, config_to_str(config),
         list(window_size), attention_chunk, softcap, learnable_sink, qv,
@@ -220,7 +214,7 @@ def traced_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, 
                   out, config, window_size, attention_chunk, softcap, learnable_sink,
                   seqused_q, cache_batch_idx, cache_leftpad, qv=None):  # fmt: skip
     if out is None:
-        out = _new_out(q, v)
+        out = new_out(q, v)
     lse = flash_attn_varlen_func_op(
         q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k, page_table,
         softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out,
@@ -235,7 +229,7 @@ def traced_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale
                    attention_chunk, softcap, learnable_sink, cache_batch_idx,
                    cache_leftpad, qv=None):  # fmt: skip
     if out is None:
-        out = _new_out(q, v_cache)
+        out = new_out(q, v_cache)
     tensor_lengths = isinstance(cache_seqlens, torch.Tensor)
     lse = flash_attn_with_kvcache_op(
         q, k_cache, v_cache, cache_seqlens if tensor_lengths else None,

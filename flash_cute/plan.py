@@ -421,7 +421,7 @@ def plan_forward(
     )
     if variant.uses_tile_counter:
         num_counters = 2
-    elif split and not variant.combine_launch:
+    elif variant.takes_counters:
         num_counters = split_tiles(problem, config.tile_m, pack_ratio)
     else:
         num_counters = 0

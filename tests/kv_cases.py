@@ -11,6 +11,16 @@ import flash_cute
 from flash_cute.reference import attention_ref, error_bound, gather_paged, stable_seed
 
 
+def rand(*shape, dtype=torch.bfloat16, gen=None):
+    """A random CUDA tensor (bf16 by default) from generator gen."""
+    return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+
+
+def per_batch(*tensors):
+    """Each (batch, ...) tensor as a list of its (1, ...) sequences."""
+    return [[t[b : b + 1] for b in range(t.shape[0])] for t in tensors]
+
+
 def reference_per_sequence(q_list, k_list, v_list, causal, mask=None):
     """Reference over a list of per-sequence (1, s, h, d) tensors: (out, lowp, lse) lists."""
     mask = mask or {}

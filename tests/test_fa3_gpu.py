@@ -11,6 +11,7 @@ from kv_cases import (
     assert_close_to_reference,
     cache_reference,
     make_cache,
+    rand,
     reference_per_sequence,
 )
 
@@ -21,10 +22,6 @@ from flash_cute.reference import combine_ref, stable_seed
 
 pytestmark = pytest.mark.gpu
 BF16, FP16 = torch.bfloat16, torch.float16
-
-
-def rand(*shape, dtype=BF16, gen=None):
-    return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
 
 
 def seqs(x, lengths, starts=None):

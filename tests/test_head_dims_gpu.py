@@ -10,6 +10,8 @@ from kv_cases import (
     assert_close_to_reference,
     cache_reference,
     make_cache,
+    per_batch,
+    rand,
     reference_per_sequence,
 )
 
@@ -26,14 +28,6 @@ PAIRS += [(80, 48), (256, 80), (48, 240), (208, 128)]
 @pytest.fixture(autouse=True)
 def every_head_dim(monkeypatch):
     monkeypatch.setattr(config, "SERVED_HEAD_DIMS", config.HEAD_DIMS + config.WIDE_HEAD_DIMS)
-
-
-def rand(*shape, dtype=BF16, gen=None):
-    return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
-
-
-def per_batch(*tensors):
-    return [[t[b : b + 1] for b in range(t.shape[0])] for t in tensors]
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -7,6 +7,8 @@ from kv_cases import (
     assert_close_to_reference,
     cache_reference,
     make_cache,
+    per_batch,
+    rand,
     reference_per_sequence,
 )
 
@@ -19,14 +21,6 @@ pytestmark = pytest.mark.gpu
 
 BF16, FP16 = torch.bfloat16, torch.float16
 PAIRS = [(192, 128), (64, 256), (128, 64), (256, 128), (96, 192)]
-
-
-def rand(*shape, dtype=BF16, gen=None):
-    return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
-
-
-def per_batch(*tensors):
-    return [[t[b : b + 1] for b in range(t.shape[0])] for t in tensors]
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16])

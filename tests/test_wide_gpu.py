@@ -12,6 +12,7 @@ from kv_cases import (
     assert_close_to_reference,
     cache_reference,
     make_cache,
+    per_batch,
     reference_per_sequence,
 )
 
@@ -43,10 +44,6 @@ def launch(problem, config, q, k, v, num_splits=1, pack_gqa=False, **tensors):
         None, None, tensors.get("leftpad_k"), tensors.get("qv"),
     )  # fmt: skip
     return plan.variant, result
-
-
-def per_batch(*tensors):
-    return [[t[b : b + 1] for b in range(t.shape[0])] for t in tensors]
 
 
 @pytest.mark.parametrize("scores", list(SCORES))
