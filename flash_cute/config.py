@@ -23,10 +23,6 @@ SUPPORTED_DTYPES = ("float16", "bfloat16")
 # K's columns when v is a view of k's leading columns (ForwardVariant.v_in_k).
 WIDE_HEAD_DIMS = (512, 576)
 WIDE_HEAD_DIM_V = 512
-# The head dims the API serves: those verified on a GPU (tests/*_gpu.py). The other multiples
-# of 16 compile clean (tests/test_compile.py) and are refused by name (checks.check_served_head
-# _dims) until tests/test_head_dims_gpu.py has passed on a GPU.
-SERVED_HEAD_DIMS = SUPPORTED_HEAD_DIMS + WIDE_HEAD_DIMS
 
 
 def check_head_dims(head_dim: int, head_dim_v: Optional[int] = None) -> None:
@@ -58,12 +54,15 @@ def table_head_dim(head_dim: int) -> int:
 def wide_config(head_dim: int, head_dim_v: int, v_in_k: bool = False) -> "AttentionConfig":
     """The config of V head dims above 256: 64 rows whose O two warpgroups split, and the
     longest key block whose K (and V, unless read from K's columns) stages fit. With V in K's
-    columns (absorbed MLA) the warpgroups split each key block's scores (split_scores): 0.88-
-    0.99x the time of both computing all of them at every decode point measured on an H100;
-    head dim 512 prefill keeps the repeat (1.03x non-causal, 0.97x causal: no clear gain)."""
+    columns (absorbed MLA) the warpgroups split each key block's scores (split_scores) and run
+    without the intra-warpgroup overlap: that overlap holds both K stages (which are also V's)
+    across a softmax, so the next block's load would start only as it is needed. On an H100 at
+    the decode points measured: 0.66-0.99x the time of the overlapped split, 0.76-1.0x that of
+    both warpgroups computing all scores. Head dim 512 prefill keeps the overlapped repeat
+    (neither change gains there: 0.98-1.12x its time)."""
     knobs = dict(pingpong=False, o_split=2, store_o_from_registers=True)
     if v_in_k:
-        knobs.update(pv_from_registers=False, split_scores=True)
+        knobs.update(pv_from_registers=False, split_scores=True, intra_wg_overlap=False)
     for tile_n in (64, 32) if v_in_k else (64, 48, 32, 16):
         config = AttentionConfig(64, tile_n, **knobs)
         if config.smem_bytes(head_dim, 2, head_dim_v, v_in_k) <= config.smem_limit():
@@ -141,7 +140,7 @@ class AttentionConfig:
     split_scores: with o_split 2, each warpgroup computes the scores of half the key block
         (Q K^T done once in all) and the two exchange their row maxima, their halves of P
         (through shared memory: P V reads all of it) and at the end their row sums. Needs P
-        from shared memory, intra_wg_overlap, no lazy or pre-P V rescale, tile_n % 32 == 0.
+        from shared memory, no lazy or pre-P V rescale, tile_n % 32 == 0.
     """
 
     tile_m: int
@@ -384,14 +383,13 @@ class AttentionConfig:
             problems.append("o_split needs P from registers, or split_scores and P from smem")
         if self.split_scores and (
             self.o_split != 2
-            or not self.intra_wg_overlap
             or self.rescale_o_before_pv
             or self.lazy_rescale
             or self.rescale_threshold
             or self.tile_n % 32
         ):
             problems.append(
-                "split_scores needs o_split 2, intra_wg_overlap, no rescale_o_before_pv, no "
+                "split_scores needs o_split 2, no rescale_o_before_pv, no "
                 "lazy_rescale or rescale_threshold, and tile_n % 32 == 0"
             )
         if self.rescale_o_before_pv and not self.intra_wg_overlap:

@@ -1372,7 +1372,7 @@ class FlashAttentionForwardSm90:
         warpgroup.wait_group(0)
         self._release_k(ctx, kv_state)
         self._mask_scores(ctx, acc_S, n_block, mask_seqlen=is_first, masked=masked)
-        row_scale = ctx.softmax.step(acc_S, is_first=is_first)
+        row_scale = ctx.softmax.step(acc_S, is_first=is_first, halves=ctx.halves)
         self._scores_to_p(ctx, acc_S)
         self._rescale_o(ctx.acc_O, row_scale)
         self._wait_v(ctx, kv_state)

@@ -558,6 +558,38 @@ O_SPLIT_KEYS = [
         v_in_k=True,
         qv=True,
     ),
+    # Without the intra-warpgroup overlap (V in K's stages: the next load starts under this
+    # block's Q K^T instead of after its P V), split and repeated scores.
+    ragged(
+        "bfloat16",
+        576,
+        True,
+        AttentionConfig(64, 64, **_SPLIT_SCORES, intra_wg_overlap=False),
+        True,
+        kv_layout="paged",
+        seqused_k=True,
+        page_box_rows=64,
+        split=True,
+        combine_launch=True,
+        pack_gqa_ratio=64,
+        head_dim_v=512,
+        v_in_k=True,
+    ),
+    ragged(
+        "float16",
+        576,
+        True,
+        AttentionConfig(64, 64, **_O_SPLIT, intra_wg_overlap=False),
+        True,
+        varlen_q=True,
+        kv_layout="paged",
+        seqused_k=True,
+        gather_page_size=1,
+        pack_gqa_ratio=16,
+        head_dim_v=512,
+        v_in_k=True,
+        qv=True,
+    ),
     # V in K's columns at a served pair (256 / 128): the K ring alone.
     ForwardVariant(
         "bfloat16",

@@ -28,6 +28,11 @@ O_SPLIT = dict(pingpong=False, o_split=2, store_o_from_registers=True)
 SCORES = {
     "split_scores": dict(O_SPLIT, pv_from_registers=False, split_scores=True),
     "repeat_scores": O_SPLIT,
+    # Without the intra-warpgroup overlap: Q K^T, softmax and P V of one block in turn.
+    "split_scores_no_overlap": dict(
+        O_SPLIT, pv_from_registers=False, split_scores=True, intra_wg_overlap=False
+    ),
+    "repeat_scores_no_overlap": dict(O_SPLIT, intra_wg_overlap=False),
 }
 
 
@@ -75,13 +80,14 @@ def test_o_split_prefill(head_dims, tile_n, causal, seqlens, scores):
 def test_absorbed_mla_decode(seqlen_q, nheads, page_size, num_splits, scores):
     """q (batch, seqlen_q, nheads, 576) against one latent head of 576 whose first 512 dims are
     V (v = k_cache[..., :512], a view): FlashMLA's form of DeepSeek's decode. num_splits 0: the
-    heuristic's 11 splits, whose partials (64 rows) the combine kernel merges."""
-    d, dv, batch, capacity = 576, 512, 3, 700
+    heuristic's 9 splits (its cap for wide partials, 2 sqrt(24 key blocks)), whose partials
+    (64 rows) the combine kernel merges."""
+    d, dv, batch, capacity = 576, 512, 3, 1500
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla", seqlen_q, page_size))
     k_cache, _, page_table, k_pad, _ = make_cache(batch, capacity, 1, d, BF16, page_size, gen)
     v_cache, v_pad = k_cache[..., :dv], k_pad[..., :dv]
     q = torch.randn(batch, seqlen_q, nheads, d, device="cuda", dtype=BF16, generator=gen)
-    lens = torch.tensor([700, 1, 333], device="cuda", dtype=torch.int32)
+    lens = torch.tensor([1500, 1, 333], device="cuda", dtype=torch.int32)
     problem = Problem(
         batch=batch, nheads=nheads, nheads_kv=1, head_dim=d, head_dim_v=dv, dtype="bfloat16",
         max_seqlen_q=seqlen_q, max_seqlen_k=capacity, kv_capacity=capacity, causal=True,
@@ -121,14 +127,14 @@ def test_v_in_k_at_a_served_pair():
 def test_absorbed_mla_qv_form(seqlen_q, nheads, page_size, num_splits, scores):
     """FlashAttention-3's form: q (.., 64) against k_cache (.., 1, 64) plus qv (.., 512)
     against v_cache (.., 1, 512); scores q k^T + qv v^T, out P v, scale 1 / sqrt(576)."""
-    d_rope, dv, batch, capacity = 64, 512, 3, 700
+    d_rope, dv, batch, capacity = 64, 512, 3, 1500
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("qv", seqlen_q, page_size))
     k_cache, v_cache, page_table, k_pad, v_pad = make_cache(
         batch, capacity, 1, d_rope, BF16, page_size, gen, head_dim_v=dv
     )
     q = torch.randn(batch, seqlen_q, nheads, d_rope, device="cuda", dtype=BF16, generator=gen)
     qv = torch.randn(batch, seqlen_q, nheads, dv, device="cuda", dtype=BF16, generator=gen)
-    lens = torch.tensor([700, 1, 333], device="cuda", dtype=torch.int32)
+    lens = torch.tensor([1500, 1, 333], device="cuda", dtype=torch.int32)
     problem = Problem(
         batch=batch, nheads=nheads, nheads_kv=1, head_dim=d_rope + dv, head_dim_v=dv,
         dtype="bfloat16", max_seqlen_q=seqlen_q, max_seqlen_k=capacity, kv_capacity=capacity,
