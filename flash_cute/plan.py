@@ -379,6 +379,8 @@ def plan_forward(
         )
         if problem.varlen_q:  # merged in the kernel: at most MERGE_IN_KERNEL_BYTES per tile
             num_splits = max(1, min(num_splits, MERGE_IN_KERNEL_BYTES // split_bytes))
+        elif num_splits * split_bytes > MERGE_IN_KERNEL_BYTES:
+            num_splits = min(num_splits, combine_launch_split_cap(n_blocks))
     if problem.kv_capacity == 0:  # no keys: nothing for a kernel (or TMA) to read
         return ForwardPlan(None, num_splits, max_ctas, 0)
     split = num_splits > 1
@@ -515,6 +517,15 @@ def split_tiles(problem: Problem, tile_m: int, pack_ratio: int) -> int:
     if problem.varlen_q:  # every sequence's query tiles, flattened, plus one spare per sequence
         return (math.ceil(problem.total_q * pack_ratio / tile_m) + problem.batch) * heads
     return padded_tiles(problem, tile_m, pack_ratio)
+
+
+def combine_launch_split_cap(num_n_blocks: int) -> int:
+    """Most splits worth a launch whose partials the combine kernel merges (wide rows): each
+    split adds a partial that the combine reads in turn, so past about 2 sqrt(key blocks)
+    splits that costs more than the shorter key ranges gain. Fitted on an H100 (absorbed MLA,
+    16 and 128 heads, batch 1 and 4, 4k-64k keys: 0.73-1.0x the time of the wave rule's
+    61-122 splits, 1.06x at one point of 16 heads and 4k keys)."""
+    return max(2, int(2 * math.sqrt(num_n_blocks)))
 
 
 def num_splits_heuristic(

@@ -116,7 +116,14 @@ CASES = {
         decode(nheads=128, nheads_kv=1, head_dim=576, head_dim_v=512, v_in_k=True, keys=4096),
         dict(num_splits=0),
         dict(split=True, combine_launch=True, pack_gqa_ratio=64, v_in_k=True),
-        dict(num_splits=61, num_counters=0),  # 61 x 64 rows x 512 fp32: 8 MB per tile
+        # The wave rule's 61 splits, capped at 2 sqrt(64 key blocks): 16 x 64 rows x 512 fp32.
+        dict(num_splits=16, num_counters=0),
+    ),
+    "the same at 64k keys: 1024 key blocks, the cap of 64 splits above the wave rule's 63": (
+        decode(nheads=128, nheads_kv=1, head_dim=576, head_dim_v=512, v_in_k=True, keys=65536),
+        dict(num_splits=0),
+        dict(split=True, combine_launch=True),
+        dict(num_splits=63),
     ),
     "the same, varlen: merged in the kernel, so split at most 1 MiB of partials per tile": (
         decode(
