@@ -63,21 +63,6 @@ def check_cuda(named_tensors) -> None:
             )
 
 
-def check_served_head_dims(head_dim: int, head_dim_v: Optional[int] = None) -> None:
-    """q/k's and v's head dims as the API serves them: ValueError for dims no kernel takes
-    (config.check_head_dims); NotImplementedError naming a dim the kernels take but no GPU run
-    has verified yet (config.SERVED_HEAD_DIMS)."""
-    from . import config
-
-    config.check_head_dims(head_dim, head_dim_v)
-    for name, dim in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
-        if dim is not None and dim not in config.SERVED_HEAD_DIMS:
-            raise NotImplementedError(
-                f"{name} {dim} is not served yet: its kernels compile but await their GPU "
-                f"verification; served head dims: {config.SERVED_HEAD_DIMS}"
-            )
-
-
 def check_v_shape(name: str, v: torch.Tensor, k_name: str, k: torch.Tensor) -> None:
     """v has k's shape but for its last (head) dim, which may differ (MLA: d != dv)."""
     if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):

@@ -25,6 +25,7 @@ from typing import Optional, Union
 import torch
 
 from . import checks, interface
+from .config import check_head_dims
 from .plan import Problem, plan_forward
 from .runtime import current_device, num_sms
 
@@ -370,7 +371,7 @@ def get_scheduler_metadata(
     max_q = checks.check_host_int("max_seqlen_q", max_seqlen_q)
     max_k = checks.check_host_int("max_seqlen_k", max_seqlen_k)
     checks.check_gqa(num_heads_q, num_heads_kv)
-    checks.check_served_head_dims(headdim, headdim_v)
+    check_head_dims(headdim, headdim_v)
     window_left, window_right = checks.check_window_size(window_size)
     problem = Problem(
         batch=batch,

@@ -728,7 +728,7 @@ def _forward(
     `plans` under `key` when it can be replayed), and the launch through it. named: the call's
     tensors by argument name (default q, k, v). kv_length: an int cache_seqlens (int_capacity:
     the cache's capacity, which its replays check against)."""
-    checks.check_served_head_dims(problem.head_dim, problem.head_dim_v)
+    configs.check_head_dims(problem.head_dim, problem.head_dim_v)
     checks.check_gqa(problem.nheads, problem.nheads_kv)
     checks.check_grid(problem.nheads, problem.batch)
     scale_log2 = checks.softmax_scale_log2(softmax_scale, problem.head_dim)

@@ -32,13 +32,7 @@ def qkv(b=2, sq=8, sk=8, h=4, hk=2, d=64, dtype=torch.bfloat16):
             ValueError,
             "head_dim must be a multiple of 16",
         ),
-        (
-            lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]),
-            NotImplementedError,
-            "head_dim 32 is not served yet",
-        ),
         (lambda q, k, v: (q, k, v[..., :40]), ValueError, r"head_dim_v \(v's head dim\) must be"),
-        (lambda q, k, v: (q, k, v[..., :48]), NotImplementedError, "head_dim_v 48 is not served"),
         (lambda q, k, v: (q, k[..., :32], v[..., :32]), ValueError, "k must have headdim 64"),
         (lambda q, k, v: (q[:, :, :3], k, v), ValueError, "multiple of nheads of k"),
         (lambda q, k, v: (q, k, v), ValueError, "q must be a CUDA tensor"),

@@ -1,8 +1,7 @@
 """Head dims without a table row of their own (multiples of 16 up to 256 other than 64, 96,
 128, 192, 256) on the GPU, on the rows of the next larger ones: prefill, paged decode (TMA
 boxes and gathered rows, split), varlen, and pairs with V's own head dim, against the float32
-reference with poisoned outputs. The API serves them once this suite has passed on a GPU
-(config.SERVED_HEAD_DIMS); until then it runs with them switched on."""
+reference with poisoned outputs."""
 
 import pytest
 import torch
@@ -16,18 +15,12 @@ from kv_cases import (
 )
 
 import flash_cute
-from flash_cute import config
 from flash_cute.reference import stable_seed
 
 pytestmark = pytest.mark.gpu
 BF16, FP16 = torch.bfloat16, torch.float16
 PAIRS = [(16, 16), (48, 48), (80, 80), (112, 112), (144, 144), (208, 208), (240, 240)]
 PAIRS += [(80, 48), (256, 80), (48, 240), (208, 128)]
-
-
-@pytest.fixture(autouse=True)
-def every_head_dim(monkeypatch):
-    monkeypatch.setattr(config, "SERVED_HEAD_DIMS", config.HEAD_DIMS + config.WIDE_HEAD_DIMS)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -77,7 +70,15 @@ def test_varlen(head_dim):
     k, v = (rand(sum(k_lens), hk, head_dim, gen=gen) for _ in "kv")
     out = torch.full_like(q, float("nan"))
     flash_cute.flash_attn_varlen_func(
-        q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal=True, out=out
+        q,
+        k,
+        v,
+        cu_q,
+        max(q_lens),
+        cu_seqlens_k=cu_k,
+        max_seqlen_k=max(k_lens),
+        causal=True,
+        out=out,
     )
     for b, (sq, sk) in enumerate(zip(q_lens, k_lens)):
         if sq == 0:
