@@ -520,92 +520,87 @@ def run_varlen_mixed() -> str:
 ON_OFF = {"on": True, "off": False}
 
 
-def sweep_configs(
-    head_dim: int,
-    dtype: str,
-    tile_m,
-    tile_n,
-    stages,
-    pv,
-    overlap,
-    pingpong,
-    rescale,
-    ctas,
-    schedulers=("single_tile",),
-    l2_section_mb=(AttentionConfig.l2_section_mb,),
-    mbarrier_probe=(False,),
-    exp2_on_fma=(0,),
-    lazy_rescale=(False,),
-    rescale_threshold=(0,),
-    store_o_from_registers=(False,),
-    head_dim_v=None,
-    o_split=(1,),
-    split_scores=(False,),
-):
-    """Every valid AttentionConfig of the product of the knob lists (for V head dim
-    head_dim_v, default head_dim)."""
+# The sweep's knobs: (flag, AttentionConfig field, values: "on/off" or a type or choices,
+# default list, help). Each flag takes a list; the sweep tries their product.
+SWEEP_KNOBS = [
+    ("--tile-m", "tile_m", int, [64, 128, 192], None),
+    ("--tile-n", "tile_n", int, [64, 80, 96, 112, 128, 144, 160, 176, 192], None),
+    ("--stages", "num_stages", int, [2], None),
+    ("--pv", "pv_from_registers", {"regs": True, "smem": False}, ["regs", "smem"], None),
+    ("--overlap", "intra_wg_overlap", ON_OFF, ["on"], None),
+    ("--pingpong", "pingpong", ON_OFF, ["on", "off"], None),
+    ("--rescale-before-pv", "rescale_o_before_pv", ON_OFF, ["off", "on"], None),
+    ("--ctas-per-sm", "ctas_per_sm", int, [1], None),
+    (
+        "--scheduler",
+        "scheduler",
+        {name: name for name in TILE_SCHEDULERS},
+        list(TILE_SCHEDULERS),
+        "tile schedulers to try (one CTA per tile, or persistent CTAs)",
+    ),
+    (
+        "--l2-section-mb",
+        "l2_section_mb",
+        int,
+        [AttentionConfig.l2_section_mb],
+        "causal tile order: MB of K/V per section of heads ordered longest first",
+    ),
+    (
+        "--mbarrier-probe",
+        "mbarrier_probe",
+        ON_OFF,
+        ["off"],
+        "poll K/V barriers once before the blocking wait",
+    ),
+    (
+        "--exp2-on-fma",
+        "exp2_on_fma",
+        int,
+        [0],
+        "of every 16 softmax exponentials, how many a polynomial computes on the FMA pipe",
+    ),
+    (
+        "--lazy-rescale",
+        "lazy_rescale",
+        ON_OFF,
+        ["off"],
+        "skip a warp's O rescale when no row max moved",
+    ),
+    (
+        "--rescale-threshold",
+        "rescale_threshold",
+        int,
+        [0],
+        "log2 units a row's max may lag a new block's before it moves",
+    ),
+    (
+        "--store-o-from-registers",
+        "store_o_from_registers",
+        ON_OFF,
+        ["off"],
+        "padded problems store O from registers instead of through smem and TMA",
+    ),
+    ("--o-split", "o_split", int, [1], "warpgroups splitting O (2: dv > 256)"),
+    (
+        "--split-scores",
+        "split_scores",
+        ON_OFF,
+        ["off"],
+        "o_split warpgroups split each key block's scores (P through smem)",
+    ),
+]
+
+
+def sweep_configs(head_dim: int, dtype: str, head_dim_v=None, **knobs) -> List[AttentionConfig]:
+    """Every valid AttentionConfig of the product of the knob lists (AttentionConfig field ->
+    values; a field not given keeps its default), for V head dim head_dim_v (default
+    head_dim)."""
     import itertools
 
     configs = []
-    for (
-        tm,
-        tn,
-        st,
-        p,
-        ov,
-        pp,
-        rb,
-        c,
-        sch,
-        l2,
-        probe,
-        fma,
-        lazy,
-        thr,
-        reg_o,
-        osplit,
-        ssplit,
-    ) in itertools.product(  # fmt: skip
-        tile_m,
-        tile_n,
-        stages,
-        pv,
-        overlap,
-        pingpong,
-        rescale,
-        ctas,
-        schedulers,
-        l2_section_mb,
-        mbarrier_probe,
-        exp2_on_fma,
-        lazy_rescale,
-        rescale_threshold,
-        store_o_from_registers,
-        o_split,
-        split_scores,
-    ):
-        if pp and tm == 64 or rb and not ov:
-            continue
+    for values in itertools.product(*knobs.values()):
         try:
-            cfg = AttentionConfig(
-                tile_m=tm,
-                tile_n=tn,
-                num_stages=st,
-                pv_from_registers=p == "regs",
-                intra_wg_overlap=ov,
-                pingpong=pp,
-                rescale_o_before_pv=rb,
-                ctas_per_sm=c,
-                scheduler=sch,
-                l2_section_mb=l2,
-                mbarrier_probe=probe,
-                exp2_on_fma=fma,
-                lazy_rescale=lazy,
-                rescale_threshold=thr,
-                store_o_from_registers=reg_o,
-                o_split=osplit,
-                split_scores=ssplit,
-            )
+            cfg = AttentionConfig(**dict(zip(knobs, values)))
             cfg.validate(head_dim, "bfloat16" if dtype == "bf16" else "float16", head_dim_v)
         except ValueError:
             continue
@@ -1036,75 +1031,15 @@ def main(argv=None) -> int:
     )
     sw.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     sw.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
-    sw.add_argument("--tile-m", type=int, nargs="+", default=[64, 128, 192])
-    sw.add_argument(
-        "--tile-n", type=int, nargs="+", default=[64, 80, 96, 112, 128, 144, 160, 176, 192]
-    )
-    sw.add_argument("--stages", type=int, nargs="+", default=[2])
-    sw.add_argument("--pv", choices=["regs", "smem"], nargs="+", default=["regs", "smem"])
-    sw.add_argument("--overlap", choices=["on", "off"], nargs="+", default=["on"])
-    sw.add_argument("--pingpong", choices=["on", "off"], nargs="+", default=["on", "off"])
-    sw.add_argument("--rescale-before-pv", choices=["on", "off"], nargs="+", default=["off", "on"])
-    sw.add_argument("--ctas-per-sm", type=int, nargs="+", default=[1])
-    sw.add_argument(
-        "--scheduler",
-        choices=list(TILE_SCHEDULERS),
-        nargs="+",
-        default=list(TILE_SCHEDULERS),
-        help="tile schedulers to try (one CTA per tile, or persistent CTAs)",
-    )
-    sw.add_argument(
-        "--l2-section-mb",
-        type=int,
-        nargs="+",
-        default=[AttentionConfig.l2_section_mb],
-        help="causal tile order: MB of K/V per section of heads ordered longest first",
-    )
-    sw.add_argument(
-        "--mbarrier-probe",
-        choices=["on", "off"],
-        nargs="+",
-        default=["off"],
-        help="poll K/V barriers once before the blocking wait",
-    )
-    sw.add_argument(
-        "--exp2-on-fma",
-        type=int,
-        nargs="+",
-        default=[0],
-        help="of every 16 softmax exponentials, how many a polynomial computes on the FMA pipe",
-    )
-    sw.add_argument(
-        "--lazy-rescale",
-        choices=["on", "off"],
-        nargs="+",
-        default=["off"],
-        help="skip a warp's O rescale when no row max moved",
-    )
-    sw.add_argument(
-        "--rescale-threshold",
-        type=int,
-        nargs="+",
-        default=[0],
-        help="log2 units a row's max may lag a new block's before it moves",
-    )
-    sw.add_argument(
-        "--store-o-from-registers",
-        choices=["on", "off"],
-        nargs="+",
-        default=["off"],
-        help="padded problems store O from registers instead of through smem and TMA",
-    )
-    sw.add_argument(
-        "--o-split", type=int, nargs="+", default=[1], help="warpgroups splitting O (2: dv > 256)"
-    )
-    sw.add_argument(
-        "--split-scores",
-        choices=["on", "off"],
-        nargs="+",
-        default=["off"],
-        help="o_split warpgroups split each key block's scores (P through smem)",
-    )
+    for flag, field_name, values, default, help_text in SWEEP_KNOBS:
+        if isinstance(values, dict):
+            sw.add_argument(
+                flag, dest=field_name, choices=list(values), nargs="+", default=default,
+                help=help_text,
+            )  # fmt: skip
+        else:
+            sw.add_argument(flag, dest=field_name, type=values, nargs="+", default=default,
+                            help=help_text)  # fmt: skip
     sw.add_argument("--compile-workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     sw.add_argument("--reps", type=int, default=20)
     sw.add_argument("--list", action="store_true", help="print the valid configs and exit (no GPU)")
@@ -1160,28 +1095,11 @@ def main(argv=None) -> int:
         print(f"plot: {args.png_path}")
         return 0
     if args.command == "sweep":
-        configs = sweep_configs(
-            args.hdim,
-            args.dtype,
-            args.tile_m,
-            args.tile_n,
-            args.stages,
-            args.pv,
-            [ON_OFF[x] for x in args.overlap],
-            [ON_OFF[x] for x in args.pingpong],
-            [ON_OFF[x] for x in args.rescale_before_pv],
-            args.ctas_per_sm,
-            args.scheduler,
-            args.l2_section_mb,
-            [ON_OFF[x] for x in args.mbarrier_probe],
-            args.exp2_on_fma,
-            [ON_OFF[x] for x in args.lazy_rescale],
-            args.rescale_threshold,
-            [ON_OFF[x] for x in args.store_o_from_registers],
-            args.hdim_v,
-            args.o_split,
-            [ON_OFF[x] for x in args.split_scores],
-        )
+        knobs = {}
+        for _, field_name, values, _, _ in SWEEP_KNOBS:
+            chosen = getattr(args, field_name)
+            knobs[field_name] = [values[x] for x in chosen] if isinstance(values, dict) else chosen
+        configs = sweep_configs(args.hdim, args.dtype, args.hdim_v, **knobs)
         print(f"{len(configs)} valid configs for hdim {args.hdim}", flush=True)
         if args.list:
             for cfg in configs:
