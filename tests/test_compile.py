@@ -440,6 +440,17 @@ MLA_KEYS = [
 # MLA's 512, Gemma 4's 512 / 512).
 _O_SPLIT = dict(pingpong=False, o_split=2, store_o_from_registers=True)
 _SPLIT_SCORES = dict(_O_SPLIT, pv_from_registers=False, split_scores=True)
+
+
+def _latent(dtype, causal, knobs, ratio=64, **flags) -> ForwardVariant:
+    """An absorbed-MLA decode variant over a paged latent cache (64-key blocks, LSE written)."""
+    config = AttentionConfig(64, 64, **knobs)
+    return ragged(
+        dtype, 576, causal, config, True, kv_layout="paged", seqused_k=True,
+        pack_gqa_ratio=ratio, head_dim_v=512, v_in_k=True, **flags,
+    )  # fmt: skip
+
+
 O_SPLIT_KEYS = [
     ForwardVariant("bfloat16", 64, True, AttentionConfig(64, 64, **_O_SPLIT), True, head_dim_v=512),
     ForwardVariant("float16", 512, True, AttentionConfig(64, 32, **_O_SPLIT), True, head_dim_v=512),
@@ -456,71 +467,16 @@ O_SPLIT_KEYS = [
         pack_gqa_ratio=16,
         head_dim_v=256,
     ),
-    # Absorbed MLA decode, FlashMLA's form: q and a latent cache 576 wide, V its first 512
-    # columns read from K's stages (v_in_k); 64 of a kv head's q heads per tile, split, over
-    # pages of 64 (TMA) and of 1 (gathered, left-padded rows too; merged in the kernel).
-    ragged(
-        "bfloat16",
-        576,
-        False,
-        AttentionConfig(64, 64, **_O_SPLIT),
-        True,
-        kv_layout="paged",
-        seqused_k=True,
-        page_box_rows=64,
-        split=True,
-        combine_launch=True,  # (batch 1's: the combine kernel merges)
-        pack_gqa_ratio=64,
-        head_dim_v=512,
-        v_in_k=True,
+    # Absorbed MLA decode: q and a latent cache 576 wide, V its first 512 columns read from
+    # K's stages (v_in_k); FlashMLA's form, or FlashAttention-3's qv form (Q's tile is qv then
+    # q, K's v_cache then k_cache). 64 of a kv head's q heads per tile, split (batch 1's merged
+    # by the combine kernel), over pages of 64 (TMA) or gathered rows (varlen, left-padded).
+    _latent("bfloat16", False, _O_SPLIT, split=True, combine_launch=True, page_box_rows=64),
+    _latent("float16", True, _O_SPLIT, split=True, leftpad_k=True, gather_page_size=1, ratio=32),
+    _latent(
+        "bfloat16", False, _O_SPLIT, split=True, combine_launch=True, page_box_rows=64, qv=True
     ),
-    ragged(
-        "float16",
-        576,
-        True,
-        AttentionConfig(64, 64, **_O_SPLIT),
-        True,
-        kv_layout="paged",
-        seqused_k=True,
-        leftpad_k=True,
-        gather_page_size=1,
-        split=True,
-        pack_gqa_ratio=32,
-        head_dim_v=512,
-        v_in_k=True,
-    ),
-    # FlashAttention-3's qv form: Q's tile is qv (512) then q (64), K's v_cache then k_cache.
-    ragged(
-        "bfloat16",
-        576,
-        False,
-        AttentionConfig(64, 64, **_O_SPLIT),
-        True,
-        kv_layout="paged",
-        seqused_k=True,
-        page_box_rows=64,
-        split=True,
-        combine_launch=True,  # (batch 1's: the combine kernel merges)
-        pack_gqa_ratio=64,
-        head_dim_v=512,
-        v_in_k=True,
-        qv=True,
-    ),
-    ragged(
-        "float16",
-        576,
-        True,
-        AttentionConfig(64, 64, **_O_SPLIT),
-        True,
-        varlen_q=True,
-        kv_layout="paged",
-        seqused_k=True,
-        gather_page_size=1,
-        pack_gqa_ratio=16,
-        head_dim_v=512,
-        v_in_k=True,
-        qv=True,
-    ),
+    _latent("float16", True, _O_SPLIT, varlen_q=True, gather_page_size=1, ratio=16, qv=True),
     # split_scores: each warpgroup the scores of half of each key block, P through smem.
     ForwardVariant(
         "float16", 512, True, AttentionConfig(64, 32, **_SPLIT_SCORES), True, head_dim_v=512
@@ -528,66 +484,25 @@ O_SPLIT_KEYS = [
     ForwardVariant(
         "bfloat16", 64, False, AttentionConfig(64, 64, **_SPLIT_SCORES), True, head_dim_v=512
     ),
-    ragged(
+    _latent("bfloat16", True, _SPLIT_SCORES, split=True, combine_launch=True, page_box_rows=64),
+    _latent("float16", True, _SPLIT_SCORES, varlen_q=True, gather_page_size=1, ratio=16, qv=True),
+    # Without the intra-warpgroup overlap (the latent rows' default: the next load starts
+    # under this block's Q K^T instead of after its P V), split and repeated scores.
+    _latent(
         "bfloat16",
-        576,
         True,
-        AttentionConfig(64, 64, **_SPLIT_SCORES),
-        True,
-        kv_layout="paged",
-        seqused_k=True,
-        page_box_rows=64,
+        dict(_SPLIT_SCORES, intra_wg_overlap=False),
         split=True,
         combine_launch=True,
-        pack_gqa_ratio=64,
-        head_dim_v=512,
-        v_in_k=True,
-    ),
-    ragged(
-        "float16",
-        576,
-        True,
-        AttentionConfig(64, 64, **_SPLIT_SCORES),
-        True,
-        varlen_q=True,
-        kv_layout="paged",
-        seqused_k=True,
-        gather_page_size=1,
-        pack_gqa_ratio=16,
-        head_dim_v=512,
-        v_in_k=True,
-        qv=True,
-    ),
-    # Without the intra-warpgroup overlap (V in K's stages: the next load starts under this
-    # block's Q K^T instead of after its P V), split and repeated scores.
-    ragged(
-        "bfloat16",
-        576,
-        True,
-        AttentionConfig(64, 64, **_SPLIT_SCORES, intra_wg_overlap=False),
-        True,
-        kv_layout="paged",
-        seqused_k=True,
         page_box_rows=64,
-        split=True,
-        combine_launch=True,
-        pack_gqa_ratio=64,
-        head_dim_v=512,
-        v_in_k=True,
     ),
-    ragged(
+    _latent(
         "float16",
-        576,
         True,
-        AttentionConfig(64, 64, **_O_SPLIT, intra_wg_overlap=False),
-        True,
+        dict(_O_SPLIT, intra_wg_overlap=False),
         varlen_q=True,
-        kv_layout="paged",
-        seqused_k=True,
         gather_page_size=1,
-        pack_gqa_ratio=16,
-        head_dim_v=512,
-        v_in_k=True,
+        ratio=16,
         qv=True,
     ),
     # V in K's columns at a served pair (256 / 128): the K ring alone.
