@@ -379,7 +379,7 @@ def plan_forward(
         )
         if problem.varlen_q:  # merged in the kernel: at most MERGE_IN_KERNEL_BYTES per tile
             num_splits = max(1, min(num_splits, MERGE_IN_KERNEL_BYTES // split_bytes))
-        elif num_splits * split_bytes > MERGE_IN_KERNEL_BYTES:
+        elif num_splits * split_bytes > MERGE_IN_KERNEL_BYTES and problem.head_dim_v > 256:
             num_splits = min(num_splits, combine_launch_split_cap(n_blocks))
     if problem.kv_capacity == 0:  # no keys: nothing for a kernel (or TMA) to read
         return ForwardPlan(None, num_splits, max_ctas, 0)
@@ -520,7 +520,8 @@ def split_tiles(problem: Problem, tile_m: int, pack_ratio: int) -> int:
 
 
 def combine_launch_split_cap(num_n_blocks: int) -> int:
-    """Most splits worth a launch whose partials the combine kernel merges (wide rows): each
+    """Most splits worth a launch whose partials the combine kernel merges, for V head dims
+    above 256 (the rows it was fitted on; narrower partials cost less per split): each
     split adds a partial that the combine reads in turn, so past about 2 sqrt(key blocks)
     splits that costs more than the shorter key ranges gain. Fitted on an H100 (absorbed MLA,
     16 and 128 heads, batch 1 and 4, 4k-64k keys: 0.73-1.0x the time of the wave rule's

@@ -119,12 +119,6 @@ CASES = {
         # The wave rule's 61 splits, capped at 2 sqrt(64 key blocks): 16 x 64 rows x 512 fp32.
         dict(num_splits=16, num_counters=0),
     ),
-    "the same at 64k keys: 1024 key blocks, the cap of 64 splits above the wave rule's 63": (
-        decode(nheads=128, nheads_kv=1, head_dim=576, head_dim_v=512, v_in_k=True, keys=65536),
-        dict(num_splits=0),
-        dict(split=True, combine_launch=True),
-        dict(num_splits=63),
-    ),
     "the same, varlen: merged in the kernel, so split at most 1 MiB of partials per tile": (
         decode(
             nheads=128,
@@ -139,6 +133,18 @@ CASES = {
         dict(num_splits=0),
         dict(split=True, combine_launch=False, varlen_q=True),
         dict(num_splits=8),  # 8 x 64 rows x 512 fp32
+    ),
+    "absorbed MLA at 64k keys: 1024 key blocks, the cap of 64 splits above the wave rule's 63": (
+        decode(nheads=128, nheads_kv=1, head_dim=576, head_dim_v=512, v_in_k=True, keys=65536),
+        dict(num_splits=0),
+        dict(split=True, combine_launch=True),
+        dict(num_splits=63),
+    ),
+    "head dim 128, 64 q heads on one kv head, batch 1: the wave rule's splits, uncapped": (
+        decode(nheads=64, nheads_kv=1, keys=65536),
+        dict(num_splits=0),
+        dict(split=True, combine_launch=True, pack_gqa_ratio=64),
+        dict(num_splits=122),  # (the 2 sqrt(blocks) cap is for V head dims above 256)
     ),
     "split prefill: one CTA per tile, O from registers, one arrival counter per tile": (
         prefill(batch=1, seqlen=256, nheads=4, seqlen_k=16384, causal=False),
