@@ -49,6 +49,7 @@ Problem variants (static; each is a separate compiled kernel, flash_cute.plan.Fo
   group), so each K/V tile is read once for the group.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -148,6 +149,51 @@ class MainloopOperands:
     last_block: Int32  # the tile's last key block, processed first
     last_block_keys: Int32  # the keys of it that exist (may be fewer than tile_n)
     halves: Optional[ScoreHalves] = None  # split_scores: the warpgroups' row exchange
+
+
+@dataclass(frozen=True)
+class CtaBuffers:
+    """The CTA's shared-memory tiles and the rings guarding them, as the producer and the
+    consumers both see them. sV: K's stages where V is read from K's columns (v_in_k); sP
+    (P through smem) and sRows (split_scores' row exchange) None where unused; sO: Q's tile
+    unless O has one of its own."""
+
+    sQ: cute.Tensor
+    sK: cute.Tensor
+    sV: cute.Tensor
+    sP: Optional[cute.Tensor]
+    sRows: Optional[cute.Tensor]
+    sO: cute.Tensor
+    pipeline_q: pipeline.PipelineAsync
+    pipeline_k: pipeline.PipelineAsync
+    pipeline_v: pipeline.PipelineAsync
+
+
+@dataclass(frozen=True)
+class LoadSources:
+    """What the producer copies from: q, k, v (and qv) in kernel mode order, the page table,
+    and the TMA atoms of Q's tile and of the K and V rings (None where not loaded by TMA)."""
+
+    mQ: cute.Tensor
+    mK: cute.Tensor
+    mV: cute.Tensor
+    mQV: Optional[cute.Tensor]
+    mPageTable: Optional[cute.Tensor]
+    tma_atom_Q: cute.CopyAtom
+    tma_atom_K: Optional[cute.CopyAtom]
+    tma_atom_V: Optional[cute.CopyAtom]
+    tma_atom_QV: Optional[cute.CopyAtom]
+
+
+@dataclass(frozen=True)
+class MmaSetup:
+    """The consumers' per-launch constants: the two GEMMs' tiled MMAs, O's TMA store atom
+    (None where O goes from registers), and the softmax scale in log2 units."""
+
+    tiled_mma_qk: cute.TiledMma
+    tiled_mma_pv: cute.TiledMma
+    tma_atom_O: Optional[cute.CopyAtom]
+    softmax_scale_log2: Float32
 
 
 @dataclass(frozen=True)
@@ -708,6 +754,14 @@ class FlashAttentionForwardSm90:
             mKvBatchIdx=mKvBatchIdx,
             mLeftPadK=mLeftPadK,
         )
+        buffers = CtaBuffers(
+            sQ=sQ, sK=sK, sV=sV, sP=sP, sRows=sRows, sO=sO,
+            pipeline_q=pipeline_q, pipeline_k=pipeline_k, pipeline_v=pipeline_v,
+        )  # fmt: skip
+        sources = LoadSources(
+            mQ=mQ, mK=mK, mV=mV, mQV=mQV, mPageTable=mPageTable, tma_atom_Q=tma_atom_Q,
+            tma_atom_K=tma_atom_K, tma_atom_V=tma_atom_V, tma_atom_QV=tma_atom_QV,
+        )  # fmt: skip
 
         pipeline.pipeline_init_wait()
 
@@ -721,27 +775,7 @@ class FlashAttentionForwardSm90:
                 tile_idx, handoff = scheduler.first_tile(), scheduler.producer_handoff()
                 while scheduler.is_valid(tile_idx):
                     tile = scheduler.work_tile(tile_idx)
-                    kv_state = self.load(
-                        mQ,
-                        mK,
-                        mV,
-                        mQV,
-                        mPageTable,
-                        sQ,
-                        sK,
-                        sV,
-                        tma_atom_Q,
-                        tma_atom_K,
-                        tma_atom_V,
-                        tma_atom_QV,
-                        pipeline_q,
-                        pipeline_k,
-                        pipeline_v,
-                        tile,
-                        shapes,
-                        q_state,
-                        kv_state,
-                    )
+                    kv_state = self.load(sources, buffers, tile, shapes, q_state, kv_state)
                     q_state.advance()
                     tile_idx, handoff = scheduler.fetch_next(tile_idx, handoff)
                 scheduler.finish()
@@ -765,25 +799,11 @@ class FlashAttentionForwardSm90:
             tile_out, tile_lse = (
                 (mOPartial, mLSEPartial) if const_expr(self.variant.split) else (mO, mLSE)
             )
-            mma_args = (
-                tile_out,
-                tile_lse,
-                sQ,
-                sK,
-                sV,
-                sP,
-                sRows,
-                sO,
-                tma_atom_O,
-                tiled_mma_qk,
-                tiled_mma_pv,
-                pipeline_q,
-                pipeline_k,
-                pipeline_v,
-                softmax_scale_log2,
-                tidx,
-                warpgroup_idx,
-            )
+            setup = MmaSetup(
+                tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tma_atom_O=tma_atom_O,
+                softmax_scale_log2=softmax_scale_log2,
+            )  # fmt: skip
+            mma_args = (tile_out, tile_lse, buffers, setup, tidx, warpgroup_idx)
             tile_idx, handoff = scheduler.first_tile(), scheduler.consumer_handoff()
             while scheduler.is_valid(tile_idx):
                 tile = scheduler.work_tile(tile_idx)
@@ -853,21 +873,8 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def load(
         self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mQV: Optional[cute.Tensor],
-        mPageTable: Optional[cute.Tensor],
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        tma_atom_Q: cute.CopyAtom,
-        tma_atom_K: cute.CopyAtom,
-        tma_atom_V: cute.CopyAtom,
-        tma_atom_QV: Optional[cute.CopyAtom],
-        pipeline_q: pipeline.PipelineAsync,
-        pipeline_k: pipeline.PipelineAsync,
-        pipeline_v: pipeline.PipelineAsync,
+        sources: LoadSources,
+        buf: CtaBuffers,
         tile: WorkTile,
         shapes: ProblemShapes,
         q_state: pipeline.PipelineState,
@@ -885,11 +892,11 @@ class FlashAttentionForwardSm90:
         d, dv = self.variant.head_dim, self.variant.head_dim_v
         q_head = tile.head_idx  # (packed GQA: the group of q heads in the packed view)
         # (atom, gmem, smem) of Q's tile: q, or with qv its columns 0..dv and then q's.
-        q_parts = [(tma_atom_Q, mQ, sQ, d)]
+        q_parts = [(sources.tma_atom_Q, sources.mQ, buf.sQ, d)]
         if const_expr(self.variant.qv):
             q_parts = [
-                (tma_atom_QV, mQV, self._columns(sQ, 0, dv), dv),
-                (tma_atom_Q, mQ, self._columns(sQ, dv, d - dv), d - dv),
+                (sources.tma_atom_QV, sources.mQV, self._columns(buf.sQ, 0, dv), dv),
+                (sources.tma_atom_Q, sources.mQ, self._columns(buf.sQ, dv, d - dv), d - dv),
             ]
         q_copies = []
         for atom, mX, sX, width in q_parts:
@@ -906,32 +913,30 @@ class FlashAttentionForwardSm90:
         kv_batch = tile.batch_idx
         if const_expr(shapes.mKvBatchIdx is not None):  # clamped: a bad index reads a real row
             rows = (
-                mPageTable.shape[0]
+                sources.mPageTable.shape[0]
                 if const_expr(self.variant.kv_layout == "paged")
                 else shapes.mK.shape[3]
             )
             kv_batch = cutlass.max(cutlass.min(shapes.mKvBatchIdx[tile.batch_idx], rows - 1), 0)
+        # (mX, sX, ring, atom, width) -> this tile's loader of those key blocks
+        block_loader = functools.partial(
+            self._block_loader, tile=tile, kv_batch=kv_batch, seqlen=seqlen,
+            mPageTable=sources.mPageTable,
+        )  # fmt: skip
         if const_expr(self.variant.qv):  # K's stage: v's columns 0..dv, then k's
             k_loader = PairedBlockLoader(
-                self._block_loader(
-                    mV, sV, pipeline_k, tma_atom_V, dv, tile, kv_batch, seqlen, mPageTable
-                ),
-                self._block_loader(
-                    mK, self._columns(sK, dv, d - dv), pipeline_k, tma_atom_K, d - dv, tile,
-                    kv_batch, seqlen, mPageTable,
+                block_loader(sources.mV, buf.sV, buf.pipeline_k, sources.tma_atom_V, dv),
+                block_loader(
+                    sources.mK, self._columns(buf.sK, dv, d - dv), buf.pipeline_k,
+                    sources.tma_atom_K, d - dv,
                 ),
             )  # fmt: skip
         else:
-            k_loader = self._block_loader(
-                mK, sK, pipeline_k, tma_atom_K, d, tile, kv_batch, seqlen, mPageTable
-            )
+            k_loader = block_loader(sources.mK, buf.sK, buf.pipeline_k, sources.tma_atom_K, d)
         v_loader = None  # (v_in_k: V is in K's stages)
         if const_expr(not self.variant.v_in_k):
-            v_loader = self._block_loader(
-                mV, sV, pipeline_v, tma_atom_V, self.variant.head_dim_v, tile, kv_batch, seqlen,
-                mPageTable,
-            )  # fmt: skip
-        q_load = SimpleNamespace(copies=q_copies, ring=pipeline_q, state=q_state)
+            v_loader = block_loader(sources.mV, buf.sV, buf.pipeline_v, sources.tma_atom_V, dv)
+        q_load = SimpleNamespace(copies=q_copies, ring=buf.pipeline_q, state=q_state)
 
         # (Gathering variants run this in every producer warp; Q is warp 0's.)
         loads_q = True
@@ -1049,19 +1054,8 @@ class FlashAttentionForwardSm90:
         self,
         mO: cute.Tensor,
         mLSE: Optional[cute.Tensor],
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        sP: Optional[cute.Tensor],
-        sRows: Optional[cute.Tensor],
-        sO: cute.Tensor,
-        tma_atom_O: Optional[cute.CopyAtom],
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        pipeline_q: pipeline.PipelineAsync,
-        pipeline_k: pipeline.PipelineAsync,
-        pipeline_v: pipeline.PipelineAsync,
-        softmax_scale_log2: Float32,
+        buf: CtaBuffers,
+        setup: MmaSetup,
         tidx: Int32,
         warpgroup_idx: Int32,
         tile: WorkTile,
@@ -1071,6 +1065,7 @@ class FlashAttentionForwardSm90:
     ):
         """Consumer warpgroups, one tile: the attention mainloop over key blocks, then the
         epilogue; returns the K/V ring state after the tile."""
+        softmax_scale_log2 = setup.softmax_scale_log2
         seqlen, block_range, n_block_min, n_block_max = self._tile_problem(tile, shapes)
         mask = AttentionMask(
             self.config.tile_m,
@@ -1086,8 +1081,8 @@ class FlashAttentionForwardSm90:
         own_scores = self.o_split == 1 or self.split_scores
         qk_tidx = tidx if const_expr(own_scores) else tidx % THREADS_PER_WARPGROUP
         qk_warpgroup = warpgroup_idx if const_expr(own_scores) else 0
-        wg_mma_qk = tiled_mma_qk.get_slice(qk_warpgroup * THREADS_PER_WARPGROUP)
-        wg_mma_pv = tiled_mma_pv.get_slice(warpgroup_idx * THREADS_PER_WARPGROUP)
+        wg_mma_qk = setup.tiled_mma_qk.get_slice(qk_warpgroup * THREADS_PER_WARPGROUP)
+        wg_mma_pv = setup.tiled_mma_pv.get_slice(warpgroup_idx * THREADS_PER_WARPGROUP)
         acc_O = cute.make_rmem_tensor(
             wg_mma_pv.partition_shape_C((self.config.tile_m, self.variant.head_dim_v)), Float32
         )
@@ -1097,11 +1092,11 @@ class FlashAttentionForwardSm90:
                 wg_mma_pv.partition_shape_A((self.config.tile_m, self.config.tile_n))
             )
         else:
-            tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_A(sP))
-            smem_copy_P = cute.make_tiled_copy_C(self._stmatrix_atom(), tiled_mma_qk).get_slice(
-                tidx
-            )
-            tPsP = smem_copy_P.partition_D(sP)
+            tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_A(buf.sP))
+            smem_copy_P = cute.make_tiled_copy_C(
+                self._stmatrix_atom(), setup.tiled_mma_qk
+            ).get_slice(tidx)
+            tPsP = smem_copy_P.partition_D(buf.sP)
         # Softcap: the scores become tanh(s * scale / softcap), and the softmax's scale is
         # softcap * log2(e).
         softcap_prescale = None
@@ -1116,13 +1111,13 @@ class FlashAttentionForwardSm90:
             self.config.rescale_threshold,
         )
         ctx = MainloopOperands(
-            tiled_mma_qk=tiled_mma_qk,
-            tiled_mma_pv=tiled_mma_pv,
-            thr_mma_qk=tiled_mma_qk.get_slice(qk_tidx),
-            tSrQ=wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ)),
-            tSrK=wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK)),
+            tiled_mma_qk=setup.tiled_mma_qk,
+            tiled_mma_pv=setup.tiled_mma_pv,
+            thr_mma_qk=setup.tiled_mma_qk.get_slice(qk_tidx),
+            tSrQ=wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(buf.sQ)),
+            tSrK=wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(buf.sK)),
             tOrVt=wg_mma_pv.make_fragment_B(
-                wg_mma_pv.partition_B(hopper_mma.transpose_smem_view(sV))
+                wg_mma_pv.partition_B(hopper_mma.transpose_smem_view(buf.sV))
             ),
             tOrP=tOrP,
             smem_copy_P=smem_copy_P,
@@ -1137,13 +1132,13 @@ class FlashAttentionForwardSm90:
             else None,
             mask=mask,
             m_block=m_block,
-            pipeline_k=pipeline_k,
-            pipeline_v=pipeline_v,
+            pipeline_k=buf.pipeline_k,
+            pipeline_v=buf.pipeline_v,
             warpgroup_idx=warpgroup_idx,
-            sV=sV,
+            sV=buf.sV,
             last_block=n_block_max - 1,
             last_block_keys=seqlen.seqlen_k - (n_block_max - 1) * self.config.tile_n,
-            halves=self._score_halves(sRows, tiled_mma_qk, tidx, warpgroup_idx)
+            halves=self._score_halves(buf.sRows, setup.tiled_mma_qk, tidx, warpgroup_idx)
             if const_expr(self.split_scores)
             else None,
         )
@@ -1153,21 +1148,21 @@ class FlashAttentionForwardSm90:
         lse.fill(-Float32.inf)  # an empty tile or split: out = 0, lse = -inf
         sink_log2 = None
         if const_expr(shapes.mLearnableSink is not None):
-            sink_log2 = self._row_sinks_log2(shapes.mLearnableSink, tiled_mma_pv, tidx, tile)
+            sink_log2 = self._row_sinks_log2(shapes.mLearnableSink, setup.tiled_mma_pv, tidx, tile)
             for r in cutlass.range_constexpr(softmax.num_rows):
                 lse[r] = sink_log2[r] * LN2  # a row that sees no key: lse = its sink
         # Who frees Q when: after the mainloop, except in a persistent kernel whose O
         # overwrites Q's smem (then the epilogue's storing warp does, after the store).
         release_q_after_mainloop = const_expr(not self.o_overwrites_q)
         if const_expr(self.persistent):
-            pipeline_q.consumer_wait(q_state)  # loaded for every tile, empty or not
+            buf.pipeline_q.consumer_wait(q_state)  # loaded for every tile, empty or not
         if n_block_max > n_block_min:
             if const_expr(not self.persistent):
-                pipeline_q.consumer_wait(q_state)
+                buf.pipeline_q.consumer_wait(q_state)
 
             # The last key block goes first: it alone carries the sequence-length mask.
             if const_expr(self.config.intra_wg_overlap):
-                self._wait_full(pipeline_k, kv_state)
+                self._wait_full(buf.pipeline_k, kv_state)
                 acc_S = self._qk_gemm(ctx, kv_state.index, 0)
                 self._release_k(ctx, kv_state)
                 self._mask_scores(ctx, acc_S, n_block_max - 1, mask_seqlen=True, masked=True)
@@ -1182,7 +1177,7 @@ class FlashAttentionForwardSm90:
                 )
             kv_state = self._mainloop_rest(ctx, block_range, kv_state, n_block_min, n_block_max - 1)
             if const_expr(release_q_after_mainloop):
-                pipeline_q.consumer_release(q_state)
+                buf.pipeline_q.consumer_release(q_state)
 
             if const_expr(self.config.intra_wg_overlap):
                 # The P V of the first key block is still to do.
@@ -1206,13 +1201,23 @@ class FlashAttentionForwardSm90:
             lse.store(row_lse.load())
         else:
             if const_expr(self.persistent and not self.o_overwrites_q):
-                pipeline_q.consumer_release(q_state)
+                buf.pipeline_q.consumer_release(q_state)
 
         q_release = None
         if const_expr(not release_q_after_mainloop):
-            q_release = SimpleNamespace(ring=pipeline_q, state=q_state)
+            q_release = SimpleNamespace(ring=buf.pipeline_q, state=q_state)
         self.epilogue(
-            acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, tile, seqlen, q_release
+            acc_O,
+            lse,
+            mO,
+            mLSE,
+            buf.sO,
+            setup.tma_atom_O,
+            setup.tiled_mma_pv,
+            tidx,
+            tile,
+            seqlen,
+            q_release,
         )
         return kv_state
 
