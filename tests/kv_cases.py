@@ -16,6 +16,11 @@ def rand(*shape, dtype=torch.bfloat16, gen=None):
     return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
 
 
+def cu_seqlens(lengths):
+    """int32 cumulative offsets (0, l0, l0 + l1, ...) of a list of lengths, on the GPU."""
+    return torch.tensor([0] + list(lengths), device="cuda").cumsum(0).to(torch.int32)
+
+
 def per_batch(*tensors):
     """Each (batch, ...) tensor as a list of its (1, ...) sequences."""
     return [[t[b : b + 1] for b in range(t.shape[0])] for t in tensors]
@@ -176,11 +181,11 @@ def run_varlen_mixed(kv_layout, causal, num_splits, config=None, mask=None):
     k_lens = [900, 300, 1, 200, 50, 0, 513]
     nheads, nheads_kv, d, dtype = 16, 4, 128, torch.bfloat16
     batch = len(q_lens)
-    cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+    cu_q = cu_seqlens(q_lens)
     q = torch.randn(int(cu_q[-1]), nheads, d, device="cuda", dtype=dtype, generator=gen)
     kwargs = {}
     if kv_layout == "packed":
-        cu_k = torch.tensor([0] + k_lens, device="cuda").cumsum(0).to(torch.int32)
+        cu_k = cu_seqlens(k_lens)
         k = torch.randn(int(cu_k[-1]), nheads_kv, d, device="cuda", dtype=dtype, generator=gen)
         v = torch.randn_like(k)
         k_seqs = [k[cu_k[b] : cu_k[b + 1]].unsqueeze(0) for b in range(batch)]

@@ -10,6 +10,7 @@ import torch
 from kv_cases import (
     assert_close_to_reference,
     cache_reference,
+    cu_seqlens,
     make_cache,
     rand,
     reference_per_sequence,
@@ -115,8 +116,8 @@ def test_varlen_seqused_q_and_k(causal, num_splits):
     q_spans, k_spans = [1, 300, 77, 5, 513, 40], [900, 300, 200, 50, 513, 1]
     used_q, used_k = [1, 217, 0, 5, 100, 40], [899, 1, 200, 0, 513, 1]
     h, hk, d = 16, 4, 128
-    cu_q = torch.tensor([0] + q_spans, device="cuda").cumsum(0).to(torch.int32)
-    cu_k = torch.tensor([0] + k_spans, device="cuda").cumsum(0).to(torch.int32)
+    cu_q = cu_seqlens(q_spans)
+    cu_k = cu_seqlens(k_spans)
     q = rand(sum(q_spans), h, d, gen=gen)
     k, v = rand(sum(k_spans), hk, d, gen=gen), rand(sum(k_spans), hk, d, gen=gen)
     as_i32 = lambda xs: torch.tensor(xs, device="cuda", dtype=torch.int32)  # noqa: E731
@@ -212,7 +213,7 @@ def test_kvcache_varlen_queries(page_size, num_splits, rows):
     lens = torch.tensor([700, 5, 333, 10, 64], device="cuda", dtype=torch.int32)
     idx = torch.randperm(batch_cache, device="cuda", generator=gen)[:batch].to(torch.int32)
     pad = torch.tensor([0, 4, 300, 9, 1], device="cuda", dtype=torch.int32)
-    cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+    cu_q = cu_seqlens(q_lens)
     q = rand(sum(q_lens), h, d, gen=gen)
     out, lse, *_ = fa3.flash_attn_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=lens, page_table=page_table, cu_seqlens_q=cu_q,

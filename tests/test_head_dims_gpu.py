@@ -8,6 +8,7 @@ import torch
 from kv_cases import (
     assert_close_to_reference,
     cache_reference,
+    cu_seqlens,
     make_cache,
     per_batch,
     rand,
@@ -64,8 +65,8 @@ def test_kvcache_decode(head_dims, page_size, num_splits):
 def test_varlen(head_dim):
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("dims-varlen", head_dim))
     q_lens, k_lens, h, hk = [1, 300, 0, 77], [900, 300, 50, 1], 8, 4
-    cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
-    cu_k = torch.tensor([0] + k_lens, device="cuda").cumsum(0).to(torch.int32)
+    cu_q = cu_seqlens(q_lens)
+    cu_k = cu_seqlens(k_lens)
     q = rand(sum(q_lens), h, head_dim, gen=gen)
     k, v = (rand(sum(k_lens), hk, head_dim, gen=gen) for _ in "kv")
     out = torch.full_like(q, float("nan"))

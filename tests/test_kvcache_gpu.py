@@ -10,6 +10,7 @@ import pytest
 import torch
 from kv_cases import (
     assert_close_to_reference,
+    cu_seqlens,
     make_cache,
     ragged_lengths,
     reference_per_sequence,
@@ -407,7 +408,7 @@ def _split_launches(gen):
             )
         )
     q_lens, k_lens = [1, 0, 17, 100, 3], [600, 0, 17, 300, 1]
-    cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+    cu_q = cu_seqlens(q_lens)
     q = torch.randn(int(cu_q[-1]), 16, 128, device="cuda", dtype=bf16, generator=gen)
     k, v, page_table, _, _ = make_cache(len(q_lens), 640, 4, 128, bf16, 64, gen)
     used = torch.tensor(k_lens, device="cuda", dtype=torch.int32)

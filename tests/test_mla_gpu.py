@@ -6,6 +6,7 @@ import torch
 from kv_cases import (
     assert_close_to_reference,
     cache_reference,
+    cu_seqlens,
     make_cache,
     per_batch,
     rand,
@@ -77,11 +78,11 @@ def test_varlen(kv_layout, num_splits):
     d, dv, h, hk = 192, 128, 8, 8
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla-varlen", kv_layout))
     q_lens, k_lens = [1, 300, 0, 77], [900, 300, 50, 1]
-    cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+    cu_q = cu_seqlens(q_lens)
     q = rand(sum(q_lens), h, d, gen=gen)
     kwargs = {}
     if kv_layout == "packed":
-        cu_k = torch.tensor([0] + k_lens, device="cuda").cumsum(0).to(torch.int32)
+        cu_k = cu_seqlens(k_lens)
         k, v = rand(sum(k_lens), hk, d, gen=gen), rand(sum(k_lens), hk, dv, gen=gen)
         starts = cu_k[:-1].tolist()
         k_seqs = [k[s : s + n].unsqueeze(0) for s, n in zip(starts, k_lens)]

@@ -11,6 +11,7 @@ import torch
 from kv_cases import (
     assert_close_to_reference,
     cache_reference,
+    cu_seqlens,
     make_cache,
     per_batch,
     reference_per_sequence,
@@ -246,7 +247,7 @@ def test_api_mla_varlen_speculative_decoding(form, num_splits):
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla-spec", form, num_splits))
     q_lens, k_lens = [1, 4, 2, 3, 1], [3000, 1, 0, 333, 64]
     k_cache, _, page_table, k_pad, _ = make_cache(len(q_lens), 3000, 1, 576, BF16, 64, gen)
-    cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+    cu_q = cu_seqlens(q_lens)
     lens = torch.tensor(k_lens, device="cuda", dtype=torch.int32)
     q = torch.randn(sum(q_lens), 128, 576, device="cuda", dtype=BF16, generator=gen)
     out = torch.full((sum(q_lens), 128, 512), float("nan"), device="cuda", dtype=BF16)
