@@ -1328,9 +1328,11 @@ class FlashAttentionForwardSm90:
         else:
             rP = cute.make_rmem_tensor_like(p_as_a, self.dtype)
             hopper_mma.convert_to_16bit(p_as_a, rP)
-            if const_expr(self.split_scores):
+            if const_expr(self.split_scores and self.config.intra_wg_overlap):
                 # Both warpgroups' P V reads all of sP: the other's last one (which it waited
-                # for before arriving) must be done before this half is overwritten.
+                # for before arriving) must be done before this half is overwritten. Without
+                # the overlap each waits for its P V before the next block's Q K^T, so the
+                # row-max exchange's barrier has already ordered it.
                 self._split_scores_barrier()
             cute.copy(ctx.smem_copy_P, ctx.smem_copy_P.retile(rP), ctx.tPsP)
             cute.arch.fence_view_async_shared()
