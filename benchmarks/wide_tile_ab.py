@@ -12,7 +12,12 @@ bytes or TFLOP/s, the time against the first config, and the largest difference 
 output. Run from the repository root on a GPU:
 
     python benchmarks/wide_tile_ab.py > benchmarks/wide_tile_ab.log
+
+`--only NAME...` keeps those configs (the first named is the baseline); `--no-prefill` skips
+the head dim 512 points.
 """
+
+import argparse
 
 import torch
 
@@ -56,6 +61,16 @@ def row(label: str, us: dict, outs: dict, units) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", help="config names to keep, baseline first")
+    parser.add_argument("--no-prefill", action="store_true", help="skip the head dim 512 points")
+    args = parser.parse_args()
+
+    def chosen(head_dim: int, v_in_k: bool) -> dict:
+        all_configs = configs(head_dim, v_in_k)
+        names = args.only or list(all_configs)
+        return {n: all_configs[n] for n in names if n in all_configs}
+
     print(f"copy {copy_bandwidth_gbs() / 1e3:.2f} TB/s", flush=True)
     for h, sq, b, keys in MLA_POINTS:
         gen = torch.Generator(device="cuda").manual_seed(b * 7 + keys)
@@ -63,7 +78,7 @@ def main() -> None:
         lens = torch.full((b,), keys, dtype=torch.int32, device="cuda")
         q = torch.randn(b, sq, h, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
         us, outs = {}, {}
-        for name, config in configs(576, True).items():
+        for name, config in chosen(576, True).items():
 
             def step(config=config):
                 return flash_cute.flash_attn_with_kvcache(
@@ -77,7 +92,7 @@ def main() -> None:
         label = f"mla h={h:3d} sq={sq} b={b:3d} keys={keys:6d}"
         units = lambda t: f"{cache_bytes / t / 1e6:.2f} TB/s {flops / t / 1e6:4.0f} TF"  # noqa: E731
         print(row(label, us, outs, units), flush=True)
-    for causal in (False, True):
+    for causal in () if args.no_prefill else (False, True):
         s, h = 16384, 4
         gen = torch.Generator(device="cuda").manual_seed(1)
         q, k, v = (
@@ -85,7 +100,7 @@ def main() -> None:
             for _ in range(3)
         )
         us, outs = {}, {}
-        for name, config in configs(512, False).items():
+        for name, config in chosen(512, False).items():
 
             def step(config=config):
                 return flash_cute.flash_attn_func(q, k, v, causal=causal, config=config)
