@@ -290,13 +290,13 @@ def test_custom_ops_run_for_real():
     sink = torch.randn(8, device="cuda", generator=gen)
     torch.library.opcheck(
         ops.flash_attn_func_op,
-        (q, k, k, torch.empty_like(q), None, True, True, None, [64, 0], 0, 0.0, sink),
+        (q, k, k, torch.empty_like(q), None, True, True, None, [64, 0], 0, 0.0, sink, None),
     )
     lens = torch.tensor([300, 17], device="cuda", dtype=torch.int32)
     torch.library.opcheck(
         ops.flash_attn_with_kvcache_op,
         (q[:, :1], k, k, lens, None, None, None, True, 0, None, True, torch.empty_like(q[:, :1]),
-         None, [-1, -1], 0, 0.0, None, None, None),
+         None, [-1, -1], 0, 0.0, None, None, None, None),
     )  # fmt: skip
     cu = torch.tensor([0, 77, 154], device="cuda", dtype=torch.int32)
     qv, kv = q.flatten(0, 1), k.flatten(0, 1)
@@ -304,7 +304,7 @@ def test_custom_ops_run_for_real():
     torch.library.opcheck(
         ops.flash_attn_varlen_func_op,
         (qv, kv, kv, cu, 77, cu_k, None, 300, None, None, True, 1, None, True,
-         torch.empty_like(qv), None, [-1, -1], 0, 0.0, None, None),
+         torch.empty_like(qv), None, [-1, -1], 0, 0.0, None, None, None, None, None),
     )  # fmt: skip
     partial = rand(3, 2, 5, 8, 128, dtype=torch.float32, gen=gen)
     lse_partial = rand(3, 2, 5, 8, dtype=torch.float32, gen=gen)
