@@ -10,6 +10,8 @@
     python -m flash_cute.bench sweep --hdim 128 [--causal] [knob lists] [--json PATH] [--plot PNG]
     python -m flash_cute.bench host
     python -m flash_cute.bench mla [--batch ...] [--seqlens ...]   (flash_cute.bench_mla)
+    python -m flash_cute.bench trace prefill|decode|varlen [...] --out PREFIX
+                                                   (per-SM timelines: flash_cute.bench_trace)
 
 prefill: the FlashAttention-3 paper's grid (batch * seqlen = 16k tokens, nheads * hdim = 2048)
 timed for flash_cute, torch SDPA with the cuDNN and flash backends, and flash-attn-4
@@ -53,6 +55,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from flash_cute import bench_trace
 from flash_cute.config import TILE_SCHEDULERS, AttentionConfig
 from flash_cute.timing import (
     copy_bandwidth_gbs,
@@ -1079,6 +1082,7 @@ def main(argv=None) -> int:
     mla.add_argument("--heads", type=int, nargs="+", default=[128])
     mla.add_argument("--seqlen-q", type=int, nargs="+", default=[1, 2])
     mla.add_argument("--json", default=None)
+    bench_trace.add_parser(sub)
     plot = sub.add_parser("plot", help="draw a sweep's JSON as a PNG (no GPU needed)")
     plot.add_argument("json_path")
     plot.add_argument("png_path")
@@ -1109,6 +1113,8 @@ def main(argv=None) -> int:
         for case in VARLEN_PREFILL_CASES:
             print(f"{case[0]}: {varlen_case_lengths(case, args.seed)}")
         return 0
+    if args.command == "trace":
+        bench_trace.validate(parser, args)
     if args.command == "prefill" and args.passes < 1:
         parser.error(f"--passes must be at least 1, got {args.passes}")
     if not torch.cuda.is_available():
@@ -1166,6 +1172,9 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
         return 0
+    if args.command == "trace":
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+        return bench_trace.run(args)
     if args.command == "mla":
         from flash_cute import bench_mla
 

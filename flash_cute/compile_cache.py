@@ -121,6 +121,8 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
     v's shape and k's, 16-byte alignment and stride divisibility)."""
     import cutlass.cute as cute
 
+    from flash_cute.kernels.trace_records import RECORD_WORDS
+
     dtype = _cutlass_dtype(variant.dtype)
     sym = cute.sym_int
     batch, seqlen_q, nheads, seqlen_k, nheads_kv = (sym() for _ in range(5))
@@ -177,6 +179,12 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
         "scale_log2": cutlass.Float32(1.0),
         "max_ctas": cutlass.Int32(1),
         "num_splits": cutlass.Int32(1),
+        # Traced variants: (tiles, RECORD_WORDS) int64 records, row-major.
+        "trace": cute.runtime.make_fake_tensor(
+            cutlass.Int64, (sym(), RECORD_WORDS), stride=(RECORD_WORDS, 1), assumed_align=8
+        )
+        if variant.config.trace
+        else None,
     }
 
 
@@ -205,6 +213,7 @@ class CombineKernelKey:
     out_dtype: str  # "float16" | "bfloat16" | "float32"
     head_dim: int
     writes_lse: bool
+    trace: bool = False  # records per CTA (kernels/trace_records.py)
 
 
 def compile_combine(key: CombineKernelKey, options: str = "") -> Callable:
@@ -240,10 +249,18 @@ def compile_combine(key: CombineKernelKey, options: str = "") -> Callable:
         lse = cute.runtime.make_fake_tensor(
             fp32, (batch, *rows), stride=tuple(cute.sym_int64() for _ in range(3)), assumed_align=4
         )
+    records = None
+    if key.trace:
+        from flash_cute.kernels.trace_records import RECORD_WORDS
+
+        records = cute.runtime.make_fake_tensor(
+            cutlass.Int64, (cute.sym_int(), RECORD_WORDS), stride=(RECORD_WORDS, 1),
+            assumed_align=8,
+        )  # fmt: skip
     kernel = FlashAttentionCombine(out_dtype, d, key.writes_lse)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     opts = ("--enable-tvm-ffi " + options).strip()
-    return cute.compile(kernel, out_partial, lse_partial, out, lse, stream, options=opts)
+    return cute.compile(kernel, out_partial, lse_partial, out, lse, records, stream, options=opts)
 
 
 def get_combine_kernel(key: CombineKernelKey) -> Callable:

@@ -141,6 +141,8 @@ class AttentionConfig:
         (Q K^T done once in all) and the two exchange their row maxima, their halves of P
         (through shared memory: P V reads all of it) and at the end their row sums. Needs P
         from shared memory, no lazy or pre-P V rescale, tile_n % 32 == 0.
+    trace: the kernel records, per work tile, its SM, coordinates and phase times (a variant
+        of its own: untraced kernels carry none of it; flash_cute.trace reads the records).
     """
 
     tile_m: int
@@ -162,6 +164,7 @@ class AttentionConfig:
     store_o_from_registers: bool = False
     o_split: int = 1
     split_scores: bool = False
+    trace: bool = False
 
     def __post_init__(self):
         for name in (
@@ -191,6 +194,7 @@ class AttentionConfig:
             "lazy_rescale",
             "store_o_from_registers",
             "split_scores",
+            "trace",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):

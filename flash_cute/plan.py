@@ -295,6 +295,7 @@ class ForwardVariant:
             or self.learnable_sink is not None
             or self.qv
             or self.v_in_k  # (its replays check that v still aliases k: LaunchPlan.launch)
+            or self.config.trace
         )
 
 
@@ -312,6 +313,22 @@ class ForwardPlan:
     num_splits: int
     max_ctas: int
     num_counters: int
+    trace_slots: int = 0  # traced variants: one record per work tile
+
+
+# Set while flash_cute.trace.record() runs: every call planned meanwhile takes the traced
+# variant of its config.
+_tracing = False
+
+
+def trace_calls(on: bool) -> None:
+    """Whether the calls planned from now on are traced (flash_cute.trace.record)."""
+    global _tracing
+    _tracing = on
+
+
+def tracing() -> bool:
+    return _tracing
 
 
 def plan_forward(
@@ -350,6 +367,8 @@ def plan_forward(
                 problem.head_dim_v,
                 problem.v_in_k or problem.qv,
             )
+    if _tracing and not config.trace:
+        config = config.replace(trace=True)
     if pack_gqa is None:  # K/V tiles read once for all q heads of a kv head (or once per
         # tile of them where they fill several: MLA's 128 heads on one latent head)
         pack_gqa = ratio > 1 and (config.tile_m % ratio == 0 or ratio % config.tile_m == 0)
@@ -427,7 +446,10 @@ def plan_forward(
         num_counters = split_tiles(problem, config.tile_m, pack_ratio)
     else:
         num_counters = 0
-    return ForwardPlan(variant, num_splits, max_ctas, num_counters)
+    trace_slots = 0
+    if config.trace:  # one record per work tile
+        trace_slots = split_tiles(problem, config.tile_m, pack_ratio) * num_splits
+    return ForwardPlan(variant, num_splits, max_ctas, num_counters, trace_slots)
 
 
 def attention_mask(problem: Problem) -> tuple:

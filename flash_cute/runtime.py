@@ -19,6 +19,7 @@ may be reused, call empty_cache().
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
@@ -34,7 +35,10 @@ from .compile_cache import (
     raw_function,
     signature,
 )
-from .plan import ForwardPlan
+from .config import AttentionConfig
+from .kernels.flash_combine import FlashAttentionCombine
+from .kernels.trace_records import RECORD_WORDS
+from .plan import ForwardPlan, tracing
 
 # ----------------------------------------------------------------------------------------
 # Device and stream queries (torch's internals where they exist: they skip several us of
@@ -254,6 +258,19 @@ class PlanCache(dict):
         self[key] = plan
 
 
+@dataclass(frozen=True)
+class TracedLaunch:
+    """A traced kernel's launch: what ran (label; a forward launch's config) and its (tiles,
+    RECORD_WORDS) int64 records (kernels/trace_records.py), filled once the launch has run."""
+
+    label: str
+    config: Optional[AttentionConfig]
+    records: torch.Tensor
+
+
+# The latest traced launches, oldest first (flash_cute.trace.record takes those of its block).
+TRACED_LAUNCHES: deque = deque(maxlen=64)
+
 FUNC_PLANS = PlanCache()
 KVCACHE_PLANS = PlanCache()
 VARLEN_PLANS = PlanCache()
@@ -290,6 +307,7 @@ class LaunchPlan:
         "buffers",
         "v_in_k",
         "merge",
+        "trace",
     )
 
     def __init__(
@@ -318,6 +336,8 @@ class LaunchPlan:
             plan.num_splits,
         )
         self.num_counters = plan.num_counters
+        # Traced variants: (records per launch, the variant), else None.
+        self.trace = (plan.trace_slots, plan.variant) if plan.trace_slots else None
         # Replays check that v still aliases k (qv's V is a tensor of its own).
         self.v_in_k = plan.variant.v_in_k and not plan.variant.qv
         self.scratch = None  # a split launch's scratch layout
@@ -327,7 +347,10 @@ class LaunchPlan:
         self.merge = None
         if plan.variant.combine_launch:
             key = CombineKernelKey(
-                checks.ALL_DTYPE_NAMES[dtype], plan.variant.head_dim_v, self.lse_shape is not None
+                checks.ALL_DTYPE_NAMES[dtype],
+                plan.variant.head_dim_v,
+                self.lse_shape is not None,
+                plan.variant.config.trace,
             )
             self.merge = get_combine_kernel(key)
         self.extents = extents  # bytes spanned by q, k, v, out
@@ -431,13 +454,19 @@ class LaunchPlan:
                     and (self.scratch is None or self.scratch.numel <= SCRATCH_MAX_FLOATS)
                 ):
                     self.buffers = (raw, BUFFERS.version, (partials, counters))
+        records = None
+        if self.trace is not None:
+            records = torch.zeros(self.trace[0], RECORD_WORDS, dtype=torch.int64, device=q.device)
         self.kernel(
             q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, learnable_sink,
             seqused_q, kv_batch_idx, leftpad_k, qv, kv_length, partials, counters, self.scale_log2,
-            self.max_ctas, self.num_splits,
+            self.max_ctas, self.num_splits, records,
         )  # fmt: skip
+        if records is not None:
+            variant = self.trace[1]
+            TRACED_LAUNCHES.append(TracedLaunch(variant.describe(), variant.config, records))
         if self.merge is not None:
-            self.merge(*merge_views, *combine_views(out, lse))
+            run_combine(self.merge, self.trace is not None, *merge_views, *combine_views(out, lse))
         return out if lse is None else (out, lse)
 
 
@@ -465,6 +494,19 @@ def combine_views(out, lse):
     return out, None if lse is None else lse.transpose(-1, -2)
 
 
+def run_combine(kernel, traced: bool, out_partial, lse_partial, out, lse) -> None:
+    """Launch a compiled combine kernel; traced: with a record per CTA (TRACED_LAUNCHES)."""
+    if not traced:
+        kernel(out_partial, lse_partial, out, lse, None)
+        return
+    batch, seqlen, nheads, head_dim = out.shape
+    gx, gy, _ = FlashAttentionCombine.grid(batch, seqlen, nheads, head_dim)
+    records = torch.zeros(gx * gy, RECORD_WORDS, dtype=torch.int64, device=out.device)
+    kernel(out_partial, lse_partial, out, lse, records)
+    label = f"combine d{head_dim} {checks.ALL_DTYPE_NAMES[out.dtype]} splits {len(out_partial)}"
+    TRACED_LAUNCHES.append(TracedLaunch(label, None, records))
+
+
 def combine(out_partial, lse_partial, out, lse) -> None:
     """Merge partials by their LSEs: out_partial (K, B, S, H, D) or (K, T, H, D) and
     matching lse views -> out, lse (lse may be None)."""
@@ -484,8 +526,9 @@ def combine(out_partial, lse_partial, out, lse) -> None:
         out_dtype=checks.ALL_DTYPE_NAMES[out.dtype],
         head_dim=out.shape[-1],
         writes_lse=lse is not None,
+        trace=tracing(),
     )
     with on_device(out.device):
-        get_combine_kernel(key)(out_partial, lse_partial, out_kernel, lse)
+        run_combine(get_combine_kernel(key), key.trace, out_partial, lse_partial, out_kernel, lse)
         if out_kernel.data_ptr() != out.data_ptr():
             out.copy_(out_kernel)

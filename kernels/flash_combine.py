@@ -12,8 +12,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
+from . import trace_records
 from .hopper_mma import convert_to_16bit
 from .split_merge import lanes_per_row, merge_row
+from .trace_records import TileTrace, linear_block_idx
 
 THREADS = 128
 
@@ -23,7 +25,9 @@ class FlashAttentionCombine:
 
     Tensors (any strides, last dim contiguous; partials 16-byte aligned):
       out_partial (K, B, S, H, D) fp32, lse_partial (K, B, S, H) fp32,
-      out (B, S, H, D) in out_dtype, lse (B, S, H) fp32 or None.
+      out (B, S, H, D) in out_dtype, lse (B, S, H) fp32 or None,
+      trace (blocks, RECORD_WORDS) int64 or None: a traced kernel's records, one per CTA
+      (kernels/trace_records.py; grid() gives the CTAs).
     """
 
     def __init__(self, out_dtype: Type[cutlass.Numeric], head_dim: int, writes_lse: bool):
@@ -35,6 +39,12 @@ class FlashAttentionCombine:
         self.floats_per_lane = head_dim // self.lanes_per_row
         self.rows_per_cta = THREADS // self.lanes_per_row
 
+    @staticmethod
+    def grid(batch: int, seqlen: int, nheads: int, head_dim: int):
+        """The launch's grid: CTAs of rows_per_cta (token, head) rows, by batch."""
+        rows_per_cta = THREADS // lanes_per_row(head_dim)
+        return (-(-(seqlen * nheads) // rows_per_cta), batch, 1)
+
     @cute.jit
     def __call__(
         self,
@@ -42,11 +52,12 @@ class FlashAttentionCombine:
         mLSE_partial: cute.Tensor,
         mO: cute.Tensor,
         mLSE: Optional[cute.Tensor],
+        mTrace: Optional[cute.Tensor],
         stream: cuda.CUstream,
     ):
         rows = mO.shape[1] * mO.shape[2]
         grid = (cute.ceil_div(rows, self.rows_per_cta), mO.shape[0], 1)
-        self.kernel(mO_partial, mLSE_partial, mO, mLSE).launch(
+        self.kernel(mO_partial, mLSE_partial, mO, mLSE, mTrace).launch(
             grid=grid, block=[THREADS, 1, 1], stream=stream
         )
 
@@ -57,9 +68,14 @@ class FlashAttentionCombine:
         mLSE_partial: cute.Tensor,
         mO: cute.Tensor,
         mLSE: Optional[cute.Tensor],
+        mTrace: Optional[cute.Tensor],
     ):
         tidx = cute.arch.thread_idx()[0]
         bidx, batch, _ = cute.arch.block_idx()
+        trace = None
+        if const_expr(mTrace is not None):
+            trace = TileTrace(mTrace, linear_block_idx(), tidx == 0)
+            trace.begin(trace_records.COMBINE_BLOCK, linear_block_idx(), (bidx, 0, batch, 0))
         group = self.lanes_per_row
         sub = tidx % group  # lane within the row's group
         nheads = mO.shape[2]
@@ -91,3 +107,6 @@ class FlashAttentionCombine:
             if const_expr(mLSE is not None):
                 if sub == 0:
                     mLSE[batch, token, head] = lse
+        if const_expr(trace is not None):
+            cute.arch.sync_threads()  # every row stored
+            trace.stamp(trace_records.END)

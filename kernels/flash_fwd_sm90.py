@@ -62,7 +62,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from . import hopper_mma
+from . import hopper_mma, trace_records
 from .block_range import KeyBlockRange, LocalWindow
 from .masking import AttentionMask
 from .named_barriers import NamedBarrier
@@ -83,6 +83,7 @@ from .tile_scheduler import (
     WorkTile,
 )
 from .tma_loads import PairedBlockLoader, TmaBlockLoader, TmaPagedBlockLoader
+from .trace_records import TileTrace, linear_block_idx
 
 THREADS_PER_WARPGROUP = 128
 LOG2_E = math.log2(math.e)
@@ -388,11 +389,13 @@ class FlashAttentionForwardSm90:
         scale_log2: Float32,
         max_ctas: Int32,
         num_splits: Int32,
+        trace: Optional[cute.Tensor],
         stream: cuda.CUstream,
     ):
         """The whole signature. The split scratch and the counters come as addresses (TVM-FFI
         converts an int for much less than a tensor); the views built here are 64-bit: a split
-        launch's partials may pass 2^31 elements."""
+        launch's partials may pass 2^31 elements. trace: a traced variant's (tiles,
+        RECORD_WORDS) int64 records (kernels/trace_records.py)."""
         out_partial = lse_partial = mCounters = None
         if const_expr(self.variant.split):
             o_shape = (num_splits, *out.shape)
@@ -412,7 +415,7 @@ class FlashAttentionForwardSm90:
         self._launch(
             q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, learnable_sink,
             seqused_q, kv_batch_idx, leftpad_k, qv, kv_length, out_partial, lse_partial, mCounters,
-            scale_log2, max_ctas, num_splits, stream,
+            scale_log2, max_ctas, num_splits, trace, stream,
         )  # fmt: skip
 
     @cute.jit
@@ -431,7 +434,7 @@ class FlashAttentionForwardSm90:
         eight arguments fewer through TVM-FFI, which converts each on the host."""
         self._launch(
             q, k, v, out, None, None, None, None, None, None, None, None, None, None, kv_length,
-            None, None, None, scale_log2, max_ctas, Int32(1), stream,
+            None, None, None, scale_log2, max_ctas, Int32(1), None, stream,
         )  # fmt: skip
 
     @cute.jit
@@ -458,6 +461,7 @@ class FlashAttentionForwardSm90:
         softmax_scale_log2: Float32,
         max_ctas: Int32,
         num_splits: Int32,
+        mTrace: Optional[cute.Tensor],
         stream: cuda.CUstream,
     ):
         # Rows first, then head_dim, then heads, then batch (and split): a TMA box is
@@ -615,6 +619,7 @@ class FlashAttentionForwardSm90:
             mKvBatchIdx,
             mLeftPadK,
             mCounters,
+            mTrace,
             num_splits,
             max_ctas,
             kv_length,
@@ -668,6 +673,7 @@ class FlashAttentionForwardSm90:
         mKvBatchIdx: Optional[cute.Tensor],
         mLeftPadK: Optional[cute.Tensor],
         mCounters: Optional[cute.Tensor],
+        mTrace: Optional[cute.Tensor],
         num_splits: Int32,
         max_ctas: Int32,
         kv_length: Int32,
@@ -775,7 +781,14 @@ class FlashAttentionForwardSm90:
                 tile_idx, handoff = scheduler.first_tile(), scheduler.producer_handoff()
                 while scheduler.is_valid(tile_idx):
                     tile = scheduler.work_tile(tile_idx)
+                    trace = self._tile_trace(
+                        mTrace, scheduler, tile_idx, (warp_idx == 0) & (cute.arch.lane_idx() == 0)
+                    )
+                    if const_expr(trace is not None):
+                        trace.stamp(trace_records.LOAD_START)
                     kv_state = self.load(sources, buffers, tile, shapes, q_state, kv_state)
+                    if const_expr(trace is not None):
+                        trace.stamp(trace_records.LOAD_END)
                     q_state.advance()
                     tile_idx, handoff = scheduler.fetch_next(tile_idx, handoff)
                 scheduler.finish()
@@ -807,17 +820,31 @@ class FlashAttentionForwardSm90:
             tile_idx, handoff = scheduler.first_tile(), scheduler.consumer_handoff()
             while scheduler.is_valid(tile_idx):
                 tile = scheduler.work_tile(tile_idx)
-                kv_state = self.mma(*mma_args, tile, shapes, q_state, kv_state)
+                trace = self._tile_trace(mTrace, scheduler, tile_idx, tidx == 0)
+                if const_expr(trace is not None):
+                    coords = (tile.m_block, tile.head_idx, tile.batch_idx, tile.split_idx)
+                    trace.begin(trace_records.FORWARD_TILE, linear_block_idx(), coords)
+                kv_state = self.mma(*mma_args, tile, shapes, q_state, kv_state, trace)
                 q_state.advance()
                 if const_expr(self.variant.split and not self.variant.combine_launch):
                     split_last = storage.split_last.get_tensor(cute.make_layout(1))
                     self._merge_splits(
                         mO, mLSE, mOPartial, mLSEPartial, mCounters, split_last, tile, shapes, tidx
                     )
+                if const_expr(trace is not None):
+                    trace.stamp(trace_records.END)
                 tile_idx, handoff = scheduler.receive_next(tile_idx, handoff)
             if const_expr(self.separate_o_smem):
                 if warp_idx == 4:  # the last O store must finish reading smem
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    def _tile_trace(self, mTrace, scheduler, tile_idx: Int32, writer) -> Optional[TileTrace]:
+        """Traced variants: the record of the tile at tile_idx (its slot: the flat tile index
+        of a persistent scheduler, the linear block index of one CTA per tile)."""
+        if const_expr(mTrace is None):
+            return None
+        slot = tile_idx if const_expr(self.persistent) else linear_block_idx()
+        return TileTrace(mTrace, slot, writer)
 
     def _kv_capacity(self, mK_shape: cute.Tensor, mPageTable: Optional[cute.Tensor]):
         """Keys a (batch, head) can hold: k's rows, or a paged cache's pages x page size (packed
@@ -1062,9 +1089,11 @@ class FlashAttentionForwardSm90:
         shapes: ProblemShapes,
         q_state: pipeline.PipelineState,
         kv_state: pipeline.PipelineState,
+        trace: Optional[TileTrace] = None,
     ):
         """Consumer warpgroups, one tile: the attention mainloop over key blocks, then the
-        epilogue; returns the K/V ring state after the tile."""
+        epilogue; returns the K/V ring state after the tile. trace (traced variants): the
+        tile's record, stamped when the first K block has landed and when the mainloop ends."""
         softmax_scale_log2 = setup.softmax_scale_log2
         seqlen, block_range, n_block_min, n_block_max = self._tile_problem(tile, shapes)
         mask = AttentionMask(
@@ -1159,6 +1188,10 @@ class FlashAttentionForwardSm90:
         if n_block_max > n_block_min:
             if const_expr(not self.persistent):
                 buf.pipeline_q.consumer_wait(q_state)
+            if const_expr(trace is not None):
+                # (a second wait on the same phase returns at once)
+                self._wait_full(buf.pipeline_k, kv_state)
+                trace.stamp(trace_records.KV_READY)
 
             # The last key block goes first: it alone carries the sequence-length mask.
             if const_expr(self.config.intra_wg_overlap):
@@ -1203,6 +1236,8 @@ class FlashAttentionForwardSm90:
             if const_expr(self.persistent and not self.o_overwrites_q):
                 buf.pipeline_q.consumer_release(q_state)
 
+        if const_expr(trace is not None):
+            trace.stamp(trace_records.MAINLOOP_END)
         q_release = None
         if const_expr(not release_q_after_mainloop):
             q_release = SimpleNamespace(ring=buf.pipeline_q, state=q_state)

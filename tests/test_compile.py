@@ -520,6 +520,25 @@ O_SPLIT_KEYS = [
 ]
 
 
+# Traced variants (AttentionConfig.trace): one CTA per tile, persistent, split with the merge
+# in the kernel, varlen.
+TRACE_KEYS = [
+    ForwardVariant("bfloat16", 128, True, AttentionConfig(128, 128, trace=True), True),
+    ForwardVariant(
+        "bfloat16",
+        128,
+        True,
+        AttentionConfig(128, 128, scheduler="dynamic_persistent", trace=True),
+        True,
+    ),
+    ragged(
+        "bfloat16", 128, True, _DECODE_128.replace(trace=True), True, seqused_k=True,
+        split=True, pack_gqa_ratio=4,
+    ),
+    ragged("bfloat16", 128, True, AttentionConfig(128, 128, trace=True), True, varlen_q=True),
+]  # fmt: skip
+
+
 def _id(variant):
     c = variant.config
     knobs = (
@@ -529,6 +548,7 @@ def _id(variant):
         + ("-oregs" if c.store_o_from_registers else "")
         + ("-probe" if c.mbarrier_probe else "")
         + (f"-osplit{c.o_split}" if c.o_split > 1 else "")
+        + ("-trace" if c.trace else "")
         + ("-splitscores" if c.split_scores else "")
     )
     return variant.describe().replace(" ", "-") + "-" + knobs
@@ -565,7 +585,8 @@ ODD_HEAD_DIM_KEYS = [
     + LOCAL_KEYS
     + MLA_KEYS
     + O_SPLIT_KEYS
-    + ODD_HEAD_DIM_KEYS,
+    + ODD_HEAD_DIM_KEYS
+    + TRACE_KEYS,
     ids=_id,
 )
 def test_variant_compiles_clean(key):
@@ -581,6 +602,7 @@ def test_variant_compiles_clean(key):
         CombineKernelKey("float32", 96, False),
         CombineKernelKey("float16", 256, True),
         CombineKernelKey("bfloat16", 512, False),
+        CombineKernelKey("bfloat16", 512, True, trace=True),
     ],
     ids=str,
 )
