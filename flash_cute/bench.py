@@ -1083,13 +1083,17 @@ def main(argv=None) -> int:
     mla.add_argument("--seqlen-q", type=int, nargs="+", default=[1, 2])
     mla.add_argument("--json", default=None)
     bench_trace.add_parser(sub)
-    plot = sub.add_parser("plot", help="draw a sweep's JSON as a PNG (no GPU needed)")
+    plot = sub.add_parser("plot", help="draw a sweep's or a trace's JSON as a PNG (no GPU needed)")
     plot.add_argument("json_path")
     plot.add_argument("png_path")
     args = parser.parse_args(argv)
     if args.command == "plot":
         with open(args.json_path) as f:
             data = json.load(f)
+        if "launches" in data:  # a trace's records (bench trace)
+            bench_trace.replot(data, args.png_path)
+            print(f"plot: {args.png_path}")
+            return 0
         rows = [
             SweepRow(r["config"], r["label"], {int(s): t for s, t in r["tflops"].items()})
             for r in data["rows"]

@@ -9,7 +9,8 @@
 The call takes its table row's config unless `--config KEY=VALUE ...` overrides fields of it;
 `--compare A B` runs it twice, with the overrides A and then B (each a comma-separated list of
 KEY=VALUE), and draws the two timelines one above the other. Writes OUT.json (the records of
-each launch), OUT.png and OUT.txt (the summaries). Each summary's SM idle fraction comes from
+each launch; `python -m flash_cute.bench plot OUT.json PNG` draws it again without a GPU),
+OUT.png and OUT.txt (the summaries). Each summary's SM idle fraction comes from
 the trace's own span; beside it, the one from the same launch's kernel time as torch's
 profiler measures it: 1 - busy / (SMs x that time); and the untraced call's time (CUDA events,
 median of many).
@@ -145,10 +146,27 @@ def run(args) -> int:
     with open(f"{args.out}.txt", "w") as f:
         f.write(text + "\n")
     with open(f"{args.out}.json", "w") as f:
-        json.dump({"launches": [launch.to_json() for launch in launches]}, f)
+        json.dump(
+            {
+                "launches": [launch.to_json() for launch in launches],
+                "titles": titles,
+                "same_time_axis": bool(args.compare),
+            },
+            f,
+        )
     trace.plot_timelines(launches, f"{args.out}.png", titles, same_time_axis=bool(args.compare))
     print(f"wrote {args.out}.json, {args.out}.png, {args.out}.txt")
     return 0
+
+
+def replot(data: dict, png_path: str) -> None:
+    """Draw a trace's JSON (OUT.json of `trace`) again: `python -m flash_cute.bench plot`."""
+    from flash_cute import trace
+
+    launches = [trace.LaunchTrace.from_json(launch) for launch in data["launches"]]
+    trace.plot_timelines(
+        launches, png_path, data.get("titles"), same_time_axis=data.get("same_time_axis", False)
+    )
 
 
 def add_parser(sub) -> None:

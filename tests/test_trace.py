@@ -135,3 +135,16 @@ def test_bench_overrides_are_typed_by_the_config_fields():
         parse_overrides("tiles=3")
     with pytest.raises(ValueError, match="pingpong takes true or false"):
         parse_overrides("pingpong=maybe")
+
+
+def test_bench_plot_redraws_a_trace_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    from flash_cute import bench
+
+    launch = trace.LaunchTrace.decode("d128 x", 4, synthetic(TILES))
+    path, png = tmp_path / "t.json", tmp_path / "t.png"
+    launches = [launch.to_json(), launch.to_json()]
+    data = {"launches": launches, "titles": ["a", "b"], "same_time_axis": True}
+    path.write_text(json.dumps(data))
+    assert bench.main(["plot", str(path), str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
