@@ -456,6 +456,12 @@ class LaunchPlan:
                     self.buffers = (raw, BUFFERS.version, (partials, counters))
         records = None
         if self.trace is not None:
+            if stream_capturing():
+                raise RuntimeError(
+                    "a traced call (AttentionConfig.trace, flash_cute.trace.record) cannot be "
+                    "captured in a CUDA graph: its records are read after the call; trace an "
+                    "eager call"
+                )
             records = torch.zeros(self.trace[0], RECORD_WORDS, dtype=torch.int64, device=q.device)
         self.kernel(
             q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, learnable_sink,

@@ -338,3 +338,42 @@ def test_first_call_copies_what_tma_cannot_take(fake_gpu):
     (kernel,) = fake_gpu.values()
     sent = dict(zip(SHORT.args, kernel.calls[-1]))
     assert sent["out"].data_ptr() % 16 == 0 and not runtime.FUNC_PLANS
+
+
+def test_traced_plans_pass_zeroed_records_and_collect_them(streams):
+    """A traced variant's launch gets fresh zeroed (tiles, RECORD_WORDS) int64 records as its
+    last argument and leaves them in TRACED_LAUNCHES; under graph capture it refuses."""
+    from flash_cute.kernels.trace_records import RECORD_WORDS
+
+    kernel = Recorder()
+    config = AttentionConfig(128, 128, trace=True)
+    variant = ForwardVariant("bfloat16", 64, False, config, True)
+    plan = runtime.LaunchPlan(
+        ForwardPlan(variant, num_splits=1, max_ctas=132, num_counters=0, trace_slots=6),
+        kernel, CPU, torch.float32, (2, 3, 4, 64), (2, 4, 3), 1.0,
+    )  # fmt: skip
+    runtime.TRACED_LAUNCHES.clear()
+    q = torch.zeros(2, 3, 4, 64)
+    plan.launch(q, q, q, None)
+    sent = dict(zip(FULL.args, kernel.calls[-1]))
+    records = sent["trace"]
+    assert records.shape == (6, RECORD_WORDS) and records.dtype == torch.int64
+    assert not records.any()
+    (traced,) = runtime.TRACED_LAUNCHES
+    assert traced.records is records and traced.config == config
+    assert traced.label == variant.describe()
+    runtime.TRACED_LAUNCHES.clear()
+    streams["capturing"] = True
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        plan.launch(q, q, q, None)
+
+
+def test_untraced_full_signature_plans_pass_no_records(streams):
+    kernel = Recorder()
+    plan = runtime.LaunchPlan(
+        ForwardPlan(SPLIT, num_splits=3, max_ctas=132, num_counters=4),
+        kernel, CPU, torch.float32, (2, 3, 4, 64), (2, 4, 3), 1.0,
+    )  # fmt: skip
+    q = torch.zeros(1, 1, 4, 64)
+    plan.launch(q, q, q, None)
+    assert dict(zip(FULL.args, kernel.calls[-1]))["trace"] is None

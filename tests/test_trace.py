@@ -148,3 +148,19 @@ def test_bench_plot_redraws_a_trace_json(tmp_path):
     path.write_text(json.dumps(data))
     assert bench.main(["plot", str(path), str(png)]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_record_sets_the_untraced_plans_aside_and_restores_them():
+    from flash_cute import runtime
+
+    runtime.FUNC_PLANS["key"] = "untraced plan"
+    try:
+        with trace.record() as rec:
+            assert "key" not in runtime.FUNC_PLANS and plans.tracing()
+            runtime.FUNC_PLANS["traced key"] = "traced plan"
+        assert not plans.tracing()
+        assert runtime.FUNC_PLANS.get("key") == "untraced plan"
+        assert "traced key" not in runtime.FUNC_PLANS
+        assert rec.launches == []
+    finally:
+        runtime.FUNC_PLANS.pop("key", None)
