@@ -177,7 +177,8 @@ class Recording:
 
 @contextlib.contextmanager
 def record() -> Iterator[Recording]:
-    """Trace every flash_cute forward launch made inside the block (see the module doc)."""
+    """Trace every flash_cute forward launch made inside the block (see the module doc), in
+    every thread of the process: the switch is process-wide."""
     import torch
 
     caches = (runtime.FUNC_PLANS, runtime.KVCACHE_PLANS, runtime.VARLEN_PLANS)
