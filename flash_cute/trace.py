@@ -235,8 +235,8 @@ def plot_timelines(
     """Draw each launch's timeline (one above the other; same_time_axis: on one time axis, as
     when comparing two runs of a problem) to an image file:
     one row per SM, one bar per tile coloured by phase (every other tile of a lane in other
-    shades; the loads as a thin strip: they may run under the previous tile), idle time left
-    blank. Tiles whose MMA phases overlap on one
+    shades; the loads as a thin strip on top: they may run under the previous tile), idle time
+    left blank. Tiles whose MMA phases overlap on one
     SM (several CTAs per SM) take lanes of the SM's row."""
     import matplotlib
 
@@ -247,8 +247,11 @@ def plot_timelines(
     fig, axes = plt.subplots(
         len(launches), 1, figsize=(12, 3.2 * len(launches)), sharex=same_time_axis, squeeze=False
     )
+    spans = [max(float(launch.table()["end"].max(initial=0)), 1.0) / 1e3 for launch in launches]
     for i, (ax, launch) in enumerate(zip(axes[:, 0], launches)):
         _draw(ax, launch)
+        span = max(spans) if same_time_axis else spans[i]
+        ax.set_xlim(-0.01 * span, 1.01 * span)
         title = titles[i] if titles else launch.label
         ax.set_title(f"{title}\n{launch.summary().text()}", fontsize=8, loc="left")
         ax.set_ylabel("SM")
@@ -262,10 +265,13 @@ def plot_timelines(
 
 
 def _draw(ax, launch: LaunchTrace) -> None:
+    """One launch's bars on ax (collections: the caller sets the time axis's limits)."""
     table = launch.table()
+    n = len(table["sm"])
+    y, height, shade = np.zeros(n), np.zeros(n), np.zeros(n, dtype=bool)
     for sm in np.unique(table["sm"]):
         index = np.flatnonzero(table["sm"] == sm)
-        index = index[np.argsort(table["start"][index])]
+        index = index[np.argsort(table["start"][index], kind="stable")]
         # Lanes by the MMA warps' interval (a tile's loads may run under the previous tile):
         # each tile takes the first lane free at its start.
         lane_ends: List[int] = []
@@ -278,18 +284,23 @@ def _draw(ax, launch: LaunchTrace) -> None:
                 lane = len(lane_ends) - 1
             lane_ends[lane] = table["end"][t]
             lanes.append(lane)
-        height = 0.9 / max(len(lane_ends), 1)
-        for i, (t, lane) in enumerate(zip(index, lanes)):
-            y = sm - 0.45 + lane * height
-            colors = PHASE_COLORS_ALT if i % 2 else PHASE_COLORS
-            for name, a, b in PHASES:
-                start, stop = table[a][t], table[b][t]
-                if stop <= start:
-                    continue
-                # The loads as a thin strip along the lane's top edge, under what runs there.
-                h = height * (0.25 if name == "load" else 0.95)
-                ax.broken_barh(
-                    [(start / 1e3, (stop - start) / 1e3)], (y, h), facecolors=colors[name]
-                )
+        lane_height = 0.9 / max(len(lane_ends), 1)
+        y[index] = sm - 0.45 + np.asarray(lanes) * lane_height
+        height[index] = lane_height
+        shade[index] = np.arange(len(index)) % 2 == 1
+    # One collection of rectangles per phase and shade (a trace may hold tens of thousands of
+    # tiles; an artist per bar would take minutes).
+    from matplotlib.collections import PolyCollection
+
+    for name, a, b in (*PHASES[1:], PHASES[0]):  # the loads last: over the previous tile
+        x0, x1 = table[a] / 1e3, table[b] / 1e3
+        # The loads as a thin strip along the lane's top edge, over what runs there.
+        y1 = y + height * (0.25 if name == "load" else 0.95)
+        for alt, colors in ((False, PHASE_COLORS), (True, PHASE_COLORS_ALT)):
+            keep = (x1 > x0) & (shade == alt)
+            if keep.any():
+                corners = [(x0, y), (x1, y), (x1, y1), (x0, y1)]
+                verts = np.stack([np.stack([cx[keep], cy[keep]], -1) for cx, cy in corners], 1)
+                ax.add_collection(PolyCollection(verts, facecolors=colors[name], linewidths=0))
     ax.set_ylim(-1, launch.num_sms)
     ax.invert_yaxis()
