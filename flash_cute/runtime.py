@@ -271,6 +271,21 @@ class TracedLaunch:
 # The latest traced launches, oldest first (flash_cute.trace.record takes those of its block).
 TRACED_LAUNCHES: deque = deque(maxlen=64)
 
+
+def traced_records(label: str, config, slots: int, device) -> torch.Tensor:
+    """Zeroed (slots, RECORD_WORDS) int64 records for one traced launch, listed in
+    TRACED_LAUNCHES (read once the launch has run); a traced launch under CUDA-graph capture
+    raises, since nothing would read its records after a replay."""
+    if stream_capturing():
+        raise RuntimeError(
+            "a traced call (AttentionConfig.trace, flash_cute.trace.record) cannot be captured "
+            "in a CUDA graph: its records are read after the call; trace an eager call"
+        )
+    records = torch.zeros(slots, RECORD_WORDS, dtype=torch.int64, device=device)
+    TRACED_LAUNCHES.append(TracedLaunch(label, config, records))
+    return records
+
+
 FUNC_PLANS = PlanCache()
 KVCACHE_PLANS = PlanCache()
 VARLEN_PLANS = PlanCache()
@@ -456,21 +471,13 @@ class LaunchPlan:
                     self.buffers = (raw, BUFFERS.version, (partials, counters))
         records = None
         if self.trace is not None:
-            if stream_capturing():
-                raise RuntimeError(
-                    "a traced call (AttentionConfig.trace, flash_cute.trace.record) cannot be "
-                    "captured in a CUDA graph: its records are read after the call; trace an "
-                    "eager call"
-                )
-            records = torch.zeros(self.trace[0], RECORD_WORDS, dtype=torch.int64, device=q.device)
+            slots, variant = self.trace
+            records = traced_records(variant.describe(), variant.config, slots, q.device)
         self.kernel(
             q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, learnable_sink,
             seqused_q, kv_batch_idx, leftpad_k, qv, kv_length, partials, counters, self.scale_log2,
             self.max_ctas, self.num_splits, records,
         )  # fmt: skip
-        if records is not None:
-            variant = self.trace[1]
-            TRACED_LAUNCHES.append(TracedLaunch(variant.describe(), variant.config, records))
         if self.merge is not None:
             run_combine(self.merge, self.trace is not None, *merge_views, *combine_views(out, lse))
         return out if lse is None else (out, lse)
@@ -507,10 +514,8 @@ def run_combine(kernel, traced: bool, out_partial, lse_partial, out, lse) -> Non
         return
     batch, seqlen, nheads, head_dim = out.shape
     gx, gy, _ = FlashAttentionCombine.grid(batch, seqlen, nheads, head_dim)
-    records = torch.zeros(gx * gy, RECORD_WORDS, dtype=torch.int64, device=out.device)
-    kernel(out_partial, lse_partial, out, lse, records)
     label = f"combine d{head_dim} {checks.ALL_DTYPE_NAMES[out.dtype]} splits {len(out_partial)}"
-    TRACED_LAUNCHES.append(TracedLaunch(label, None, records))
+    kernel(out_partial, lse_partial, out, lse, traced_records(label, None, gx * gy, out.device))
 
 
 def combine(out_partial, lse_partial, out, lse) -> None:

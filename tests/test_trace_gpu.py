@@ -25,12 +25,18 @@ def traced(call):
     return plain, again, rec.launches
 
 
+def tile_coords(launch):
+    """Each record's (m_block, head, batch, split)."""
+    table = launch.table()
+    return list(zip(*(table[c].tolist() for c in ("m_block", "head", "batch", "split"))))
+
+
 def check_tiles(launch, expected, is_empty=lambda tile: False):
     """Every tile of `expected` recorded exactly once; any other record is of a tile with no
     rows (is_empty: a varlen tile space holds spare tiles past its sequences' ends, which may
     share coordinates)."""
     table = launch.table()
-    seen = Counter(zip(*(table[c].tolist() for c in ("m_block", "head", "batch", "split"))))
+    seen = Counter(tile_coords(launch))
     assert {tile: seen[tile] for tile in expected} == {tile: 1 for tile in expected}, launch.label
     assert all(is_empty(tile) for tile in set(seen) - set(expected)), launch.label
     assert (table["start"] <= table["kv_ready"]).all()
@@ -127,8 +133,7 @@ def test_combine_every_block_once():
     gx, gy, _ = FlashAttentionCombine.grid(batch, seqlen, heads, d)
     expected = [(x, 0, y, 0) for x in range(gx) for y in range(gy)]
     table = launch.table()
-    seen = list(zip(*(table[c].tolist() for c in ("m_block", "head", "batch", "split"))))
-    assert sorted(seen) == sorted(expected)
+    assert sorted(tile_coords(launch)) == sorted(expected)
     assert (table["start"] <= table["end"]).all()
 
 
