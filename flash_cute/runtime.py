@@ -19,6 +19,7 @@ may be reused, call empty_cache().
 from __future__ import annotations
 
 import math
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
@@ -185,10 +186,10 @@ class StreamBuffers:
 
     def zeroed_counters(self, device, count: int, stream: Optional[tuple]) -> torch.Tensor:
         """At least `count` zeroed int32 counters for a launch on `stream` (stream_key; None
-        during a capture, which gets a fresh buffer zeroed by a captured fill, so graphs
-        replayed on different streams never share counters). Grown when a launch needs more."""
+        during a capture, which takes counters of its own from GRAPH_COUNTERS, so graphs
+        replayed on different streams never share them). Grown when a launch needs more."""
         if stream is None:
-            return torch.zeros(count, dtype=torch.int32, device=device)
+            return GRAPH_COUNTERS.take(device, count)
         counters = self.counters.get(stream)
         if counters is None or counters.numel() < count:
             size = _grown_size(counters, count)
@@ -238,6 +239,58 @@ class StreamBuffers:
 
 
 BUFFERS = StreamBuffers()
+
+
+class GraphCounters:
+    """Zeroed int32 counters for launches captured in CUDA graphs, without a zeroing kernel
+    in the graph: each captured launch takes a slice of its own from a per-device pool that
+    was zeroed before the capture, and the kernel leaves its counters zero, so every replay
+    finds them zero. Slices are never handed out twice nor freed (a graph may be replayed at
+    any time); a pool is refilled by eager launches (`refill`, when `low`), since memory
+    cannot be zeroed during a capture without capturing the zeroing. A capture that finds too
+    little takes counters zeroed by a captured fill (one more kernel per replay) and warns."""
+
+    CHUNK = 1 << 20  # counters per refill (4 MB): some hundred captured split launches
+
+    def __init__(self):
+        self.pools: dict = {}  # device index: [int32 tensor, next free offset]
+        self.retired: list = []  # replaced pools: captured graphs still hold their slices
+        self.low = True  # some device's pool may be missing or short: eager launches refill
+        self.warned = False
+
+    def take(self, device, count: int) -> torch.Tensor:
+        pool = self.pools.get(device.index)
+        if pool is not None and pool[0].numel() - pool[1] >= count:
+            start = pool[1]
+            pool[1] += count
+            if pool[0].numel() - pool[1] < self.CHUNK // 2:
+                self.low = True
+            return pool[0][start : start + count]
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                "flash_cute: a launch captured in a CUDA graph zeroes its counters with a "
+                "captured fill (one more kernel per replay): make one eager call on this "
+                "device before capturing to set aside pre-zeroed counters for captures",
+                stacklevel=4,
+            )
+        self.low = True
+        return torch.zeros(count, dtype=torch.int32, device=device)
+
+    def refill(self, device) -> None:
+        """Outside captures: give `device` a pool with at least CHUNK / 2 free counters."""
+        pool = self.pools.get(device.index)
+        if pool is None or pool[0].numel() - pool[1] < self.CHUNK // 2:
+            fresh = torch.zeros(self.CHUNK, dtype=torch.int32, device=device)
+            if fresh.is_cuda:  # zero before any replay, on whichever stream it runs
+                torch.cuda.current_stream(device).synchronize()
+            if pool is not None:
+                self.retired.append(pool[0])
+            self.pools[device.index] = [fresh, 0]
+        self.low = any(t.numel() - used < self.CHUNK // 2 for t, used in self.pools.values())
+
+
+GRAPH_COUNTERS = GraphCounters()
 
 
 # ----------------------------------------------------------------------------------------
@@ -451,6 +504,8 @@ class LaunchPlan:
             # raw stream, the plan's device being fixed.
             raw = current_raw_stream(self.device_index)
             capturing = raw and stream_capturing()  # (the legacy default stream 0 cannot be)
+            if GRAPH_COUNTERS.low and self.num_counters and not capturing:
+                GRAPH_COUNTERS.refill(self.device)
             memo = self.buffers
             if not capturing and memo is not None and memo[0] == raw and memo[1] == BUFFERS.version:
                 partials, counters = memo[2]

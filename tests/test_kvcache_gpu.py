@@ -5,6 +5,7 @@ outputs poisoned (NaN) before each call.
 """
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -598,6 +599,56 @@ def test_decode_graph_replay_with_new_lengths_and_pages():
         assert_close_to_reference(
             [graph_out[b : b + 1] for b in range(batch)], None, refs, lowps, None
         )
+
+
+def test_split_decode_graph_replays_one_kernel():
+    """A captured split decode step (merged in the kernel) replays as one kernel: its arrival
+    counters come pre-zeroed (runtime.GRAPH_COUNTERS), no zeroing kernel is captured, and the
+    kernel leaves them zero, so replays with new lengths stay right."""
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    batch, nheads, nheads_kv, d, capacity = 2, 32, 8, 128, 4096
+    q = torch.randn(batch, 1, nheads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    shape = (batch, capacity, nheads_kv, d)
+    k_cache, v_cache = (
+        torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2)
+    )
+    lengths = torch.full((batch,), capacity, device="cuda", dtype=torch.int32)
+
+    def step():
+        return flash_cute.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=lengths, causal=True, num_splits=6
+        )
+
+    step()  # compiles, and sets aside pre-zeroed counters for captures
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to a captured zero fill
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            graph_out = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(4):
+        lengths.copy_(torch.randint(1, capacity + 1, (batch,), device="cuda", generator=gen))
+        q.copy_(torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen))
+        graph_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        n = lengths.tolist()
+        refs, lowps, _ = reference_per_sequence(
+            [q[b : b + 1] for b in range(batch)],
+            [k_cache[b : b + 1, : n[b]] for b in range(batch)],
+            [v_cache[b : b + 1, : n[b]] for b in range(batch)],
+            True,
+        )
+        assert_close_to_reference(
+            [graph_out[b : b + 1] for b in range(batch)], None, refs, lowps, None
+        )
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, kernels
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

@@ -82,6 +82,38 @@ def test_zeroed_counters_grow_and_stay_zeroed(streams):
     assert BUFFERS.zeroed_counters(CPU, 2, stream()) is not c40, "a capture gets its own"
 
 
+@pytest.fixture
+def graph_counters(monkeypatch):
+    """An empty pool of pre-zeroed graph counters, small chunks."""
+    pool = runtime.GraphCounters()
+    pool.CHUNK = 64
+    monkeypatch.setattr(runtime, "GRAPH_COUNTERS", pool)
+    return pool
+
+
+def test_captures_take_disjoint_prezeroed_counters(streams, graph_counters):
+    graph_counters.refill(CPU)
+    assert not graph_counters.low
+    streams["capturing"] = True
+    a = BUFFERS.zeroed_counters(CPU, 10, stream())
+    b = BUFFERS.zeroed_counters(CPU, 30, stream())
+    assert not a.any() and not b.any() and a.numel() == 10 and b.numel() == 30
+    pool = graph_counters.pools[CPU.index][0]
+    assert a.data_ptr() == pool.data_ptr() and b.data_ptr() == a.data_ptr() + 4 * 10
+    assert graph_counters.low, "under half a chunk left: the next eager launch refills"
+    streams["capturing"] = False
+    graph_counters.refill(CPU)
+    assert graph_counters.pools[CPU.index][0] is not pool and graph_counters.retired == [pool]
+    assert not graph_counters.low
+
+
+def test_capture_without_a_pool_warns_and_zeroes_its_own(streams, graph_counters):
+    streams["capturing"] = True
+    with pytest.warns(UserWarning, match="one eager call on this device before capturing"):
+        c = BUFFERS.zeroed_counters(CPU, 100, stream())
+    assert c.numel() == 100 and not c.any() and graph_counters.low
+
+
 def test_empty_cache_drops_everything(streams):
     BUFFERS.split_scratch(CPU, layout(2), stream())
     BUFFERS.zeroed_counters(CPU, 2, stream())
