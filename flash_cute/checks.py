@@ -14,6 +14,8 @@ import torch
 from .plan import MAX_SPLITS
 
 TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# K/V cache dtypes other than q's: an FP8 cache, converted to q's dtype in the kernel.
+FP8_KV_DTYPES = {torch.float8_e4m3fn: "float8_e4m3fn"}
 TMA_ALIGN_BYTES = 16
 MAX_GRID_YZ = 65535
 
@@ -24,13 +26,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return TORCH_DTYPES[dtype]
 
 
-def check_tensor(name: str, t, ndim: int, layout: str) -> None:
+def check_tensor(name: str, t, ndim: int, layout: str, fp8: bool = False) -> None:
+    """A tensor of ndim dims with a contiguous last dim, float16 or bfloat16 (or with fp8 also
+    float8_e4m3fn: a K/V cache)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {tuple(t.shape)}")
-    if t.dtype not in TORCH_DTYPES:
-        raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+    if t.dtype not in TORCH_DTYPES and not (fp8 and t.dtype in FP8_KV_DTYPES):
+        allowed = "float16, bfloat16 or float8_e4m3fn" if fp8 else "float16 or bfloat16"
+        raise TypeError(f"{name} must be {allowed}, got {t.dtype}")
     if t.stride(-1) != 1 and t.shape[-1] > 1:
         raise ValueError(
             f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}"
@@ -42,6 +47,42 @@ def check_same_dtype(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tenso
         raise TypeError(
             f"{name} must have the same dtype as {ref_name} ({ref.dtype}), got {t.dtype}"
         )
+
+
+def kv_cache_dtype(q, k_name: str, k, v_name: str, v) -> Optional[str]:
+    """K and V in q's dtype (None), or both float8_e4m3fn with q 16-bit: "float8_e4m3fn"."""
+    if k.dtype in FP8_KV_DTYPES or v.dtype in FP8_KV_DTYPES:
+        if k.dtype != v.dtype:
+            raise TypeError(
+                f"{k_name} and {v_name} must both be float8_e4m3fn (an FP8 cache) or both "
+                f"q's dtype, got {k.dtype} and {v.dtype}"
+            )
+        return FP8_KV_DTYPES[k.dtype]
+    check_same_dtype(k_name, k, "q", q)
+    check_same_dtype(v_name, v, "q", q)
+    return None
+
+
+def check_descales(k_descale, v_descale, kv_dtype: Optional[str], batch: int, nheads_kv: int):
+    """FP8 caches' dequantization scales: (batch, nheads_kv) float32 tensors (stride 0
+    allowed: an expanded scalar), or None for 1; only with an FP8 cache."""
+    for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is None:
+            continue
+        if kv_dtype is None:
+            raise ValueError(
+                f"{name} dequantizes an FP8 (float8_e4m3fn) K/V cache; this call's cache is "
+                "16-bit: pass None"
+            )
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {t.dtype}")
+        if tuple(t.shape) != (batch, nheads_kv):
+            raise ValueError(
+                f"{name} must have shape (batch, nheads_kv) = {(batch, nheads_kv)} (an expanded "
+                f"scalar is fine), got {tuple(t.shape)}"
+            )
 
 
 def check_same_shape(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:

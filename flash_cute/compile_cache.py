@@ -37,8 +37,7 @@ from .plan import ForwardVariant
 TARGET_ARCH = "sm_90a"
 
 # Host-side contract the fake tensors declare (checked by flash_cute.checks before a call):
-# 16-byte aligned base pointers and strides (in elements) divisible by this for 16-bit types.
-STRIDE_DIVISIBILITY_16BIT = 8
+# 16-byte aligned base pointers and strides of a 16-byte multiple.
 
 
 _cache: Dict[object, Callable] = {}
@@ -68,9 +67,12 @@ import cutlass.cute  # noqa: E402,F401
 
 
 def _cutlass_dtype(name: str):
-    return {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}[
-        name
-    ]
+    return {
+        "float16": cutlass.Float16,
+        "bfloat16": cutlass.BFloat16,
+        "float32": cutlass.Float32,
+        "float8_e4m3fn": cutlass.Float8E4M3FN,
+    }[name]
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,8 @@ OPTIONAL_TENSORS = (
     "kv_batch_idx",
     "leftpad_k",
     "qv",
+    "k_descale",
+    "v_descale",
 )
 
 
@@ -124,13 +128,15 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
     from flash_cute.kernels.trace_records import RECORD_WORDS
 
     dtype = _cutlass_dtype(variant.dtype)
+    kv_dtype = dtype if variant.kv_dtype is None else _cutlass_dtype(variant.kv_dtype)
     sym = cute.sym_int
     batch, seqlen_q, nheads, seqlen_k, nheads_kv = (sym() for _ in range(5))
     d, dv = variant.head_dim, variant.head_dim_v
     d_qk = d - dv if variant.qv else d  # q's and k's own columns (qv: the rope part)
 
     def tensor(dtype_, shape, align=16):
-        div = STRIDE_DIVISIBILITY_16BIT if align == 16 else 1
+        # 16-byte aligned rows: strides divisible by 16 bytes' worth of elements.
+        div = 128 // dtype_.width if align == 16 else 1
         strides = tuple(cute.sym_int64(divisibility=div) for _ in shape[:-1])
         return cute.runtime.make_fake_tensor(
             dtype_, shape, stride=(*strides, 1), assumed_align=align
@@ -148,8 +154,8 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
     gmem = cute.AddressSpace.gmem
     return {
         "q": tensor(dtype, (*q_rows, nheads, d_qk)),
-        "k": tensor(dtype, (*kv_rows, d_qk)),
-        "v": tensor(dtype, (*kv_rows, dv)),
+        "k": tensor(kv_dtype, (*kv_rows, d_qk)),
+        "v": tensor(kv_dtype, (*kv_rows, dv)),
         "out": tensor(dtype, (*q_rows, nheads, dv)),
         "lse": tensor(cutlass.Float32, lse_shape, align=4) if variant.writes_lse else None,
         "cu_seqlens_q": int32_tensor(1) if variant.varlen_q else None,
@@ -166,6 +172,18 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
         "kv_batch_idx": int32_tensor(1) if variant.kv_batch_idx else None,
         "leftpad_k": int32_tensor(1) if variant.leftpad_k else None,
         "qv": tensor(dtype, (*q_rows, nheads, dv)) if variant.qv else None,
+        # FP8 K/V: (batch, nheads_kv) fp32 descales, any strides (0: one value broadcast).
+        **{
+            name: cute.runtime.make_fake_tensor(
+                cutlass.Float32,
+                (sym(), sym()),
+                stride=(cute.sym_int64(), cute.sym_int64()),
+                assumed_align=4,
+            )
+            if variant.kv_dtype is not None
+            else None
+            for name in ("k_descale", "v_descale")
+        },
         "kv_length": cutlass.Int32(0),
         # Split scratch (partial O, then partial LSE) and the zeroed int32 counters (the
         # dynamic scheduler's, or a split launch's arrivals): addresses, which TVM-FFI

@@ -635,6 +635,23 @@ def decode_config(
         ) from None
 
 
+def fp8_kv_config(config: AttentionConfig) -> AttentionConfig:
+    """The form of a table row that reads an FP8 K/V cache: one MMA warpgroup (64 rows) that
+    converts each key block to 16 bits before its GEMMs (kernels/kv_dequant.py), so no
+    overlap of one block's softmax with the next block's GEMM and no ping-pong. Its shared
+    memory fits within the row's (a 16-bit ring's stages hold more than FP8 stages plus one
+    converted block each, from two stages on)."""
+    return config.replace(
+        tile_m=64,
+        intra_wg_overlap=False,
+        pingpong=False,
+        rescale_o_before_pv=False,
+        o_split=1,
+        split_scores=False,
+        pv_from_registers=True,
+    )
+
+
 def default_config(
     head_dim: int,
     dtype: str,

@@ -213,6 +213,8 @@ def flash_attn_varlen_func(
     cache_batch_idx: Optional[torch.Tensor] = None,
     cache_leftpad: Optional[torch.Tensor] = None,
     qv: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
 ):
     """Attention over a batch of variable-length sequences packed along one token dimension.
 
@@ -238,6 +240,8 @@ def flash_attn_varlen_func(
             flash_attn_with_kvcache (sequence b reads cache row or page-table row
             cache_batch_idx[b]; its keys start at slot cache_leftpad[b]).
         qv: (total_q, nheads, headdim_v), as in flash_attn_func.
+        k_descale, v_descale: with float8_e4m3fn k and v (an FP8 cache), (batch, nheads_kv)
+            float32 scales, as in flash_attn_with_kvcache.
         page_table: (batch, max_pages_per_seq) int32 page indices.
         num_splits: 1 (default) no split-KV; n forces n; 0 picks with the heuristic.
         pack_gqa: fold the q heads of a kv head into one tile (as in flash_attn_with_kvcache).
@@ -260,7 +264,7 @@ def flash_attn_varlen_func(
             q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k,
             page_table, softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out,
             config, window_size, attention_chunk, softcap, learnable_sink, seqused_q,
-            cache_batch_idx, cache_leftpad, qv,
+            cache_batch_idx, cache_leftpad, qv, k_descale, v_descale,
         )  # fmt: skip
     try:  # a call like an earlier one replays its launch plan (runtime.LaunchPlan); hot
         # As in flash_attn_func: the compiled function checks the rest of the arguments (the
@@ -282,6 +286,10 @@ def flash_attn_varlen_func(
             None if cache_batch_idx is None else (cache_batch_idx.shape, cache_batch_idx.dtype),
             None if cache_leftpad is None else (cache_leftpad.shape, cache_leftpad.dtype),
             None if qv is None else (qv.shape, qv.dtype),
+            k.dtype,
+            v.dtype,
+            None if k_descale is None else (k_descale.shape, k_descale.dtype),
+            None if v_descale is None else (v_descale.shape, v_descale.dtype),
             max_seqlen_q,
             max_seqlen_k,
             softmax_scale,
@@ -313,7 +321,7 @@ def flash_attn_varlen_func(
         try:
             return plan.launch(
                 q, k, v, out, seqused_k, page_table, cu_seqlens_q, cu_seqlens_k, 0, learnable_sink,
-                seqused_q, cache_batch_idx, cache_leftpad, qv,
+                seqused_q, cache_batch_idx, cache_leftpad, qv, k_descale, v_descale,
             )  # fmt: skip
         except Exception:  # an argument the compiled function refused: the checks below name it
             pass
@@ -332,16 +340,16 @@ def flash_attn_varlen_func(
     else:
         kv_layout, kv_doc = "padded", "(batch, seqlen_k, nheads_kv, headdim)"
     kv_ndim = 3 if kv_layout == "packed" else 4
-    checks.check_tensor("k", k, kv_ndim, kv_doc)
-    checks.check_tensor("v", v, kv_ndim, kv_doc)
-    checks.check_same_dtype("k", k, "q", q)
-    checks.check_same_dtype("v", v, "q", q)
+    checks.check_tensor("k", k, kv_ndim, kv_doc, fp8=True)
+    checks.check_tensor("v", v, kv_ndim, kv_doc, fp8=True)
+    kv_dtype = checks.kv_cache_dtype(q, "k", k, "v", v)
     checks.check_v_shape("v", v, "k", k)
-    _check_qv(qv, q, v)
+    _check_qv(qv, q, v, kv_dtype)
     total_q, nheads, head_dim = q.shape
     if k.shape[-1] != head_dim:
         raise ValueError(f"k must have headdim {head_dim} (that of q), got shape {tuple(k.shape)}")
     batch = checks.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None)
+    checks.check_descales(k_descale, v_descale, kv_dtype, batch, k.shape[-2])
     max_seqlen_q = checks.check_host_int("max_seqlen_q", max_seqlen_q)
     if cu_seqlens_k is not None:
         checks.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch)
@@ -384,6 +392,7 @@ def flash_attn_varlen_func(
         seqused_q=seqused_q is not None,
         kv_batch_idx=cache_batch_idx is not None,
         leftpad_k=cache_leftpad is not None,
+        kv_dtype=kv_dtype,
         **_mask_options(window_size, attention_chunk, softcap, learnable_sink, nheads),
     )
     return _forward(
@@ -411,6 +420,8 @@ def flash_attn_varlen_func(
             ("cache_batch_idx", cache_batch_idx),
             ("cache_leftpad", cache_leftpad),
             ("qv", qv),
+            ("k_descale", k_descale),
+            ("v_descale", v_descale),
         ),
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
@@ -421,6 +432,8 @@ def flash_attn_varlen_func(
         kv_batch_idx=cache_batch_idx,
         leftpad_k=cache_leftpad,
         qv=qv,
+        k_descale=k_descale,
+        v_descale=v_descale,
     )
 
 
@@ -444,6 +457,8 @@ def flash_attn_with_kvcache(
     cache_batch_idx: Optional[torch.Tensor] = None,
     cache_leftpad: Optional[torch.Tensor] = None,
     qv: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
 ):
     """Attention of new queries over a KV cache (decoding, and prefill against a cache).
 
@@ -475,6 +490,10 @@ def flash_attn_with_kvcache(
             cache_seqlens[b] - 1 (of its cache row, or of its pages in table order).
         qv: (batch, seqlen_q, nheads, headdim_v), as in flash_attn_func: absorbed MLA decode
             with k_cache the rope part and v_cache the latent.
+        k_descale, v_descale: with an FP8 cache (k_cache and v_cache float8_e4m3fn, q 16-bit),
+            (batch, nheads_kv) float32 dequantization scales (stride 0 allowed; None: 1): the
+            keys are k_cache * k_descale[b, h], the values v_cache * v_descale[b, h]. The
+            kernel converts each block to q's dtype exactly and does the math in 16 bits.
         Other arguments as in flash_attn_func.
 
     Returns:
@@ -489,7 +508,7 @@ def flash_attn_with_kvcache(
         return ops.traced_kvcache(
             q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, causal, num_splits,
             pack_gqa, return_softmax_lse, out, config, window_size, attention_chunk, softcap,
-            learnable_sink, cache_batch_idx, cache_leftpad, qv,
+            learnable_sink, cache_batch_idx, cache_leftpad, qv, k_descale, v_descale,
         )  # fmt: skip
     try:  # a call like an earlier one replays its launch plan (runtime.LaunchPlan); hot
         if isinstance(cache_seqlens, torch.Tensor):
@@ -507,6 +526,10 @@ def flash_attn_with_kvcache(
             q.dtype,
             q.get_device(),
             k_cache.shape,
+            k_cache.dtype,
+            v_cache.dtype,
+            None if k_descale is None else (k_descale.shape, k_descale.dtype),
+            None if v_descale is None else (v_descale.shape, v_descale.dtype),
             seqlens_meta,
             None if page_table is None else (page_table.shape, page_table.dtype),
             None if cache_batch_idx is None else (cache_batch_idx.shape, cache_batch_idx.dtype),
@@ -545,12 +568,14 @@ def flash_attn_with_kvcache(
             if plan.int_capacity is None:
                 return plan.launch(
                     q, k_cache, v_cache, out, cache_seqlens, page_table, None, None, 0,
-                    learnable_sink, None, cache_batch_idx, cache_leftpad, qv,
+                    learnable_sink, None, cache_batch_idx, cache_leftpad, qv, k_descale,
+                    v_descale,
                 )  # fmt: skip
             if 0 <= cache_seqlens <= plan.int_capacity:  # otherwise the checks below raise
                 return plan.launch(
                     q, k_cache, v_cache, out, None, page_table, None, None, cache_seqlens,
-                    learnable_sink, None, cache_batch_idx, cache_leftpad, qv,
+                    learnable_sink, None, cache_batch_idx, cache_leftpad, qv, k_descale,
+                    v_descale,
                 )  # fmt: skip
         except Exception:  # an argument the compiled function refused: the checks below name it
             pass
@@ -560,13 +585,13 @@ def flash_attn_with_kvcache(
         kv_doc = "(num_pages, page_size, nheads_kv, headdim)"
     else:
         kv_doc = "(batch, seqlen_cache, nheads_kv, headdim)"
-    checks.check_tensor("k_cache", k_cache, 4, kv_doc)
-    checks.check_tensor("v_cache", v_cache, 4, kv_doc)
-    checks.check_same_dtype("k_cache", k_cache, "q", q)
-    checks.check_same_dtype("v_cache", v_cache, "q", q)
+    checks.check_tensor("k_cache", k_cache, 4, kv_doc, fp8=True)
+    checks.check_tensor("v_cache", v_cache, 4, kv_doc, fp8=True)
+    kv_dtype = checks.kv_cache_dtype(q, "k_cache", k_cache, "v_cache", v_cache)
     checks.check_v_shape("v_cache", v_cache, "k_cache", k_cache)
-    _check_qv(qv, q, v_cache)
+    _check_qv(qv, q, v_cache, kv_dtype)
     batch, seqlen_q, nheads, head_dim = q.shape
+    checks.check_descales(k_descale, v_descale, kv_dtype, batch, k_cache.shape[2])
     if k_cache.shape[3] != head_dim:
         raise ValueError(
             f"k_cache must have headdim {head_dim} (that of q), got shape {tuple(k_cache.shape)}"
@@ -609,6 +634,7 @@ def flash_attn_with_kvcache(
         scalar_kv_length=int_length is not None,
         kv_batch_idx=cache_batch_idx is not None,
         leftpad_k=cache_leftpad is not None,
+        kv_dtype=kv_dtype,
         **_mask_options(window_size, attention_chunk, softcap, learnable_sink, nheads),
     )
     return _forward(
@@ -633,6 +659,8 @@ def flash_attn_with_kvcache(
             ("cache_batch_idx", cache_batch_idx),
             ("cache_leftpad", cache_leftpad),
             ("qv", qv),
+            ("k_descale", k_descale),
+            ("v_descale", v_descale),
         ),
         seqused_k=seqused_k,
         page_table=page_table,
@@ -642,6 +670,8 @@ def flash_attn_with_kvcache(
         kv_batch_idx=cache_batch_idx,
         leftpad_k=cache_leftpad,
         qv=qv,
+        k_descale=k_descale,
+        v_descale=v_descale,
     )
 
 
@@ -722,6 +752,8 @@ def _forward(
     kv_batch_idx=None,
     leftpad_k=None,
     qv=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """The forward path every entry point shares once its own arguments are checked and its
     call is described by `problem`: the common checks, the plan step, a launch plan (kept in
@@ -766,7 +798,7 @@ def _forward(
         result = launch.launch(
             q_k, k_k, v_k, out_k, seqused_k, page_table, cu_seqlens_q, cu_seqlens_k,
             0 if kv_length is None else kv_length, learnable_sink, seqused_q, kv_batch_idx,
-            leftpad_k, qv_k,
+            leftpad_k, qv_k, k_descale, v_descale,
         )  # fmt: skip
     out_k, lse = result if problem.writes_lse else (result, None)
     if out_k.data_ptr() != out.data_ptr():
@@ -790,11 +822,15 @@ def _mask_options(window_size, attention_chunk, softcap, learnable_sink, nheads)
     )
 
 
-def _check_qv(qv, q: torch.Tensor, v: torch.Tensor) -> None:
+def _check_qv(qv, q: torch.Tensor, v: torch.Tensor, kv_dtype: Optional[str] = None) -> None:
     """qv (FlashAttention-3's absorbed MLA): like q with v's head dim, q's dtype; served with
-    the wide heads."""
+    the wide heads, on a 16-bit cache."""
     if qv is None:
         return
+    if kv_dtype is not None:
+        raise NotImplementedError(
+            f"qv (absorbed MLA) reads a 16-bit latent cache; got a {kv_dtype} cache"
+        )
     checks.check_tensor("qv", qv, q.dim(), "q's shape with v's head dim")
     checks.check_same_dtype("qv", qv, "q", q)
     if q.shape[-1] + v.shape[-1] not in configs.WIDE_HEAD_DIMS:
@@ -869,12 +905,12 @@ def _func_op(q, k, v, out, softmax_scale, causal, return_lse, config, window_siz
 def _varlen_op(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k,
                page_table, softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out,
                config, window_size, attention_chunk, softcap, learnable_sink, seqused_q,
-               cache_batch_idx, cache_leftpad, qv):  # fmt: skip
+               cache_batch_idx, cache_leftpad, qv, k_descale, v_descale):  # fmt: skip
     result = flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k, page_table,
         softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out,
         ops.config_from_str(config), tuple(window_size), attention_chunk, softcap,
-        learnable_sink, seqused_q, cache_batch_idx, cache_leftpad, qv,
+        learnable_sink, seqused_q, cache_batch_idx, cache_leftpad, qv, k_descale, v_descale,
     )  # fmt: skip
     return ops.lse_or_empty(result, return_softmax_lse, q)
 
@@ -882,12 +918,13 @@ def _varlen_op(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max
 def _kvcache_op(q, k_cache, v_cache, cache_seqlens, cache_seqlens_int, page_table,
                 softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out, config,
                 window_size, attention_chunk, softcap, learnable_sink, cache_batch_idx,
-                cache_leftpad, qv):  # fmt: skip
+                cache_leftpad, qv, k_descale, v_descale):  # fmt: skip
     lengths = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
     result = flash_attn_with_kvcache(
         q, k_cache, v_cache, lengths, page_table, softmax_scale, causal, num_splits, pack_gqa,
         return_softmax_lse, out, ops.config_from_str(config), tuple(window_size),
-        attention_chunk, softcap, learnable_sink, cache_batch_idx, cache_leftpad, qv,
+        attention_chunk, softcap, learnable_sink, cache_batch_idx, cache_leftpad, qv, k_descale,
+        v_descale,
     )  # fmt: skip
     return ops.lse_or_empty(result, return_softmax_lse, q)
 

@@ -120,6 +120,8 @@ def flash_attn_varlen_func_op(
     cache_batch_idx: Optional[torch.Tensor],
     cache_leftpad: Optional[torch.Tensor],
     qv: Optional[torch.Tensor],
+    k_descale: Optional[torch.Tensor],
+    v_descale: Optional[torch.Tensor],
 ) -> torch.Tensor:
     _no_kernel(q)
 
@@ -128,7 +130,7 @@ def flash_attn_varlen_func_op(
 def _(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k, page_table,
       softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out, config, window_size,
       attention_chunk, softcap, learnable_sink, seqused_q, cache_batch_idx, cache_leftpad,
-      qv):  # fmt: skip
+      qv, k_descale, v_descale):  # fmt: skip
     total_q, nheads, _ = q.shape
     return _fake_lse(q, (nheads, total_q), return_softmax_lse)
 
@@ -160,6 +162,8 @@ def flash_attn_with_kvcache_op(
     cache_batch_idx: Optional[torch.Tensor],
     cache_leftpad: Optional[torch.Tensor],
     qv: Optional[torch.Tensor],
+    k_descale: Optional[torch.Tensor],
+    v_descale: Optional[torch.Tensor],
 ) -> torch.Tensor:
     _no_kernel(q)
 
@@ -167,7 +171,8 @@ def flash_attn_with_kvcache_op(
 @flash_attn_with_kvcache_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, cache_seqlens_int, page_table, softmax_scale, causal,
       num_splits, pack_gqa, return_softmax_lse, out, config, window_size, attention_chunk,
-      softcap, learnable_sink, cache_batch_idx, cache_leftpad, qv):  # fmt: skip
+      softcap, learnable_sink, cache_batch_idx, cache_leftpad, qv, k_descale,
+      v_descale):  # fmt: skip
     batch, seqlen_q, nheads, _ = q.shape
     return _fake_lse(q, (batch, nheads, seqlen_q), return_softmax_lse)
 
@@ -212,14 +217,15 @@ def traced_func(q, k, v, softmax_scale, causal, return_lse, out, config, window_
 def traced_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k,
                   page_table, softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse,
                   out, config, window_size, attention_chunk, softcap, learnable_sink,
-                  seqused_q, cache_batch_idx, cache_leftpad, qv=None):  # fmt: skip
+                  seqused_q, cache_batch_idx, cache_leftpad, qv=None, k_descale=None,
+                  v_descale=None):  # fmt: skip
     if out is None:
         out = new_out(q, v)
     lse = flash_attn_varlen_func_op(
         q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k, page_table,
         softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out,
         config_to_str(config), list(window_size), attention_chunk, softcap, learnable_sink,
-        seqused_q, cache_batch_idx, cache_leftpad, qv,
+        seqused_q, cache_batch_idx, cache_leftpad, qv, k_descale, v_descale,
     )  # fmt: skip
     return _result(out, lse, return_softmax_lse)
 
@@ -227,7 +233,7 @@ def traced_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, 
 def traced_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, causal,
                    num_splits, pack_gqa, return_softmax_lse, out, config, window_size,
                    attention_chunk, softcap, learnable_sink, cache_batch_idx,
-                   cache_leftpad, qv=None):  # fmt: skip
+                   cache_leftpad, qv=None, k_descale=None, v_descale=None):  # fmt: skip
     if out is None:
         out = new_out(q, v_cache)
     tensor_lengths = isinstance(cache_seqlens, torch.Tensor)
@@ -235,7 +241,8 @@ def traced_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale
         q, k_cache, v_cache, cache_seqlens if tensor_lengths else None,
         None if tensor_lengths else cache_seqlens, page_table, softmax_scale, causal, num_splits,
         pack_gqa, return_softmax_lse, out, config_to_str(config), list(window_size),
-        attention_chunk, softcap, learnable_sink, cache_batch_idx, cache_leftpad, qv,
+        attention_chunk, softcap, learnable_sink, cache_batch_idx, cache_leftpad, qv, k_descale,
+        v_descale,
     )  # fmt: skip
     return _result(out, lse, return_softmax_lse)
 

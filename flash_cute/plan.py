@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .config import DECODE_ROWS, AttentionConfig, decode_config, default_config
+from .config import DECODE_ROWS, AttentionConfig, decode_config, default_config, fp8_kv_config
 
 MAX_SPLITS = 128
 # A split launch merges in the kernel (its last split to finish reads every split's rows of
@@ -85,6 +85,7 @@ class Problem:
     head_dim_v: Optional[int] = None  # V's (and O's) head dim; None: head_dim
     v_in_k: bool = False  # V is the first head_dim_v columns of K (a view of the same memory)
     qv: bool = False  # FlashAttention-3's qv: head_dim counts qv's columns and q's
+    kv_dtype: Optional[str] = None  # "float8_e4m3fn": an FP8 cache; None: K/V in dtype
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -142,6 +143,9 @@ class ForwardVariant:
     # head_dim_v wide and qv like q with head_dim_v; Q's and K's tiles hold qv / v's columns
     # then q / k's (so V is K's leading columns: v_in_k).
     qv: bool = False
+    # The K/V cache's dtype where it differs from q's: "float8_e4m3fn" (an FP8 cache, its
+    # blocks converted to q's dtype before each GEMM: kernels/kv_dequant.py), else None.
+    kv_dtype: Optional[str] = None
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -177,6 +181,17 @@ class ForwardVariant:
             c.tile_n % self.page_box_rows or self.page_box_rows % 16
         ):
             problems.append("page_box_rows must divide tile_n and be a multiple of 16")
+        if self.kv_dtype is not None and (
+            self.kv_dtype != "float8_e4m3fn"
+            or c.num_mma_warpgroups != 1
+            or c.intra_wg_overlap
+            or self.v_in_k
+            or self.gather_page_size is not None
+        ):
+            problems.append(
+                "an FP8 (float8_e4m3fn) K/V cache runs one MMA warpgroup (tile_m 64) without "
+                "intra_wg_overlap, on TMA-loaded K and V (no v_in_k, no gathered pages)"
+            )
         if self.seqused_k and self.scalar_kv_length:
             problems.append("seqused_k and scalar_kv_length exclude each other")
         if self.seqused_q and not self.varlen_q:
@@ -250,6 +265,7 @@ class ForwardVariant:
             if getattr(self, name)
         ]
         flags += ["kv_length"] if self.scalar_kv_length else []
+        flags += [f"kv-{self.kv_dtype}"] if self.kv_dtype is not None else []
         flags += (
             []
             if self.kv_layout == "padded"
@@ -294,6 +310,7 @@ class ForwardVariant:
             or self.uses_tile_counter
             or self.learnable_sink is not None
             or self.qv
+            or self.kv_dtype is not None
             or self.v_in_k  # (its replays check that v still aliases k: LaunchPlan.launch)
             or self.config.trace
         )
@@ -351,6 +368,7 @@ def plan_forward(
     ratio = problem.qheads_per_kvhead
     causal, window_left, window_right, chunk = attention_mask(problem)
     local = window_left >= 0 or window_right >= 0 or chunk > 0
+    caller_config = config
     if config is None:
         decode_like = decode_rows and problem.max_seqlen_q * ratio <= DECODE_ROWS
         if decode_like:
@@ -367,6 +385,8 @@ def plan_forward(
                 problem.head_dim_v,
                 problem.v_in_k or problem.qv,
             )
+    if problem.kv_dtype is not None and caller_config is None:
+        config = fp8_kv_config(config)
     if _tracing and not config.trace:
         config = config.replace(trace=True)
     if pack_gqa is None:  # K/V tiles read once for all q heads of a kv head (or once per
@@ -439,6 +459,7 @@ def plan_forward(
         head_dim_v=problem.head_dim_v,
         v_in_k=problem.v_in_k or problem.qv,
         qv=problem.qv,
+        kv_dtype=problem.kv_dtype,
     )
     if variant.uses_tile_counter:
         num_counters = 2

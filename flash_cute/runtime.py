@@ -479,6 +479,8 @@ class LaunchPlan:
         kv_batch_idx=None,
         leftpad_k=None,
         qv=None,
+        k_descale=None,
+        v_descale=None,
     ):
         """Launch on the current stream; out is allocated when None. Returns out, or (out,
         lse) when the plan returns the LSE. The arguments go in the signature's order
@@ -530,8 +532,8 @@ class LaunchPlan:
             records = traced_records(variant.describe(), variant.config, slots, q.device)
         self.kernel(
             q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, learnable_sink,
-            seqused_q, kv_batch_idx, leftpad_k, qv, kv_length, partials, counters, self.scale_log2,
-            self.max_ctas, self.num_splits, records,
+            seqused_q, kv_batch_idx, leftpad_k, qv, k_descale, v_descale, kv_length, partials,
+            counters, self.scale_log2, self.max_ctas, self.num_splits, records,
         )  # fmt: skip
         if self.merge is not None:
             run_combine(self.merge, self.trace is not None, *merge_views, *combine_views(out, lse))

@@ -64,6 +64,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import hopper_mma, trace_records
 from .block_range import KeyBlockRange, LocalWindow
+from .kv_dequant import dequantize_block
 from .masking import AttentionMask
 from .named_barriers import NamedBarrier
 from .paged_kv_gather import PRODUCER_THREADS, GatherPagedBlockLoader
@@ -147,6 +148,10 @@ class MainloopOperands:
     pipeline_v: pipeline.PipelineAsync
     warpgroup_idx: Int32
     sV: cute.Tensor
+    sK: cute.Tensor
+    # FP8 K/V: the FP8 rings the loads fill (sK / sV then hold one converted block each).
+    sK8: Optional[cute.Tensor]
+    sV8: Optional[cute.Tensor]
     last_block: Int32  # the tile's last key block, processed first
     last_block_keys: Int32  # the keys of it that exist (may be fewer than tile_n)
     halves: Optional[ScoreHalves] = None  # split_scores: the warpgroups' row exchange
@@ -165,6 +170,10 @@ class CtaBuffers:
     sP: Optional[cute.Tensor]
     sRows: Optional[cute.Tensor]
     sO: cute.Tensor
+    # FP8 K/V: the rings the loads fill; sK / sV are then one 16-bit block each, converted
+    # by the MMA warpgroup (kernels/kv_dequant.py). None otherwise.
+    sK8: Optional[cute.Tensor]
+    sV8: Optional[cute.Tensor]
     pipeline_q: pipeline.PipelineAsync
     pipeline_k: pipeline.PipelineAsync
     pipeline_v: pipeline.PipelineAsync
@@ -215,6 +224,8 @@ class ProblemShapes:
     mSeqUsedQ: Optional[cute.Tensor] = None
     mKvBatchIdx: Optional[cute.Tensor] = None
     mLeftPadK: Optional[cute.Tensor] = None
+    mKDescale: Optional[cute.Tensor] = None  # FP8 K/V: (batch, nheads_kv) fp32
+    mVDescale: Optional[cute.Tensor] = None
 
 
 class FlashAttentionForwardSm90:
@@ -260,6 +271,9 @@ class FlashAttentionForwardSm90:
         self.variant = variant
         self.config = config = variant.config
         self.dtype = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[variant.dtype]
+        # K/V in the cache's dtype: FP8 blocks are converted to self.dtype before each GEMM.
+        self.kv_fp8 = variant.kv_dtype is not None
+        self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else self.dtype
         self.num_mma_warpgroups = config.num_mma_warpgroups
         # o_split warpgroups share the tile's 64 rows, each with its part of O's columns (and
         # each computing the rows' scores itself, or with split_scores its half of each key
@@ -383,6 +397,8 @@ class FlashAttentionForwardSm90:
         kv_batch_idx: Optional[cute.Tensor],
         leftpad_k: Optional[cute.Tensor],
         qv: Optional[cute.Tensor],
+        k_descale: Optional[cute.Tensor],
+        v_descale: Optional[cute.Tensor],
         kv_length: Int32,
         partials: Optional[cute.Pointer],
         counters: Optional[cute.Pointer],
@@ -414,8 +430,8 @@ class FlashAttentionForwardSm90:
             mCounters = cute.make_tensor(counters, cute.make_layout(1 << 30))
         self._launch(
             q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, learnable_sink,
-            seqused_q, kv_batch_idx, leftpad_k, qv, kv_length, out_partial, lse_partial, mCounters,
-            scale_log2, max_ctas, num_splits, trace, stream,
+            seqused_q, kv_batch_idx, leftpad_k, qv, k_descale, v_descale, kv_length, out_partial,
+            lse_partial, mCounters, scale_log2, max_ctas, num_splits, trace, stream,
         )  # fmt: skip
 
     @cute.jit
@@ -433,8 +449,8 @@ class FlashAttentionForwardSm90:
         """The signature of a variant that uses none of the optional arguments: a call passes
         eight arguments fewer through TVM-FFI, which converts each on the host."""
         self._launch(
-            q, k, v, out, None, None, None, None, None, None, None, None, None, None, kv_length,
-            None, None, None, scale_log2, max_ctas, Int32(1), None, stream,
+            q, k, v, out, None, None, None, None, None, None, None, None, None, None, None, None,
+            kv_length, None, None, None, scale_log2, max_ctas, Int32(1), None, stream,
         )  # fmt: skip
 
     @cute.jit
@@ -454,6 +470,8 @@ class FlashAttentionForwardSm90:
         mKvBatchIdx: Optional[cute.Tensor],
         mLeftPadK: Optional[cute.Tensor],
         mQV: Optional[cute.Tensor],
+        mKDescale: Optional[cute.Tensor],
+        mVDescale: Optional[cute.Tensor],
         kv_length: Int32,
         mOPartial: Optional[cute.Tensor],
         mLSEPartial: Optional[cute.Tensor],
@@ -501,12 +519,24 @@ class FlashAttentionForwardSm90:
         )
         sQ_layout = hopper_mma.make_row_major_smem_layout(self.dtype, self.config.tile_m, d)
         sO_layout = hopper_mma.make_row_major_smem_layout(self.dtype, self.config.tile_m, dv)
+        # FP8 K/V: the GEMMs read one converted 16-bit block each; the loads fill FP8 rings.
+        gemm_stages = 1 if const_expr(self.kv_fp8) else self.config.num_stages
         sK_layout, sV_layout = [
             hopper_mma.make_row_major_smem_layout(
-                self.dtype, self.config.tile_n, width, self.config.num_stages
+                self.dtype, self.config.tile_n, width, gemm_stages
             )
             for width in (d, dv)
         ]
+        sK8_layout, sV8_layout = None, None
+        ring_K_layout, ring_V_layout = sK_layout, sV_layout
+        if const_expr(self.kv_fp8):
+            sK8_layout, sV8_layout = [
+                hopper_mma.make_row_major_smem_layout(
+                    self.kv_dtype, self.config.tile_n, width, self.config.num_stages
+                )
+                for width in (d, dv)
+            ]
+            ring_K_layout, ring_V_layout = sK8_layout, sV8_layout
         if const_expr(self.variant.v_in_k):  # V: the first dv columns of each K stage
             sV_layout = hopper_mma.column_block_layout(
                 self.dtype,
@@ -549,7 +579,7 @@ class FlashAttentionForwardSm90:
         else:
             (tma_atom_K, tma_K), (tma_atom_V, tma_V) = [
                 self._kv_tma_atom(tma_load, mX, layout, width)
-                for mX, layout, width in ((mK, sK_layout, d), (mV, sV_layout, dv))
+                for mX, layout, width in ((mK, ring_K_layout, d), (mV, ring_V_layout, dv))
             ]
         tma_atom_O, mO_kernel = None, mO
         if const_expr(self.tma_store_o):
@@ -566,8 +596,12 @@ class FlashAttentionForwardSm90:
                 )
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
         self.tma_bytes_k, self.tma_bytes_v = [
-            cute.size_in_bytes(self.dtype, cute.select(layout, mode=[0, 1]))
-            for layout in (sK_layout, sV_layout)
+            cute.size_in_bytes(self.kv_dtype, cute.select(layout, mode=[0, 1]))
+            for layout in (ring_K_layout, ring_V_layout)
+        ]
+        sK8_size, sV8_size = [
+            cute.cosize(layout) if const_expr(layout is not None) else 0
+            for layout in (sK8_layout, sV8_layout)
         ]
         sV_size = 0 if const_expr(self.variant.v_in_k) else cute.cosize(sV_layout)
 
@@ -593,6 +627,12 @@ class FlashAttentionForwardSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, sV_size], self.smem_align]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, sP_size], self.smem_align]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, sO_size], self.smem_align]
+            sK8: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Float8E4M3FN, sK8_size], self.smem_align
+            ]
+            sV8: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Float8E4M3FN, sV8_size], self.smem_align
+            ]
             # split_scores: (max or sum, warpgroup, row), ScoreHalves.
             score_rows: cute.struct.MemRange[Float32, score_rows_size]
 
@@ -618,6 +658,8 @@ class FlashAttentionForwardSm90:
             mSeqUsedQ,
             mKvBatchIdx,
             mLeftPadK,
+            mKDescale,
+            mVDescale,
             mCounters,
             mTrace,
             num_splits,
@@ -634,6 +676,8 @@ class FlashAttentionForwardSm90:
             sV_layout,
             sO_layout,
             sP_layout,
+            sK8_layout,
+            sV8_layout,
             tiled_mma_qk,
             tiled_mma_pv,
         ).launch(
@@ -672,6 +716,8 @@ class FlashAttentionForwardSm90:
         mSeqUsedQ: Optional[cute.Tensor],
         mKvBatchIdx: Optional[cute.Tensor],
         mLeftPadK: Optional[cute.Tensor],
+        mKDescale: Optional[cute.Tensor],
+        mVDescale: Optional[cute.Tensor],
         mCounters: Optional[cute.Tensor],
         mTrace: Optional[cute.Tensor],
         num_splits: Int32,
@@ -688,6 +734,8 @@ class FlashAttentionForwardSm90:
         sV_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
         sP_layout: Optional[cute.ComposedLayout],
+        sK8_layout: Optional[cute.ComposedLayout],
+        sV8_layout: Optional[cute.ComposedLayout],
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
     ):
@@ -743,6 +791,10 @@ class FlashAttentionForwardSm90:
         sRows = None
         if const_expr(self.split_scores):
             sRows = storage.score_rows.get_tensor(cute.make_layout((2, 2, self.config.tile_m)))
+        sK8, sV8 = None, None
+        if const_expr(self.kv_fp8):
+            sK8 = storage.sK8.get_tensor(sK8_layout.outer, swizzle=sK8_layout.inner)
+            sV8 = storage.sV8.get_tensor(sV8_layout.outer, swizzle=sV8_layout.inner)
         sO = sQ  # (a TMA-stored O without a tile of its own has dv == d: the plan's rule)
         if const_expr(self.separate_o_smem):
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
@@ -759,9 +811,11 @@ class FlashAttentionForwardSm90:
             mSeqUsedQ=mSeqUsedQ,
             mKvBatchIdx=mKvBatchIdx,
             mLeftPadK=mLeftPadK,
+            mKDescale=mKDescale,
+            mVDescale=mVDescale,
         )
         buffers = CtaBuffers(
-            sQ=sQ, sK=sK, sV=sV, sP=sP, sRows=sRows, sO=sO,
+            sQ=sQ, sK=sK, sV=sV, sP=sP, sRows=sRows, sO=sO, sK8=sK8, sV8=sV8,
             pipeline_q=pipeline_q, pipeline_k=pipeline_k, pipeline_v=pipeline_v,
         )  # fmt: skip
         sources = LoadSources(
@@ -959,10 +1013,12 @@ class FlashAttentionForwardSm90:
                 ),
             )  # fmt: skip
         else:
-            k_loader = block_loader(sources.mK, buf.sK, buf.pipeline_k, sources.tma_atom_K, d)
+            sK_ring = buf.sK8 if const_expr(self.kv_fp8) else buf.sK
+            k_loader = block_loader(sources.mK, sK_ring, buf.pipeline_k, sources.tma_atom_K, d)
         v_loader = None  # (v_in_k: V is in K's stages)
         if const_expr(not self.variant.v_in_k):
-            v_loader = block_loader(sources.mV, buf.sV, buf.pipeline_v, sources.tma_atom_V, dv)
+            sV_ring = buf.sV8 if const_expr(self.kv_fp8) else buf.sV
+            v_loader = block_loader(sources.mV, sV_ring, buf.pipeline_v, sources.tma_atom_V, dv)
         q_load = SimpleNamespace(copies=q_copies, ring=buf.pipeline_q, state=q_state)
 
         # (Gathering variants run this in every producer warp; Q is warp 0's.)
@@ -1126,6 +1182,15 @@ class FlashAttentionForwardSm90:
                 self._stmatrix_atom(), setup.tiled_mma_qk
             ).get_slice(tidx)
             tPsP = smem_copy_P.partition_D(buf.sP)
+        # FP8 K/V: K's descale multiplies every score (folded into the softmax scale), V's
+        # every output row (folded into the final 1 / row sum).
+        v_descale = None
+        if const_expr(shapes.mKDescale is not None):
+            softmax_scale_log2 = (
+                softmax_scale_log2 * shapes.mKDescale[tile.batch_idx, tile.head_kv_idx]
+            )
+        if const_expr(shapes.mVDescale is not None):
+            v_descale = shapes.mVDescale[tile.batch_idx, tile.head_kv_idx]
         # Softcap: the scores become tanh(s * scale / softcap), and the softmax's scale is
         # softcap * log2(e).
         softcap_prescale = None
@@ -1165,6 +1230,9 @@ class FlashAttentionForwardSm90:
             pipeline_v=buf.pipeline_v,
             warpgroup_idx=warpgroup_idx,
             sV=buf.sV,
+            sK=buf.sK,
+            sK8=buf.sK8,
+            sV8=buf.sV8,
             last_block=n_block_max - 1,
             last_block_keys=seqlen.seqlen_k - (n_block_max - 1) * self.config.tile_n,
             halves=self._score_halves(buf.sRows, setup.tiled_mma_qk, tidx, warpgroup_idx)
@@ -1230,6 +1298,9 @@ class FlashAttentionForwardSm90:
             if const_expr(self.split_scores):
                 softmax.combine_halves(ctx.halves)
             inv_row_sum, row_lse = softmax.finalize(sink_log2)
+            if const_expr(v_descale is not None):
+                for r in cutlass.range_constexpr(cute.size(inv_row_sum)):
+                    inv_row_sum[r] = inv_row_sum[r] * v_descale
             rescale_rows(acc_O, inv_row_sum)
             lse.store(row_lse.load())
         else:
@@ -1409,22 +1480,45 @@ class FlashAttentionForwardSm90:
         P V and the next block's Q K^T: the caller waits before the first block and signals
         after the last."""
         self._wait_full(ctx.pipeline_k, kv_state)
-        acc_S = self._qk_gemm(ctx, kv_state.index, -1)
+        k_stage = kv_state.index
+        if const_expr(self.kv_fp8):  # convert, then free the FP8 stage at once
+            self._dequantize(ctx, ctx.sK8, ctx.pipeline_k, kv_state, ctx.sK, self.config.tile_n)
+            k_stage = 0
+        acc_S = self._qk_gemm(ctx, k_stage, -1)
         self._schedule_signal_next(ctx.warpgroup_idx)
         warpgroup.wait_group(0)
-        self._release_k(ctx, kv_state)
+        if const_expr(not self.kv_fp8):
+            self._release_k(ctx, kv_state)
         self._mask_scores(ctx, acc_S, n_block, mask_seqlen=is_first, masked=masked)
         row_scale = ctx.softmax.step(acc_S, is_first=is_first, halves=ctx.halves)
         self._scores_to_p(ctx, acc_S)
         self._rescale_o(ctx.acc_O, row_scale)
         self._wait_v(ctx, kv_state)
-        if const_expr(is_first and self.clears_v_tail):
+        v_stage = kv_state.index
+        if const_expr(self.kv_fp8):  # the tile's last block: rows past the keys become zeros
+            valid = ctx.last_block_keys if const_expr(is_first) else self.config.tile_n
+            self._dequantize(ctx, ctx.sV8, ctx.pipeline_v, kv_state, ctx.sV, valid)
+            v_stage = 0
+        elif const_expr(is_first and self.clears_v_tail):
             self._clear_v_tail(ctx, kv_state.index, n_block)
         self._schedule_wait(ctx.warpgroup_idx)
-        self._pv_gemm(ctx, kv_state.index, 0)
-        self._release_v(ctx, kv_state)
+        self._pv_gemm(ctx, v_stage, 0)
+        if const_expr(not self.kv_fp8):
+            self._release_v(ctx, kv_state)
         kv_state.advance()
         return kv_state
+
+    def _dequantize(self, ctx, ring_smem, ring, state, block_smem, valid_rows):
+        """FP8 K/V: convert the block in `ring`'s stage `state` into the 16-bit block the
+        GEMM reads, then free the stage (the producer may refill it while the GEMM runs)."""
+        dequantize_block(
+            ring_smem[None, None, state.index],
+            block_smem[None, None, 0],
+            cute.arch.thread_idx()[0] % THREADS_PER_WARPGROUP,
+            int(NamedBarrier.KV_DEQUANT),
+            valid_rows,
+        )
+        ring.consumer_release(state)
 
     def _split_scores_barrier(self):
         cute.arch.barrier(

@@ -41,20 +41,21 @@ def op_cases():
         ops.flash_attn_varlen_func_op,
         (qv, kv, kv, meta_int32(3), 20, meta_int32(3), meta_int32(2), 25, None, None, True,
          0, None, True, meta(30, 8, 64), None, [-1, -1], 0, 0.0, None, meta_int32(2), None,
-         None, None),
+         None, None, None, None),
     )  # fmt: skip
     yield (
         "kvcache",
         ops.flash_attn_with_kvcache_op,
         (q, meta(50, 16, 2, 64), meta(50, 16, 2, 64), meta_int32(2), None,
          torch.empty(2, 4, dtype=torch.int32, device=META), None, True, 0, True, True,
-         meta(2, 9, 8, 64), None, [-1, -1], 0, 0.0, sink, None, None, None),
+         meta(2, 9, 8, 64), None, [-1, -1], 0, 0.0, sink, None, None, None,
+         meta(2, 2, dtype=torch.float32), meta(2, 2, dtype=torch.float32)),
     )  # fmt: skip
     yield (
         "kvcache-int",
         ops.flash_attn_with_kvcache_op,
         (q, k, k, None, 11, None, None, False, 1, None, False, meta(2, 9, 8, 64), None,
-         [-1, -1], 0, 0.0, None, meta_int32(2), meta_int32(2), None),
+         [-1, -1], 0, 0.0, None, meta_int32(2), meta_int32(2), None, None, None),
     )  # fmt: skip
     yield (
         "combine",

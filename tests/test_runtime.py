@@ -71,17 +71,6 @@ def test_split_scratch_capture_and_large_layouts_allocate(streams):
     assert all(buf.numel() <= runtime.SCRATCH_MAX_FLOATS for buf, _ in BUFFERS.scratch.values())
 
 
-def test_zeroed_counters_grow_and_stay_zeroed(streams):
-    c2 = BUFFERS.zeroed_counters(CPU, 2, stream())
-    assert c2.dtype == torch.int32 and c2.numel() == 2 and not c2.any()
-    assert BUFFERS.zeroed_counters(CPU, 1, stream()) is c2, "a smaller need reuses the buffer"
-    c40 = BUFFERS.zeroed_counters(CPU, 40, stream())
-    assert c40.numel() >= 40 and not c40.any() and c40 is not c2
-    assert BUFFERS.zeroed_counters(CPU, 2, stream()) is c40
-    streams["capturing"] = True
-    assert BUFFERS.zeroed_counters(CPU, 2, stream()) is not c40, "a capture gets its own"
-
-
 @pytest.fixture
 def graph_counters(monkeypatch):
     """An empty pool of pre-zeroed graph counters, small chunks."""
@@ -89,6 +78,18 @@ def graph_counters(monkeypatch):
     pool.CHUNK = 64
     monkeypatch.setattr(runtime, "GRAPH_COUNTERS", pool)
     return pool
+
+
+def test_zeroed_counters_grow_and_stay_zeroed(streams, graph_counters):
+    c2 = BUFFERS.zeroed_counters(CPU, 2, stream())
+    assert c2.dtype == torch.int32 and c2.numel() == 2 and not c2.any()
+    assert BUFFERS.zeroed_counters(CPU, 1, stream()) is c2, "a smaller need reuses the buffer"
+    c40 = BUFFERS.zeroed_counters(CPU, 40, stream())
+    assert c40.numel() >= 40 and not c40.any() and c40 is not c2
+    assert BUFFERS.zeroed_counters(CPU, 2, stream()) is c40
+    graph_counters.refill(CPU)
+    streams["capturing"] = True
+    assert BUFFERS.zeroed_counters(CPU, 2, stream()) is not c40, "a capture gets its own"
 
 
 def test_captures_take_disjoint_prezeroed_counters(streams, graph_counters):
