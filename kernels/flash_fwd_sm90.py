@@ -341,7 +341,7 @@ class FlashAttentionForwardSm90:
         page_box_rows rows where paged blocks load page by page."""
         if const_expr(self.variant.page_box_rows is not None):
             rows = self.variant.page_box_rows
-            box_layout = hopper_mma.make_row_major_smem_layout(self.dtype, rows, width)
+            box_layout = hopper_mma.make_row_major_smem_layout(self.kv_dtype, rows, width)
             return cpasync.make_tiled_tma_atom(op, mX, box_layout, (rows, width), 1)
         stage_layout = cute.select(stages_layout, mode=[0, 1])
         return cpasync.make_tiled_tma_atom(op, mX, stage_layout, (self.config.tile_n, width), 1)
@@ -364,7 +364,7 @@ class FlashAttentionForwardSm90:
             causal=v.causal,
             varlen=v.varlen_q,
             split=v.split,
-            kv_bytes_per_key=(v.head_dim + v.head_dim_v) * self.dtype.width // 8,
+            kv_bytes_per_key=(v.head_dim + v.head_dim_v) * self.kv_dtype.width // 8,
             l2_section_mb=self.config.l2_section_mb,
             seqlen_q=mQ_shape.shape[0],
             nheads=mQ_shape.shape[2],

@@ -70,8 +70,9 @@ def check_against_dequantized(q, out, k_pad, v_pad, kd, vd, lengths, causal, mas
     qs = [q[b : b + 1] for b in range(batch)]
     ks = [k_pad[b : b + 1, : lengths[b]] for b in range(batch)]
     vs = [v_pad[b : b + 1, : lengths[b]] for b in range(batch)]
-    refs, _, lse_refs = reference_per_sequence(qs, ks, vs, causal, mask)
-    # The input-dtype math: the dequantized cache rounded to q's dtype.
+    # The float32 reference, and the input-dtype math on the dequantized cache rounded to q's
+    # dtype (its lowp outputs are the bar's).
+    refs, _, lse_refs = reference_per_sequence([x.float() for x in qs], ks, vs, causal, mask)
     _, lowps, _ = reference_per_sequence(
         qs, [k.to(q.dtype) for k in ks], [v.to(q.dtype) for v in vs], causal, mask
     )
