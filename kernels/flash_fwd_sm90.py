@@ -64,7 +64,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import hopper_mma, trace_records
 from .block_range import KeyBlockRange, LocalWindow
-from .kv_dequant import dequantize_block
+from .kv_dequant import convert_block
 from .masking import AttentionMask
 from .named_barriers import NamedBarrier
 from .paged_kv_gather import PRODUCER_THREADS, GatherPagedBlockLoader
@@ -165,6 +165,7 @@ class CtaBuffers:
     unless O has one of its own."""
 
     sQ: cute.Tensor
+    sQ_mma: cute.Tensor  # Q's tile as the GEMMs read it: sQ, or its fp16 form (kv_dequant)
     sK: cute.Tensor
     sV: cute.Tensor
     sP: Optional[cute.Tensor]
@@ -271,9 +272,13 @@ class FlashAttentionForwardSm90:
         self.variant = variant
         self.config = config = variant.config
         self.dtype = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[variant.dtype]
-        # K/V in the cache's dtype: FP8 blocks are converted to self.dtype before each GEMM.
+        # K/V in the cache's dtype. FP8 blocks are converted before each GEMM, to fp16 (one
+        # conversion instruction per two values; bf16 would take four): with an FP8 cache the
+        # GEMMs run in fp16 (mma_dtype) and a bf16 Q tile is converted to fp16 once it lands.
         self.kv_fp8 = variant.kv_dtype is not None
         self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else self.dtype
+        self.mma_dtype = cutlass.Float16 if self.kv_fp8 else self.dtype
+        self.converts_q = self.mma_dtype is not self.dtype
         self.num_mma_warpgroups = config.num_mma_warpgroups
         # o_split warpgroups share the tile's 64 rows, each with its part of O's columns (and
         # each computing the rows' scores itself, or with split_scores its half of each key
@@ -502,7 +507,7 @@ class FlashAttentionForwardSm90:
 
         d, dv = self.variant.head_dim, self.variant.head_dim_v
         tiled_mma_qk = hopper_mma.make_tiled_mma(
-            self.dtype,
+            self.mma_dtype,
             self.num_mma_warpgroups // self.o_split,
             self.config.tile_n,
             b_mn_major=False,
@@ -510,7 +515,7 @@ class FlashAttentionForwardSm90:
             split_n=self.o_split if const_expr(self.split_scores) else 1,
         )
         tiled_mma_pv = hopper_mma.make_tiled_mma(
-            self.dtype,
+            self.mma_dtype,
             self.num_mma_warpgroups // self.o_split,
             dv,
             b_mn_major=True,
@@ -523,7 +528,7 @@ class FlashAttentionForwardSm90:
         gemm_stages = 1 if const_expr(self.kv_fp8) else self.config.num_stages
         sK_layout, sV_layout = [
             hopper_mma.make_row_major_smem_layout(
-                self.dtype, self.config.tile_n, width, gemm_stages
+                self.mma_dtype, self.config.tile_n, width, gemm_stages
             )
             for width in (d, dv)
         ]
@@ -622,9 +627,9 @@ class FlashAttentionForwardSm90:
                 cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], self.smem_align
             ]
             sK: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], self.smem_align
+                cute.struct.MemRange[self.mma_dtype, cute.cosize(sK_layout)], self.smem_align
             ]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, sV_size], self.smem_align]
+            sV: cute.struct.Align[cute.struct.MemRange[self.mma_dtype, sV_size], self.smem_align]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, sP_size], self.smem_align]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, sO_size], self.smem_align]
             sK8: cute.struct.Align[
@@ -782,6 +787,12 @@ class FlashAttentionForwardSm90:
         pipeline.pipeline_init_arrive()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sQ_mma = sQ
+        if const_expr(self.converts_q):  # the same smem as fp16, with the same swizzle
+            sQ_mma = cute.make_tensor(
+                cute.recast_ptr(storage.sQ.data_ptr(), sQ_layout.inner, dtype=self.mma_dtype),
+                sQ_layout.outer,
+            )
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV_storage = storage.sK if const_expr(self.variant.v_in_k) else storage.sV
         sV = sV_storage.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
@@ -815,7 +826,7 @@ class FlashAttentionForwardSm90:
             mVDescale=mVDescale,
         )
         buffers = CtaBuffers(
-            sQ=sQ, sK=sK, sV=sV, sP=sP, sRows=sRows, sO=sO, sK8=sK8, sV8=sV8,
+            sQ=sQ, sQ_mma=sQ_mma, sK=sK, sV=sV, sP=sP, sRows=sRows, sO=sO, sK8=sK8, sV8=sV8,
             pipeline_q=pipeline_q, pipeline_k=pipeline_k, pipeline_v=pipeline_v,
         )  # fmt: skip
         sources = LoadSources(
@@ -1208,7 +1219,7 @@ class FlashAttentionForwardSm90:
             tiled_mma_qk=setup.tiled_mma_qk,
             tiled_mma_pv=setup.tiled_mma_pv,
             thr_mma_qk=setup.tiled_mma_qk.get_slice(qk_tidx),
-            tSrQ=wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(buf.sQ)),
+            tSrQ=wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(buf.sQ_mma)),
             tSrK=wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(buf.sK)),
             tOrVt=wg_mma_pv.make_fragment_B(
                 wg_mma_pv.partition_B(hopper_mma.transpose_smem_view(buf.sV))
@@ -1253,9 +1264,11 @@ class FlashAttentionForwardSm90:
         release_q_after_mainloop = const_expr(not self.o_overwrites_q)
         if const_expr(self.persistent):
             buf.pipeline_q.consumer_wait(q_state)  # loaded for every tile, empty or not
+            self._convert_q(buf)
         if n_block_max > n_block_min:
             if const_expr(not self.persistent):
                 buf.pipeline_q.consumer_wait(q_state)
+                self._convert_q(buf)
             if const_expr(trace is not None):
                 # (a second wait on the same phase returns at once)
                 self._wait_full(buf.pipeline_k, kv_state)
@@ -1432,7 +1445,7 @@ class FlashAttentionForwardSm90:
         if const_expr(self.config.pv_from_registers):
             hopper_mma.convert_to_16bit(p_as_a, ctx.tOrP)
         else:
-            rP = cute.make_rmem_tensor_like(p_as_a, self.dtype)
+            rP = cute.make_rmem_tensor_like(p_as_a, self.mma_dtype)
             hopper_mma.convert_to_16bit(p_as_a, rP)
             if const_expr(self.split_scores and self.config.intra_wg_overlap):
                 # Both warpgroups' P V reads all of sP: the other's last one (which it waited
@@ -1511,7 +1524,7 @@ class FlashAttentionForwardSm90:
     def _dequantize(self, ctx, ring_smem, ring, state, block_smem, valid_rows):
         """FP8 K/V: convert the block in `ring`'s stage `state` into the 16-bit block the
         GEMM reads, then free the stage (the producer may refill it while the GEMM runs)."""
-        dequantize_block(
+        convert_block(
             ring_smem[None, None, state.index],
             block_smem[None, None, 0],
             cute.arch.thread_idx()[0] % THREADS_PER_WARPGROUP,
@@ -1519,6 +1532,18 @@ class FlashAttentionForwardSm90:
             valid_rows,
         )
         ring.consumer_release(state)
+
+    def _convert_q(self, buf: CtaBuffers):
+        """FP8 cache, bf16 q: Q's tile to fp16 in place (buf.sQ_mma), saturating."""
+        if const_expr(self.converts_q):
+            convert_block(
+                buf.sQ,
+                buf.sQ_mma,
+                cute.arch.thread_idx()[0] % THREADS_PER_WARPGROUP,
+                int(NamedBarrier.KV_DEQUANT),
+                self.config.tile_m,
+                saturate=True,
+            )
 
     def _split_scores_barrier(self):
         cute.arch.barrier(

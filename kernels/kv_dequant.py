@@ -1,32 +1,38 @@
-"""FP8 K/V blocks turned into the 16-bit tiles the WGMMAs read (variants with an FP8 cache).
+"""FP8 K/V blocks turned into the fp16 tiles the WGMMAs read (variants with an FP8 cache).
 
 The producer loads float8_e4m3fn key blocks into their own ring; the MMA warpgroup converts
-each block into a single 16-bit tile (same swizzled layout as a 16-bit ring's stage) just
-before its GEMM and frees the FP8 stage at once. Every e4m3 value is exact in fp16 and bf16,
-so the conversion is exact; the per-(batch, kv head) descales are folded into the softmax
-scale (K) and the output's row normalization (V), not applied per element.
+each block into a single fp16 tile (same swizzled layout as a 16-bit ring's stage) just before
+its GEMM and frees the FP8 stage at once. Every e4m3 value is exact in fp16, and one
+instruction converts two of them (bf16 would take four: e4m3 -> f16 -> f32 -> bf16), so with
+an FP8 cache the GEMMs run in fp16; a bf16 Q tile is converted to fp16 in place once it lands
+(saturating at +-65504, fp16's largest value). The per-(batch, kv head) descales are folded
+into the softmax scale (K) and the output's row normalization (V), not applied per element.
 """
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Float32, Int32
 
 THREADS_PER_WARPGROUP = 128
-PIECE = 16  # elements per 16-byte FP8 load (two 16-byte stores of the 16-bit tile)
+PIECE = 16  # elements per thread and step: one 16-byte FP8 load, or two 16-byte 16-bit loads
+FP16_MAX = 65504.0
 
 
 @cute.jit
-def dequantize_block(
+def convert_block(
     src: cute.Tensor,
     dst: cute.Tensor,
     wg_thread: Int32,
     barrier_id: int,
     valid_rows: Int32,
+    saturate: cutlass.Constexpr[bool] = False,
 ):
-    """dst (rows, width) 16-bit = src (rows, width) float8_e4m3fn, by one warpgroup (its
-    thread wg_thread), rows from valid_rows on written as zeros (a cache's slots past the
-    sequence may hold anything, NaN included, and P is 0 there: 0 * NaN must not reach O).
-    Then the stores are made visible to the warpgroup's WGMMAs and the warpgroup syncs."""
+    """dst (rows, width) = src (rows, width) in dst's dtype, by one warpgroup (its thread
+    wg_thread); rows from valid_rows on written as zeros (a cache's slots past the sequence
+    may hold anything, NaN included, and P is 0 there: 0 * NaN must not reach O). src and dst
+    may be the same smem (each thread reads its pieces before writing them). saturate: clamp
+    to dst's finite range (bf16 -> fp16). Then the stores are made visible to the
+    warpgroup's WGMMAs and the warpgroup syncs."""
     rows, width = cute.size(src, mode=[0]), cute.size(src, mode=[1])
     per_row = width // PIECE
     count = rows * per_row
@@ -40,7 +46,14 @@ def dequantize_block(
         raw = cute.make_rmem_tensor((1, PIECE), src.element_type)
         cute.autovec_copy(src_pieces[None, (row, col)], raw)
         wide = cute.make_rmem_tensor((1, PIECE), dst.element_type)
-        wide.store(raw.load().to(dst.element_type))
+        if cutlass.const_expr(saturate):
+            f32 = cute.make_rmem_tensor((1, PIECE), Float32)
+            f32.store(raw.load().to(Float32))
+            for e in cutlass.range_constexpr(PIECE):
+                f32[e] = cutlass.max(cutlass.min(f32[e], FP16_MAX), -FP16_MAX)
+            wide.store(f32.load().to(dst.element_type))
+        else:
+            wide.store(raw.load().to(dst.element_type))
         if row >= valid_rows:
             wide.fill(0.0)
         cute.autovec_copy(wide, dst_pieces[None, (row, col)])
