@@ -299,14 +299,18 @@ class AttentionConfig:
         element_bytes: int = 2,
         head_dim_v: Optional[int] = None,
         v_in_k: bool = False,
+        kv_fp8: bool = False,
     ) -> int:
         aligned = _aligned_1k
         head_dim_v = 0 if v_in_k else head_dim if head_dim_v is None else head_dim_v
-        # Q, K, V rings' mbarriers, the tile handoff's 4 mbarriers and 2 int32 slots.
-        mbarriers = aligned(8 * (2 + 4 * self.num_stages + 4) + 8)
+        # Q, K, V rings' mbarriers (FP8 K/V: twice, its FP8 rings), the tile handoff's 4
+        # mbarriers and 2 int32 slots.
+        mbarriers = aligned(8 * (2 + 4 * self.num_stages * (2 if kv_fp8 else 1) + 4) + 8)
         q = aligned(self.tile_m * head_dim * element_bytes)
-        k = aligned(self.num_stages * self.tile_n * head_dim * element_bytes)
-        v = aligned(self.num_stages * self.tile_n * head_dim_v * element_bytes)
+        # FP8 K/V: the fp16 rings the GEMMs read and the FP8 rings the loads fill.
+        ring_bytes = element_bytes + (1 if kv_fp8 else 0)
+        k = aligned(self.num_stages * self.tile_n * head_dim * ring_bytes)
+        v = aligned(self.num_stages * self.tile_n * head_dim_v * ring_bytes)
         p = 0 if self.pv_from_registers else aligned(self.tile_m * self.tile_n * element_bytes)
         # split_scores: the row maxima and sums the two warpgroups exchange (fp32).
         rows = aligned(2 * 2 * self.tile_m * 4) if self.split_scores else 0
@@ -338,6 +342,7 @@ class AttentionConfig:
         element_bytes: int = 2,
         head_dim_v: Optional[int] = None,
         v_in_k: bool = False,
+        kv_fp8: bool = False,
     ) -> int:
         """Dynamic shared memory of the kernel: Q (reused for a TMA-stored O unless
         separate_o_smem), O's own tile when separate_o_smem, the K and V rings (no V ring
@@ -348,7 +353,7 @@ class AttentionConfig:
         o = 0
         if self.separate_o_smem(head_dim, element_bytes, head_dim_v, v_in_k):
             o = _aligned_1k(self.tile_m * head_dim_v * element_bytes)
-        return self._smem_bytes_without_o(head_dim, element_bytes, head_dim_v, v_in_k) + o
+        return self._smem_bytes_without_o(head_dim, element_bytes, head_dim_v, v_in_k, kv_fp8) + o
 
     def accumulator_registers(self, head_dim: int, head_dim_v: Optional[int] = None) -> int:
         """fp32 registers per MMA thread held by accumulators at the busiest point:
@@ -635,21 +640,27 @@ def decode_config(
         ) from None
 
 
-def fp8_kv_config(config: AttentionConfig) -> AttentionConfig:
-    """The form of a table row that reads an FP8 K/V cache: one MMA warpgroup (64 rows) that
-    converts each key block to 16 bits before its GEMMs (kernels/kv_dequant.py), so no
-    overlap of one block's softmax with the next block's GEMM and no ping-pong. Its shared
-    memory fits within the row's (a 16-bit ring's stages hold more than FP8 stages plus one
-    converted block each, from two stages on)."""
-    return config.replace(
+def fp8_kv_config(config: AttentionConfig, head_dim: int, head_dim_v: int) -> AttentionConfig:
+    """The form of a table row that reads an FP8 K/V cache (kernels/kv_dequant.py): one CTA
+    per tile (the producer warpgroup's converting warps follow its one tile), one MMA
+    warpgroup of 64 rows, and two stages of both the FP8 and the fp16 rings, on the row's key
+    block or, where those do not fit, 64 keys."""
+    config = config.replace(
         tile_m=64,
-        intra_wg_overlap=False,
         pingpong=False,
-        rescale_o_before_pv=False,
         o_split=1,
         split_scores=False,
         pv_from_registers=True,
+        scheduler="single_tile",
+        num_stages=2,
+        rescale_o_before_pv=config.rescale_o_before_pv and config.intra_wg_overlap,
+        # The converting warps hold 11 pieces of 16 values per thread and block (96 spilled).
+        producer_registers=128,
+        mma_registers=None,
     )
+    if config.smem_bytes(head_dim, 2, head_dim_v, kv_fp8=True) > config.smem_limit():
+        config = config.replace(tile_n=64)
+    return config
 
 
 def default_config(

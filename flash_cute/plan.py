@@ -183,14 +183,21 @@ class ForwardVariant:
             problems.append("page_box_rows must divide tile_n and be a multiple of 16")
         if self.kv_dtype is not None and (
             self.kv_dtype != "float8_e4m3fn"
-            or c.num_mma_warpgroups != 1
-            or c.intra_wg_overlap
+            or c.scheduler != "single_tile"
             or self.v_in_k
             or self.gather_page_size is not None
         ):
             problems.append(
-                "an FP8 (float8_e4m3fn) K/V cache runs one MMA warpgroup (tile_m 64) without "
-                "intra_wg_overlap, on TMA-loaded K and V (no v_in_k, no gathered pages)"
+                "an FP8 (float8_e4m3fn) K/V cache runs one CTA per tile (scheduler "
+                "'single_tile') on TMA-loaded K and V (no v_in_k, no gathered pages)"
+            )
+        elif self.kv_dtype is not None and (
+            c.smem_bytes(self.head_dim, 2, self.head_dim_v, kv_fp8=True) > c.smem_limit()
+        ):
+            problems.append(
+                f"with an FP8 cache (FP8 and fp16 rings) the config needs "
+                f"{c.smem_bytes(self.head_dim, 2, self.head_dim_v, kv_fp8=True)} bytes of "
+                f"shared memory, more than {c.smem_limit()}: fewer stages or a smaller tile_n"
             )
         if self.seqused_k and self.scalar_kv_length:
             problems.append("seqused_k and scalar_kv_length exclude each other")
@@ -386,7 +393,7 @@ def plan_forward(
                 problem.v_in_k or problem.qv,
             )
     if problem.kv_dtype is not None and caller_config is None:
-        config = fp8_kv_config(config)
+        config = fp8_kv_config(config, problem.head_dim, problem.head_dim_v)
     if _tracing and not config.trace:
         config = config.replace(trace=True)
     if pack_gqa is None:  # K/V tiles read once for all q heads of a kv head (or once per

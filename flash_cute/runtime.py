@@ -369,6 +369,7 @@ class LaunchPlan:
         "num_splits",
         "num_counters",
         "scratch",
+        "unit_descale",
         "extents",
         "out_like_q",
         "int_capacity",
@@ -408,6 +409,13 @@ class LaunchPlan:
         self.trace = (plan.trace_slots, plan.variant) if plan.trace_slots else None
         # Replays check that v still aliases k (qv's V is a tensor of its own).
         self.v_in_k = plan.variant.v_in_k and not plan.variant.qv
+        # FP8 K/V: the descale a call leaves out is 1 (a one-element tensor read at every
+        # (batch, kv head) through zero strides).
+        self.unit_descale = None
+        if plan.variant.kv_dtype is not None:
+            self.unit_descale = torch.ones(1, dtype=torch.float32, device=device).as_strided(
+                (1, 1), (0, 0)
+            )
         self.scratch = None  # a split launch's scratch layout
         if plan.variant.split:
             self.scratch = SplitScratchLayout.for_shapes(plan.num_splits, out_shape, lse_shape)
@@ -526,6 +534,9 @@ class LaunchPlan:
                     and (self.scratch is None or self.scratch.numel <= SCRATCH_MAX_FLOATS)
                 ):
                     self.buffers = (raw, BUFFERS.version, (partials, counters))
+        if self.unit_descale is not None:
+            k_descale = self.unit_descale if k_descale is None else k_descale
+            v_descale = self.unit_descale if v_descale is None else v_descale
         records = None
         if self.trace is not None:
             slots, variant = self.trace

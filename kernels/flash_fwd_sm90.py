@@ -64,7 +64,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import hopper_mma, trace_records
 from .block_range import KeyBlockRange, LocalWindow
-from .kv_dequant import convert_block
+from .kv_dequant import CONVERT_THREADS, ConvertingBlockLoader, convert_block
 from .masking import AttentionMask
 from .named_barriers import NamedBarrier
 from .paged_kv_gather import PRODUCER_THREADS, GatherPagedBlockLoader
@@ -148,10 +148,6 @@ class MainloopOperands:
     pipeline_v: pipeline.PipelineAsync
     warpgroup_idx: Int32
     sV: cute.Tensor
-    sK: cute.Tensor
-    # FP8 K/V: the FP8 rings the loads fill (sK / sV then hold one converted block each).
-    sK8: Optional[cute.Tensor]
-    sV8: Optional[cute.Tensor]
     last_block: Int32  # the tile's last key block, processed first
     last_block_keys: Int32  # the keys of it that exist (may be fewer than tile_n)
     halves: Optional[ScoreHalves] = None  # split_scores: the warpgroups' row exchange
@@ -171,13 +167,16 @@ class CtaBuffers:
     sP: Optional[cute.Tensor]
     sRows: Optional[cute.Tensor]
     sO: cute.Tensor
-    # FP8 K/V: the rings the loads fill; sK / sV are then one 16-bit block each, converted
-    # by the MMA warpgroup (kernels/kv_dequant.py). None otherwise.
-    sK8: Optional[cute.Tensor]
-    sV8: Optional[cute.Tensor]
     pipeline_q: pipeline.PipelineAsync
     pipeline_k: pipeline.PipelineAsync
     pipeline_v: pipeline.PipelineAsync
+    # FP8 K/V: the rings the TMA loads fill, which the converting warps read and turn into
+    # the fp16 rings above (sK, sV, pipeline_k, pipeline_v: kernels/kv_dequant.py). None
+    # otherwise.
+    sK8: Optional[cute.Tensor] = None
+    sV8: Optional[cute.Tensor] = None
+    pipeline_k8: Optional[pipeline.PipelineAsync] = None
+    pipeline_v8: Optional[pipeline.PipelineAsync] = None
 
 
 @dataclass(frozen=True)
@@ -290,8 +289,9 @@ class FlashAttentionForwardSm90:
         self.window = LocalWindow(
             variant.window_left, variant.window_right, variant.attention_chunk
         )
-        # Whether K/V rows past a sequence's end can be loaded (see _clear_v_tail).
-        self.clears_v_tail = (
+        # Whether K/V rows past a sequence's end can be loaded (see _clear_v_tail; with an
+        # FP8 cache the converting warps write them as zeros instead).
+        self.clears_v_tail = not self.kv_fp8 and (
             variant.kv_layout != "padded"
             or variant.seqused_k
             or variant.scalar_kv_length
@@ -524,11 +524,11 @@ class FlashAttentionForwardSm90:
         )
         sQ_layout = hopper_mma.make_row_major_smem_layout(self.dtype, self.config.tile_m, d)
         sO_layout = hopper_mma.make_row_major_smem_layout(self.dtype, self.config.tile_m, dv)
-        # FP8 K/V: the GEMMs read one converted 16-bit block each; the loads fill FP8 rings.
-        gemm_stages = 1 if const_expr(self.kv_fp8) else self.config.num_stages
+        # FP8 K/V: the GEMMs read fp16 rings that converting warps fill from FP8 rings (the
+        # same stage count) that the loads fill.
         sK_layout, sV_layout = [
             hopper_mma.make_row_major_smem_layout(
-                self.mma_dtype, self.config.tile_n, width, gemm_stages
+                self.mma_dtype, self.config.tile_n, width, self.config.num_stages
             )
             for width in (d, dv)
         ]
@@ -611,6 +611,7 @@ class FlashAttentionForwardSm90:
         sV_size = 0 if const_expr(self.variant.v_in_k) else cute.cosize(sV_layout)
 
         num_stages = self.config.num_stages
+        fp8_rings = 1 if const_expr(self.kv_fp8) else 0
         sP_size = cute.cosize(sP_layout) if const_expr(sP_layout is not None) else 0
         sO_size = cute.cosize(sO_layout) if const_expr(self.separate_o_smem) else 0
         score_rows_size = 4 * self.config.tile_m if const_expr(self.split_scores) else 0
@@ -620,6 +621,9 @@ class FlashAttentionForwardSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, num_stages * 2]
             mbar_v: cute.struct.MemRange[cutlass.Int64, num_stages * 2]
+            # FP8 K/V: the FP8 rings' barriers (mbar_k / mbar_v guard the fp16 rings).
+            mbar_k8: cute.struct.MemRange[cutlass.Int64, num_stages * 2 * fp8_rings]
+            mbar_v8: cute.struct.MemRange[cutlass.Int64, num_stages * 2 * fp8_rings]
             mbar_sched: cute.struct.MemRange[cutlass.Int64, 2 * 2]
             next_tile: cute.struct.MemRange[Int32, 2]
             split_last: cute.struct.MemRange[Int32, 1]  # split kernels: this CTA merges the tile
@@ -768,13 +772,43 @@ class FlashAttentionForwardSm90:
             tx_count=self.tma_bytes_q,
             defer_sync=True,
         )
-        pipeline_k, pipeline_v = [
-            self._kv_ring(bar, tx_count, tma_warp, mma_warps)
-            for bar, tx_count in (
-                (storage.mbar_k, self.tma_bytes_k),
-                (storage.mbar_v, self.tma_bytes_v),
-            )
-        ]
+        pipeline_k8 = pipeline_v8 = None
+        if const_expr(self.kv_fp8):
+            # TMA -> FP8 rings -> converting warps -> fp16 rings -> MMA warps.
+            pipeline_k8, pipeline_v8 = [
+                self._kv_ring(
+                    bar,
+                    tx_count,
+                    tma_warp,
+                    pipeline.CooperativeGroup(pipeline.Agent.Thread, CONVERT_THREADS // 32),
+                )
+                for bar, tx_count in (
+                    (storage.mbar_k8, self.tma_bytes_k),
+                    (storage.mbar_v8, self.tma_bytes_v),
+                )
+            ]
+            pipeline_k, pipeline_v = [
+                pipeline.PipelineAsync.create(
+                    barrier_storage=bar.data_ptr(),
+                    num_stages=self.config.num_stages,
+                    producer_group=pipeline.CooperativeGroup(
+                        pipeline.Agent.Thread, CONVERT_THREADS
+                    ),
+                    consumer_group=pipeline.CooperativeGroup(
+                        pipeline.Agent.Thread, self.num_mma_threads
+                    ),
+                    defer_sync=True,
+                )
+                for bar in (storage.mbar_k, storage.mbar_v)
+            ]
+        else:
+            pipeline_k, pipeline_v = [
+                self._kv_ring(bar, tx_count, tma_warp, mma_warps)
+                for bar, tx_count in (
+                    (storage.mbar_k, self.tma_bytes_k),
+                    (storage.mbar_v, self.tma_bytes_v),
+                )
+            ]
         space = self._tile_space(mQ_shape, mK_shape, mCuSeqlensQ, mPageTable, num_splits, max_ctas)
         scheduler = self.scheduler_cls.create(
             space,
@@ -826,8 +860,9 @@ class FlashAttentionForwardSm90:
             mVDescale=mVDescale,
         )
         buffers = CtaBuffers(
-            sQ=sQ, sQ_mma=sQ_mma, sK=sK, sV=sV, sP=sP, sRows=sRows, sO=sO, sK8=sK8, sV8=sV8,
+            sQ=sQ, sQ_mma=sQ_mma, sK=sK, sV=sV, sP=sP, sRows=sRows, sO=sO,
             pipeline_q=pipeline_q, pipeline_k=pipeline_k, pipeline_v=pipeline_v,
+            sK8=sK8, sV8=sV8, pipeline_k8=pipeline_k8, pipeline_v8=pipeline_v8,
         )  # fmt: skip
         sources = LoadSources(
             mQ=mQ, mK=mK, mV=mV, mQV=mQV, mPageTable=mPageTable, tma_atom_Q=tma_atom_Q,
@@ -857,6 +892,10 @@ class FlashAttentionForwardSm90:
                     q_state.advance()
                     tile_idx, handoff = scheduler.fetch_next(tile_idx, handoff)
                 scheduler.finish()
+            elif const_expr(self.kv_fp8):  # warps 1-3: FP8 blocks -> fp16 (one tile per CTA)
+                tile_idx = scheduler.first_tile()
+                if scheduler.is_valid(tile_idx):
+                    self._convert_tile(buffers, scheduler.work_tile(tile_idx), shapes)
         else:
             cute.arch.setmaxregister_increase(self.config.mma_registers)
             tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
@@ -1024,12 +1063,16 @@ class FlashAttentionForwardSm90:
                 ),
             )  # fmt: skip
         else:
-            sK_ring = buf.sK8 if const_expr(self.kv_fp8) else buf.sK
-            k_loader = block_loader(sources.mK, sK_ring, buf.pipeline_k, sources.tma_atom_K, d)
+            sK_ring, k_ring = buf.sK, buf.pipeline_k
+            if const_expr(self.kv_fp8):  # (the converting warps fill buf.sK from these)
+                sK_ring, k_ring = buf.sK8, buf.pipeline_k8
+            k_loader = block_loader(sources.mK, sK_ring, k_ring, sources.tma_atom_K, d)
         v_loader = None  # (v_in_k: V is in K's stages)
         if const_expr(not self.variant.v_in_k):
-            sV_ring = buf.sV8 if const_expr(self.kv_fp8) else buf.sV
-            v_loader = block_loader(sources.mV, sV_ring, buf.pipeline_v, sources.tma_atom_V, dv)
+            sV_ring, v_ring = buf.sV, buf.pipeline_v
+            if const_expr(self.kv_fp8):
+                sV_ring, v_ring = buf.sV8, buf.pipeline_v8
+            v_loader = block_loader(sources.mV, sV_ring, v_ring, sources.tma_atom_V, dv)
         q_load = SimpleNamespace(copies=q_copies, ring=buf.pipeline_q, state=q_state)
 
         # (Gathering variants run this in every producer warp; Q is warp 0's.)
@@ -1053,6 +1096,26 @@ class FlashAttentionForwardSm90:
             if const_expr(self.persistent):
                 self._load_q(q_load)
         return kv_state
+
+    @cute.jit
+    def _convert_tile(self, buf: CtaBuffers, tile: WorkTile, shapes: ProblemShapes):
+        """Converting warps, one tile: each FP8 K and V block the TMA warp loads, in its order,
+        into the fp16 rings (kernels/kv_dequant.py)."""
+        seqlen, _, n_block_min, n_block_max = self._tile_problem(tile, shapes)
+        if n_block_max > n_block_min:
+            thread = cute.arch.thread_idx()[0] - 32
+            state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, self.config.num_stages
+            )
+            k_loader, v_loader = [
+                ConvertingBlockLoader(src, dst, ring8, ring16, thread, self.config.tile_n, seqlen_k)
+                for src, dst, ring8, ring16, seqlen_k in (
+                    (buf.sK8, buf.sK, buf.pipeline_k8, buf.pipeline_k, None),
+                    (buf.sV8, buf.sV, buf.pipeline_v8, buf.pipeline_v, seqlen.seqlen_k),
+                )
+            ]
+            k_loader.load(n_block_max - 1, state)
+            self._load_kv_blocks(k_loader, v_loader, state, n_block_min, n_block_max)
 
     def _block_loader(self, mX, sX, ring, atom, width, tile, kv_batch, seqlen, mPageTable):
         """The loader of K or V key blocks (width: d or dv) for one tile: rows gathered with
@@ -1241,9 +1304,6 @@ class FlashAttentionForwardSm90:
             pipeline_v=buf.pipeline_v,
             warpgroup_idx=warpgroup_idx,
             sV=buf.sV,
-            sK=buf.sK,
-            sK8=buf.sK8,
-            sV8=buf.sV8,
             last_block=n_block_max - 1,
             last_block_keys=seqlen.seqlen_k - (n_block_max - 1) * self.config.tile_n,
             halves=self._score_halves(buf.sRows, setup.tiled_mma_qk, tidx, warpgroup_idx)
@@ -1264,11 +1324,11 @@ class FlashAttentionForwardSm90:
         release_q_after_mainloop = const_expr(not self.o_overwrites_q)
         if const_expr(self.persistent):
             buf.pipeline_q.consumer_wait(q_state)  # loaded for every tile, empty or not
-            self._convert_q(buf)
+            self._convert_q(buf, tidx)
         if n_block_max > n_block_min:
             if const_expr(not self.persistent):
                 buf.pipeline_q.consumer_wait(q_state)
-                self._convert_q(buf)
+                self._convert_q(buf, tidx)
             if const_expr(trace is not None):
                 # (a second wait on the same phase returns at once)
                 self._wait_full(buf.pipeline_k, kv_state)
@@ -1493,56 +1553,32 @@ class FlashAttentionForwardSm90:
         P V and the next block's Q K^T: the caller waits before the first block and signals
         after the last."""
         self._wait_full(ctx.pipeline_k, kv_state)
-        k_stage = kv_state.index
-        if const_expr(self.kv_fp8):  # convert, then free the FP8 stage at once
-            self._dequantize(ctx, ctx.sK8, ctx.pipeline_k, kv_state, ctx.sK, self.config.tile_n)
-            k_stage = 0
-        acc_S = self._qk_gemm(ctx, k_stage, -1)
+        acc_S = self._qk_gemm(ctx, kv_state.index, -1)
         self._schedule_signal_next(ctx.warpgroup_idx)
         warpgroup.wait_group(0)
-        if const_expr(not self.kv_fp8):
-            self._release_k(ctx, kv_state)
+        self._release_k(ctx, kv_state)
         self._mask_scores(ctx, acc_S, n_block, mask_seqlen=is_first, masked=masked)
         row_scale = ctx.softmax.step(acc_S, is_first=is_first, halves=ctx.halves)
         self._scores_to_p(ctx, acc_S)
         self._rescale_o(ctx.acc_O, row_scale)
         self._wait_v(ctx, kv_state)
-        v_stage = kv_state.index
-        if const_expr(self.kv_fp8):  # the tile's last block: rows past the keys become zeros
-            valid = ctx.last_block_keys if const_expr(is_first) else self.config.tile_n
-            self._dequantize(ctx, ctx.sV8, ctx.pipeline_v, kv_state, ctx.sV, valid)
-            v_stage = 0
-        elif const_expr(is_first and self.clears_v_tail):
+        if const_expr(is_first and self.clears_v_tail):
             self._clear_v_tail(ctx, kv_state.index, n_block)
         self._schedule_wait(ctx.warpgroup_idx)
-        self._pv_gemm(ctx, v_stage, 0)
-        if const_expr(not self.kv_fp8):
-            self._release_v(ctx, kv_state)
+        self._pv_gemm(ctx, kv_state.index, 0)
+        self._release_v(ctx, kv_state)
         kv_state.advance()
         return kv_state
 
-    def _dequantize(self, ctx, ring_smem, ring, state, block_smem, valid_rows):
-        """FP8 K/V: convert the block in `ring`'s stage `state` into the 16-bit block the
-        GEMM reads, then free the stage (the producer may refill it while the GEMM runs)."""
-        convert_block(
-            ring_smem[None, None, state.index],
-            block_smem[None, None, 0],
-            cute.arch.thread_idx()[0] % THREADS_PER_WARPGROUP,
-            int(NamedBarrier.KV_DEQUANT),
-            valid_rows,
-        )
-        ring.consumer_release(state)
-
-    def _convert_q(self, buf: CtaBuffers):
-        """FP8 cache, bf16 q: Q's tile to fp16 in place (buf.sQ_mma), saturating."""
+    def _convert_q(self, buf: CtaBuffers, tidx: Int32):
+        """FP8 cache, bf16 q: Q's tile to fp16 in place (buf.sQ_mma), saturating, by the MMA
+        warps (tidx: this one's thread), which then sync."""
         if const_expr(self.converts_q):
             convert_block(
-                buf.sQ,
-                buf.sQ_mma,
-                cute.arch.thread_idx()[0] % THREADS_PER_WARPGROUP,
-                int(NamedBarrier.KV_DEQUANT),
-                self.config.tile_m,
-                saturate=True,
+                buf.sQ, buf.sQ_mma, tidx, self.num_mma_threads, self.config.tile_m, saturate=True
+            )
+            cute.arch.barrier(
+                barrier_id=int(NamedBarrier.Q_CONVERT), number_of_threads=self.num_mma_threads
             )
 
     def _split_scores_barrier(self):

@@ -1,61 +1,104 @@
-"""FP8 K/V blocks turned into the fp16 tiles the WGMMAs read (variants with an FP8 cache).
+"""FP8 (float8_e4m3fn) K/V caches: the blocks the loads bring in, turned into the fp16 blocks the
+WGMMAs read.
 
-The producer loads float8_e4m3fn key blocks into their own ring; the MMA warpgroup converts
-each block into a single fp16 tile (same swizzled layout as a 16-bit ring's stage) just before
-its GEMM and frees the FP8 stage at once. Every e4m3 value is exact in fp16, and one
-instruction converts two of them (bf16 would take four: e4m3 -> f16 -> f32 -> bf16), so with
-an FP8 cache the GEMMs run in fp16; a bf16 Q tile is converted to fp16 in place once it lands
-(saturating at +-65504, fp16's largest value). The per-(batch, kv head) descales are folded
-into the softmax scale (K) and the output's row normalization (V), not applied per element.
+The TMA warp loads FP8 key blocks into FP8 rings; the producer warpgroup's three other warps
+(CONVERT_THREADS) convert each block into the matching stage of fp16 rings, which the MMA
+warpgroups consume exactly as they consume a 16-bit cache's rings. So the conversion runs beside
+the MMA warps' GEMMs and softmax rather than in their path. Every e4m3 value is exact in fp16,
+and one instruction converts two of them (bf16 would take four: e4m3 -> f16 -> f32 -> bf16), so
+with an FP8 cache the GEMMs run in fp16; a bf16 Q tile is converted to fp16 in place once it
+lands (saturating at +-65504, fp16's largest value). The per-(batch, kv head) descales are
+folded into the softmax scale (K) and the output's row normalization (V), not applied per
+element.
 """
+
+from dataclasses import dataclass
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 
-THREADS_PER_WARPGROUP = 128
 PIECE = 16  # elements per thread and step: one 16-byte FP8 load, or two 16-byte 16-bit loads
 FP16_MAX = 65504.0
+CONVERT_THREADS = 96  # warps 1-3 of the producer warpgroup (warp 0 issues the TMA loads)
 
 
 @cute.jit
 def convert_block(
     src: cute.Tensor,
     dst: cute.Tensor,
-    wg_thread: Int32,
-    barrier_id: int,
+    thread: Int32,
+    num_threads: cutlass.Constexpr[int],
     valid_rows: Int32,
     saturate: cutlass.Constexpr[bool] = False,
 ):
-    """dst (rows, width) = src (rows, width) in dst's dtype, by one warpgroup (its thread
-    wg_thread); rows from valid_rows on written as zeros (a cache's slots past the sequence
-    may hold anything, NaN included, and P is 0 there: 0 * NaN must not reach O). src and dst
-    may be the same smem (each thread reads its pieces before writing them). saturate: clamp
-    to dst's finite range (bf16 -> fp16). Then the stores are made visible to the
-    warpgroup's WGMMAs and the warpgroup syncs."""
+    """dst (rows, width) = src (rows, width) in dst's dtype, by num_threads threads (this one:
+    `thread`); rows from valid_rows on written as zeros (a cache's slots past the sequence may
+    hold anything, NaN included, and P is 0 there: 0 * NaN must not reach O). src and dst may
+    be the same smem (each thread reads its pieces before writing them). saturate: clamp to
+    dst's finite range (bf16 -> fp16). Each thread then makes its stores visible to the async
+    proxy (the WGMMAs); the caller orders them before the readers (a barrier or an arrive)."""
     rows, width = cute.size(src, mode=[0]), cute.size(src, mode=[1])
     per_row = width // PIECE
     count = rows * per_row
-    assert count % THREADS_PER_WARPGROUP == 0, (rows, width)
     src_pieces = cute.zipped_divide(src, (1, PIECE))  # ((1, 16), (rows, width / 16))
     dst_pieces = cute.zipped_divide(dst, (1, PIECE))
-    for i in cutlass.range_constexpr(count // THREADS_PER_WARPGROUP):
-        j = wg_thread + i * THREADS_PER_WARPGROUP
-        row = j // per_row
-        col = j - row * per_row
-        raw = cute.make_rmem_tensor((1, PIECE), src.element_type)
-        cute.autovec_copy(src_pieces[None, (row, col)], raw)
-        wide = cute.make_rmem_tensor((1, PIECE), dst.element_type)
-        if cutlass.const_expr(saturate):
-            f32 = cute.make_rmem_tensor((1, PIECE), Float32)
-            f32.store(raw.load().to(Float32))
-            for e in cutlass.range_constexpr(PIECE):
-                f32[e] = cutlass.max(cutlass.min(f32[e], FP16_MAX), -FP16_MAX)
-            wide.store(f32.load().to(dst.element_type))
-        else:
-            wide.store(raw.load().to(dst.element_type))
-        if row >= valid_rows:
-            wide.fill(0.0)
-        cute.autovec_copy(wide, dst_pieces[None, (row, col)])
-    cute.arch.fence_view_async_shared()  # generic-proxy stores -> the WGMMA's reads
-    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS_PER_WARPGROUP)
+    for i in cutlass.range_constexpr((count + num_threads - 1) // num_threads):
+        j = thread + i * num_threads
+        if j < count or cutlass.const_expr(count % num_threads == 0):
+            row = j // per_row
+            col = j - row * per_row
+            raw = cute.make_rmem_tensor((1, PIECE), src.element_type)
+            cute.autovec_copy(src_pieces[None, (row, col)], raw)
+            wide = cute.make_rmem_tensor((1, PIECE), dst.element_type)
+            if cutlass.const_expr(saturate):
+                f32 = cute.make_rmem_tensor((1, PIECE), Float32)
+                f32.store(raw.load().to(Float32))
+                for e in cutlass.range_constexpr(PIECE):
+                    f32[e] = cutlass.max(cutlass.min(f32[e], FP16_MAX), -FP16_MAX)
+                wide.store(f32.load().to(dst.element_type))
+            else:
+                wide.store(raw.load().to(dst.element_type))
+            if row >= valid_rows:
+                wide.fill(0.0)
+            cute.autovec_copy(wide, dst_pieces[None, (row, col)])
+    cute.arch.fence_view_async_shared()  # generic-proxy stores -> the WGMMAs' reads
+
+
+@dataclass(frozen=True)
+class ConvertingBlockLoader:
+    """A block "loader" for the converting warps, run in the TMA warp's order of loads (so it
+    takes the same PipelineState walk): block n waits in the FP8 ring, is converted into the
+    same stage of the fp16 ring, committed there, and its FP8 stage freed. Both rings have the
+    same stages; `state` is the fp16 ring's producer state (the FP8 ring's consumer phase is
+    its complement). seqlen_k: V's loader zeroes rows past it (None: K's, whose rows past the
+    sequence are masked out of the scores)."""
+
+    src: cute.Tensor  # (tile_n, width, stages) FP8
+    dst: cute.Tensor  # (tile_n, width, stages) fp16
+    ring8: pipeline.PipelineAsync
+    ring16: pipeline.PipelineAsync
+    thread: Int32
+    tile_n: int
+    seqlen_k: Optional[Int32] = None
+
+    @cute.jit
+    def load(self, n_block: Int32, state: pipeline.PipelineState):
+        state8 = pipeline.PipelineState(state.stages, state.count, state.index, state.phase ^ 1)
+        self.ring8.consumer_wait(state8)
+        self.ring16.producer_acquire(state)
+        valid = Int32(self.tile_n)
+        if cutlass.const_expr(self.seqlen_k is not None):
+            valid = self.seqlen_k - n_block * self.tile_n
+        convert_block(
+            self.src[None, None, state.index],
+            self.dst[None, None, state.index],
+            self.thread,
+            CONVERT_THREADS,
+            valid,
+        )
+        self.ring16.producer_commit(state)
+        cute.arch.sync_warp()  # every lane's reads of the FP8 stage are done
+        self.ring8.consumer_release(state8)

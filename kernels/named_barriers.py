@@ -16,4 +16,4 @@ class NamedBarrier(enum.IntEnum):
     V_TAIL_2 = 8
     V_TAIL_3 = 9
     SPLIT_SCORES = 10  # split_scores: the two warpgroups sharing a tile's rows
-    KV_DEQUANT = 11  # FP8 K/V: the MMA warpgroup after converting a block (kernels/kv_dequant.py)
+    Q_CONVERT = 11  # FP8 K/V, bf16 q: the MMA warps after converting Q to fp16 (kv_dequant)
