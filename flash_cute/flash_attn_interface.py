@@ -193,11 +193,8 @@ def flash_attn_varlen_func(
     See flash_cute.flash_attn_varlen_func."""
     if type(window_size) is not tuple:
         window_size = _window_pair(window_size)
-    if q_descale is not None or k_descale is not None or v_descale is not None or sm_margin:
-        _unsupported(
-            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-            sm_margin=sm_margin or None,
-        )  # fmt: skip
+    if q_descale is not None or sm_margin:
+        _unsupported(q_descale=q_descale, sm_margin=sm_margin or None)
     if cu_seqlens_q is None:
         # Padded queries: FlashAttention-3's non-varlen path.
         if cu_seqlens_k is not None or seqused_q is not None:
@@ -208,12 +205,13 @@ def flash_attn_varlen_func(
         return _native_kvcache(
             q, k, v, seqused_k, None, softmax_scale, causal, num_splits, pack_gqa,
             return_attn_probs, None, None, window_size, attention_chunk, softcap, learnable_sink,
-            qv=qv,
+            qv=qv, k_descale=k_descale, v_descale=v_descale,
         )  # fmt: skip
     return _native_varlen(
         q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k, None,
         softmax_scale, causal, num_splits, pack_gqa, return_attn_probs, None, None, window_size,
-        attention_chunk, softcap, learnable_sink, seqused_q, qv=qv,
+        attention_chunk, softcap, learnable_sink, seqused_q, qv=qv, k_descale=k_descale,
+        v_descale=v_descale,
     )  # fmt: skip
 
 
@@ -266,7 +264,9 @@ def flash_attn_with_kvcache(
     cache_batch_idx, cache_leftpad: (batch,) int32. Returns out shaped like q, and with
     return_softmax_lse (out, softmax_lse, out_accum, softmax_lse_accum): softmax_lse
     (batch, nheads, seqlen_q) or (nheads, total_q) fp32, the accumulators empty (flash_cute
-    merges split partials inside the launch). rotary_seqlens matters only with rotary_cos,
+    merges split partials inside the launch). An FP8 cache (float8_e4m3fn k_cache, v_cache
+    with 16-bit q) takes k_descale, v_descale (batch, nheads_kv) float32; q_descale (FP8 q)
+    is not served. rotary_seqlens matters only with rotary_cos,
     which flash_cute does not serve yet (refused); alone it is ignored, as FlashAttention-3
     ignores it. See flash_cute.flash_attn_with_kvcache."""
     if type(window_size) is not tuple:
@@ -278,8 +278,6 @@ def flash_attn_with_kvcache(
         or rotary_sin is not None
         or cu_seqlens_k_new is not None
         or q_descale is not None
-        or k_descale is not None
-        or v_descale is not None
         or sm_margin
     ):
         _unsupported(
@@ -289,8 +287,6 @@ def flash_attn_with_kvcache(
             rotary_sin=rotary_sin,
             cu_seqlens_k_new=cu_seqlens_k_new,
             q_descale=q_descale,
-            k_descale=k_descale,
-            v_descale=v_descale,
             sm_margin=sm_margin or None,
         )
     if scheduler_metadata is not None:
@@ -299,7 +295,7 @@ def flash_attn_with_kvcache(
         result = _native_kvcache(
             q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, causal, num_splits,
             pack_gqa, return_softmax_lse, None, None, window_size, attention_chunk, softcap,
-            learnable_sink, cache_batch_idx, cache_leftpad, qv,
+            learnable_sink, cache_batch_idx, cache_leftpad, qv, k_descale, v_descale,
         )  # fmt: skip
     else:
         if max_seqlen_q is None:
@@ -314,7 +310,7 @@ def flash_attn_with_kvcache(
             q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, None, seqused_k, None, page_table,
             softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, None, None,
             window_size, attention_chunk, softcap, learnable_sink, None, cache_batch_idx,
-            cache_leftpad, qv,
+            cache_leftpad, qv, k_descale, v_descale,
         )  # fmt: skip
     if not return_softmax_lse:
         return result

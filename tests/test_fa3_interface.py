@@ -323,7 +323,7 @@ def _q_k():
             lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, cu_seqlens_k_new=int32(0, 1)),
             ["cu_seqlens_k_new"],
         ),  # noqa: E501
-        (lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, k_descale=1), ["k_descale"]),
+        (lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, q_descale=1), ["q_descale"]),
         (lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, sm_margin=2), ["sm_margin"]),
     ],
 )

@@ -94,3 +94,23 @@ def test_tiny_models_run_eagerly(model_type):
     model = AutoModelForCausalLM.from_config(config)
     logits = model(torch.randint(0, 100, (2, 17))).logits
     assert logits.shape[:2] == (2, 17) and torch.isfinite(logits).all()
+
+
+def test_fp8_cache_and_descales_reach_the_kernel_call(monkeypatch):
+    """float8_e4m3fn key/value (an FP8 cache) go to flash_attn_with_kvcache as they are, with
+    the k_descale / v_descale keyword arguments."""
+    seen = {}
+
+    def native(q, k, v, **kwargs):
+        seen.update(k=k, v=v, **kwargs)
+        return q
+
+    monkeypatch.setattr(fc_transformers.interface, "flash_attn_with_kvcache", native)
+    q, k, v = qkv()
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    scale = torch.ones(2, 2)
+    fc_transformers.flash_cute_attention_forward(
+        Layer(), q, k8, v8, None, k_descale=scale, v_descale=scale
+    )
+    assert seen["k"].dtype == torch.float8_e4m3fn and seen["v"].dtype == torch.float8_e4m3fn
+    assert seen["k_descale"] is scale and seen["v_descale"] is scale

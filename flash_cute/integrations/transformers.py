@@ -67,7 +67,9 @@ def flash_cute_attention_forward(
 ):
     """transformers' attention function: query (batch, nheads, seqlen_q, head_dim), key and
     value (batch, nheads_kv, seqlen_k, head_dim), attention_mask None or a (batch, seqlen_k)
-    bool mask of left padding. Returns ((batch, seqlen_q, nheads, head_dim), None)."""
+    bool mask of left padding. Returns ((batch, seqlen_q, nheads, head_dim), None). A cache
+    holding float8_e4m3fn key and value is read as an FP8 cache, with the (batch, nheads_kv)
+    float32 scales of the `k_descale` and `v_descale` keyword arguments (default 1)."""
     if dropout and module.training:
         _refuse(f"attention dropout (p={dropout}) in training")
     if kwargs.get("output_attentions"):
@@ -78,7 +80,9 @@ def flash_cute_attention_forward(
         # A 16-bit model whose rotary embedding or norms left fp32 activations (as
         # transformers' FlashAttention path does: back to the weights' or autocast's dtype).
         dtype = _half_dtype_of(module, query.device.type)
-        query, key, value = (t.to(dtype) for t in (query, key, value))
+        query, key, value = (
+            t.to(dtype) if t.dtype == torch.float32 else t for t in (query, key, value)
+        )
     if query.dtype not in (torch.float16, torch.bfloat16):
         _refuse(f"{query.dtype} activations (load the model in float16 or bfloat16)")
     if is_causal is None:
@@ -98,7 +102,16 @@ def flash_cute_attention_forward(
     # The cache entry point serves prefill and decode alike (decode steps get its split-KV
     # heuristic and decode tiles); a left-padded batch gives each row's first key.
     leftpad = None if attention_mask is None else _left_padding(attention_mask, k.shape[1])
-    return interface.flash_attn_with_kvcache(q, k, v, cache_leftpad=leftpad, **mask_options), None
+    out = interface.flash_attn_with_kvcache(
+        q,
+        k,
+        v,
+        cache_leftpad=leftpad,
+        k_descale=kwargs.get("k_descale"),
+        v_descale=kwargs.get("v_descale"),
+        **mask_options,
+    )
+    return out, None
 
 
 def _half_dtype_of(module: torch.nn.Module, device_type: str) -> torch.dtype:
