@@ -22,6 +22,7 @@ from cutlass import Float32, Int32
 
 PIECE = 16  # elements per thread and step: one 16-byte FP8 load, or two 16-byte 16-bit loads
 FP16_MAX = 65504.0
+BATCH = 4  # pieces loaded ahead of their stores (11: 4% slower, 1: 22% slower)
 CONVERT_THREADS = 96  # warps 1-3 of the producer warpgroup (warp 0 issues the TMA loads)
 
 
@@ -37,33 +38,45 @@ def convert_block(
     """dst (rows, width) = src (rows, width) in dst's dtype, by num_threads threads (this one:
     `thread`); rows from valid_rows on written as zeros (a cache's slots past the sequence may
     hold anything, NaN included, and P is 0 there: 0 * NaN must not reach O). src and dst may
-    be the same smem (each thread reads its pieces before writing them). saturate: clamp to
+    be the same smem only where a thread's pieces fit one batch (each thread reads a batch of
+    its pieces before writing them). saturate: clamp to
     dst's finite range (bf16 -> fp16). Each thread then makes its stores visible to the async
     proxy (the WGMMAs); the caller orders them before the readers (a barrier or an arrive)."""
     rows, width = cute.size(src, mode=[0]), cute.size(src, mode=[1])
     per_row = width // PIECE
     count = rows * per_row
+    steps = (count + num_threads - 1) // num_threads
+    exact = count % num_threads == 0
     src_pieces = cute.zipped_divide(src, (1, PIECE))  # ((1, 16), (rows, width / 16))
     dst_pieces = cute.zipped_divide(dst, (1, PIECE))
-    for i in cutlass.range_constexpr((count + num_threads - 1) // num_threads):
-        j = thread + i * num_threads
-        if j < count or cutlass.const_expr(count % num_threads == 0):
-            row = j // per_row
-            col = j - row * per_row
-            raw = cute.make_rmem_tensor((1, PIECE), src.element_type)
-            cute.autovec_copy(src_pieces[None, (row, col)], raw)
-            wide = cute.make_rmem_tensor((1, PIECE), dst.element_type)
-            if cutlass.const_expr(saturate):
-                f32 = cute.make_rmem_tensor((1, PIECE), Float32)
-                f32.store(raw.load().to(Float32))
-                for e in cutlass.range_constexpr(PIECE):
-                    f32[e] = cutlass.max(cutlass.min(f32[e], FP16_MAX), -FP16_MAX)
-                wide.store(f32.load().to(dst.element_type))
-            else:
-                wide.store(raw.load().to(dst.element_type))
-            if row >= valid_rows:
-                wide.fill(0.0)
-            cute.autovec_copy(wide, dst_pieces[None, (row, col)])
+    # Loads in batches ahead of their stores: the compiler cannot move a load above a store
+    # to smem it may alias, so one piece at a time would wait out each load's latency.
+    partial = valid_rows < rows  # (the tile's last block only)
+    for first in cutlass.range_constexpr(0, steps, BATCH):
+        batch = min(BATCH, steps - first)
+        raw = [cute.make_rmem_tensor((1, PIECE), src.element_type) for _ in range(batch)]
+        for b in cutlass.range_constexpr(batch):
+            j = thread + (first + b) * num_threads
+            if j < count or cutlass.const_expr(exact):
+                row = j // per_row
+                cute.autovec_copy(src_pieces[None, (row, j - row * per_row)], raw[b])
+        for b in cutlass.range_constexpr(batch):
+            j = thread + (first + b) * num_threads
+            if j < count or cutlass.const_expr(exact):
+                row = j // per_row
+                wide = cute.make_rmem_tensor((1, PIECE), dst.element_type)
+                if cutlass.const_expr(saturate):
+                    f32 = cute.make_rmem_tensor((1, PIECE), Float32)
+                    f32.store(raw[b].load().to(Float32))
+                    for e in cutlass.range_constexpr(PIECE):
+                        f32[e] = cutlass.max(cutlass.min(f32[e], FP16_MAX), -FP16_MAX)
+                    wide.store(f32.load().to(dst.element_type))
+                else:
+                    wide.store(raw[b].load().to(dst.element_type))
+                if partial:
+                    if row >= valid_rows:
+                        wide.fill(0.0)
+                cute.autovec_copy(wide, dst_pieces[None, (row, j - row * per_row)])
     cute.arch.fence_view_async_shared()  # generic-proxy stores -> the WGMMAs' reads
 
 
