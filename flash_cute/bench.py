@@ -280,86 +280,135 @@ class DecodeRow:
     us: Dict[str, float] = field(default_factory=dict)  # "peer" eager, "peer/graph" replayed
 
     def tbs(self, name: str) -> float:
-        return self.kv_bytes / self.us[name] / 1e6
+        """K+V bytes read per second (an "_fp8" peer reads half the bf16 cache's bytes)."""
+        scale = 0.5 if name.split("/")[0].endswith("_fp8") else 1.0
+        return scale * self.kv_bytes / self.us[name] / 1e6
+
+
+def _flashinfer_decode(q, k_cache, v_cache, page_table, seqlens) -> Callable[[], object]:
+    """FlashInfer's paged decode (BatchDecodeWithPagedKVCacheWrapper, NHD pages) of q (batch,
+    1, nheads, d) over k_cache, v_cache (num_pages, page_size, nheads_kv, d) in bf16 or
+    float8_e4m3fn (scales 1); planned here (a host sync), so the callable only runs."""
+    import flashinfer
+
+    batch, _, nheads, d = q.shape
+    page, nheads_kv = k_cache.shape[1], k_cache.shape[2]
+    used = (seqlens.long() + page - 1) // page
+    indptr = torch.zeros(batch + 1, dtype=torch.int32, device="cuda")
+    indptr[1:] = used.cumsum(0)
+    indices = page_table[torch.arange(page_table.shape[1], device="cuda") < used[:, None]]
+    last = (seqlens.long() - (used - 1) * page).to(torch.int32)
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    wrapper.plan(
+        indptr, indices.to(torch.int32), last, nheads, nheads_kv, d, page,
+        q_data_type=q.dtype, kv_data_type=k_cache.dtype,
+    )  # fmt: skip
+    q3 = q[:, 0]
+    out = torch.empty_like(q3)
+    return lambda: wrapper.run(q3, (k_cache, v_cache), out=out)
+
+
+def _try_peer(peers: Dict[str, Callable[[], object]], name: str, make) -> None:
+    """peers[name] = make() once a first call runs; otherwise a line on stderr saying why."""
+    try:
+        fn = make()
+        fn()
+        peers[name] = fn
+    except Exception as exc:
+        print(f"# {name} unavailable: {type(exc).__name__}: {str(exc)[:160]}", file=sys.stderr)
 
 
 def decode_peers(
     q, k, v, page_size: int, seqlens: torch.Tensor, gen
 ) -> Dict[str, Callable[[], object]]:
     """(batch, 1, nheads, d) decode against k/v (batch, seqlen_k, nheads_kv, d), paged when
-    page_size."""
+    page_size: flash_cute and FlashInfer on the bf16 cache and on its float8_e4m3fn copy
+    ("_fp8", descales 1), FlashAttention-4, and on contiguous caches every SDPA backend."""
     import flash_cute
 
     batch, seqlen_k = k.shape[0], k.shape[1]
-    peers = {}
+    fp8 = torch.float8_e4m3fn
+    k8, v8 = k.to(fp8), v.to(fp8)
+    ones = torch.ones(1, device="cuda").expand(batch, k.shape[2])
+    peers: Dict[str, Callable[[], object]] = {}
     if page_size:
         pages = seqlen_k // page_size
         num_pages = batch * pages
         perm = torch.randperm(num_pages, device="cuda", generator=gen)
         page_table = perm.view(batch, pages).to(torch.int32)
-        k_cache = torch.empty(num_pages, page_size, *k.shape[2:], dtype=k.dtype, device="cuda")
-        v_cache = torch.empty_like(k_cache)
-        k_cache[perm] = k.reshape(num_pages, page_size, *k.shape[2:])
-        v_cache[perm] = v.reshape(num_pages, page_size, *v.shape[2:])
-        peers["flash_cute"] = lambda: flash_cute.flash_attn_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens=seqlens, page_table=page_table
+
+        def paged(x):
+            cache = torch.empty(num_pages, page_size, *x.shape[2:], dtype=x.dtype, device="cuda")
+            cache.view(torch.uint8)[perm] = x.view(torch.uint8).reshape(
+                num_pages, page_size, *x.shape[2:-1], -1
+            )
+            return cache
+
+        kc, vc, kc8, vc8 = paged(k), paged(v), paged(k8), paged(v8)
+    else:  # (FlashInfer reads a contiguous cache as pages of 16 keys)
+        kc, vc, kc8, vc8 = k, v, k8, v8
+        page_table = None
+    peers["flash_cute"] = lambda: flash_cute.flash_attn_with_kvcache(
+        q, kc, vc, cache_seqlens=seqlens, page_table=page_table
+    )
+    peers["flash_cute_fp8"] = lambda: flash_cute.flash_attn_with_kvcache(
+        q, kc8, vc8, cache_seqlens=seqlens, page_table=page_table, k_descale=ones, v_descale=ones
+    )
+    fi_page = page_size or 16
+    fi_table = page_table
+    if not page_size:
+        fi_table = torch.arange(batch * seqlen_k // 16, device="cuda", dtype=torch.int32).view(
+            batch, -1
         )
-        try:
+    for name, a, b in (("flashinfer", kc, vc), ("flashinfer_fp8", kc8, vc8)):
+        if not page_size:
+            a, b = (t.view(-1, fi_page, *t.shape[2:]) for t in (a, b))
+        _try_peer(peers, name, lambda a=a, b=b: _flashinfer_decode(q, a, b, fi_table, seqlens))
+    if page_size:
+
+        def fa4_paged():
             from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
 
             cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
             q_packed = q.reshape(batch, *q.shape[2:])
+            return lambda: fa4_varlen(
+                q_packed, kc, vc, cu_seqlens_q=cu_q, seqused_k=seqlens, page_table=page_table,
+                max_seqlen_q=1,
+            )  # fmt: skip
 
-            def run_fa4():
-                return fa4_varlen(
-                    q_packed,
-                    k_cache,
-                    v_cache,
-                    cu_seqlens_q=cu_q,
-                    seqused_k=seqlens,
-                    page_table=page_table,
-                    max_seqlen_q=1,
-                )
-
-            run_fa4()
-            peers["fa4"] = run_fa4
-        except Exception as exc:
-            print(
-                f"# fa4 paged unavailable: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr
-            )
+        _try_peer(peers, "fa4", fa4_paged)
         return peers
-    peers["flash_cute"] = lambda: flash_cute.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    try:
-        sdpa(qt, kt, vt, enable_gqa=True)
-        peers["sdpa"] = lambda: sdpa(qt, kt, vt, enable_gqa=True)
-    except Exception as exc:
-        print(f"# sdpa unavailable: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
-    if q.shape[-1] > 256:  # SDPA's only backend for these head dims, on K/V expanded to q's heads
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+    rep = q.shape[2] // k.shape[2]
+    for name, backend in (
+        ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+        ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION),
+    ):
 
-        rep = q.shape[2] // k.shape[2]
-        ke, ve = (t.repeat_interleave(rep, dim=1) for t in (kt, vt))
+        def make(backend=backend):
+            # (efficient attention takes no enable_gqa: K/V expanded to q's heads)
+            gqa = backend is not SDPBackend.EFFICIENT_ATTENTION
+            ke, ve = (kt, vt) if gqa else (t.repeat_interleave(rep, dim=1) for t in (kt, vt))
 
-        def run_efficient():
-            with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-                return sdpa(qt, ke, ve)
+            def run():
+                with sdpa_kernel(backend):
+                    return sdpa(qt, ke, ve, enable_gqa=gqa)
 
-        try:
-            run_efficient()
-            peers["sdpa_efficient"] = run_efficient
-        except Exception as exc:
-            reason = f"{type(exc).__name__}: {str(exc)[:120]}"
-            print(f"# sdpa_efficient unavailable: {reason}", file=sys.stderr)
-    try:
+            return run
+
+        _try_peer(peers, name, make)
+
+    def fa4_dense():
         from flash_attn.cute import flash_attn_func as fa4_func
 
-        fa4_func(q, k, v)
-        peers["fa4"] = lambda: fa4_func(q, k, v)
-    except Exception as exc:
-        print(f"# fa4 unavailable: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+        return lambda: fa4_func(q, k, v)
+
+    _try_peer(peers, "fa4", fa4_dense)
     return peers
 
 
@@ -378,7 +427,7 @@ def run_decode(
     for batch in batches:
         for seqlen_k in seqlens:
             kv_bytes = 2 * batch * seqlen_k * nheads_kv * d * 2
-            if 2 * kv_bytes > memory_fraction * free:  # paged copies double it
+            if 3 * kv_bytes > memory_fraction * free:  # paged and FP8 copies triple it
                 print(
                     f"# skip batch={batch} seqlen_k={seqlen_k}: {kv_bytes / 1e9:.1f} GB",
                     file=sys.stderr,
@@ -1050,7 +1099,7 @@ def main(argv=None) -> int:
     sw.add_argument("--plot", default=None, help="PNG of TFLOP/s per config and sequence length")
     sub.add_parser("host", help="host time per eager call, and the disk cache's first-call times")
     dec = sub.add_parser("decode", help="KV-cache decoding, contiguous and paged")
-    dec.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
+    dec.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 32, 128])
     dec.add_argument("--seqlens", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
     dec.add_argument("--pages", type=int, nargs="+", default=[0, 16, 64], help="0: contiguous")
     dec.add_argument("--hdim", type=int, default=128)
@@ -1193,7 +1242,7 @@ def main(argv=None) -> int:
         copy_gbs = copy_bandwidth_gbs()
         print(f"device-to-device copy: {copy_gbs / 1e3:.2f} TB/s (read + write)", flush=True)
         rows = run_decode(
-            args.batch, args.seqlens, args.pages, not args.no_graphs, 0.4, args.hdim, args.heads
+            args.batch, args.seqlens, args.pages, not args.no_graphs, 0.85, args.hdim, args.heads
         )
         print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
         print(decode_table(rows, copy_gbs))

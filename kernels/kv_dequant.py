@@ -38,8 +38,7 @@ def convert_block(
     """dst (rows, width) = src (rows, width) in dst's dtype, by num_threads threads (this one:
     `thread`); rows from valid_rows on written as zeros (a cache's slots past the sequence may
     hold anything, NaN included, and P is 0 there: 0 * NaN must not reach O). src and dst may
-    be the same smem only where a thread's pieces fit one batch (each thread reads a batch of
-    its pieces before writing them). saturate: clamp to
+    be the same smem (each piece is read, then written, by one thread). saturate: clamp to
     dst's finite range (bf16 -> fp16). Each thread then makes its stores visible to the async
     proxy (the WGMMAs); the caller orders them before the readers (a barrier or an arrive)."""
     rows, width = cute.size(src, mode=[0]), cute.size(src, mode=[1])
