@@ -577,6 +577,20 @@ ODD_HEAD_DIM_KEYS = [
 ]
 
 
+# FP8 caches (kernels/kv_dequant.py), as the plan step picks them: split paged decode, fp16
+# prefill, varlen over small pages with the masks, a V head dim of its own, an odd head dim.
+FP8_KEYS = [
+    _planned(128, nheads=32, kv_layout="paged", page_size=64, seqused_k=True, causal=True,
+             kv_dtype="float8_e4m3fn"),
+    _planned(64, "float16", seqlen_q=1000, keys=1000, causal=True, kv_dtype="float8_e4m3fn"),
+    _planned(256, nheads=16, nheads_kv=4, seqlen_q=17, keys=512, varlen_q=True, total_q=40,
+             kv_layout="paged", page_size=16, seqused_k=True, softcap=30.0, window_left=100,
+             learnable_sink="bfloat16", causal=True, kv_dtype="float8_e4m3fn"),
+    _planned(192, nheads=16, nheads_kv=16, head_dim_v=128, kv_dtype="float8_e4m3fn"),
+    _planned(80, nheads=32, kv_dtype="float8_e4m3fn", writes_lse=True),
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "key",
     TABLE_KEYS
@@ -586,7 +600,8 @@ ODD_HEAD_DIM_KEYS = [
     + MLA_KEYS
     + O_SPLIT_KEYS
     + ODD_HEAD_DIM_KEYS
-    + TRACE_KEYS,
+    + TRACE_KEYS
+    + FP8_KEYS,
     ids=_id,
 )
 def test_variant_compiles_clean(key):
