@@ -5,6 +5,8 @@ lengths, a per-sequence float32 reference and the error bar of test_forward_gpu.
 learnable_sink); they are passed unchanged to the entry point and to the reference.
 """
 
+import warnings
+
 import torch
 
 import flash_cute
@@ -14,6 +16,22 @@ from flash_cute.reference import attention_ref, error_bound, gather_paged, stabl
 def rand(*shape, dtype=torch.bfloat16, gen=None):
     """A random CUDA tensor (bf16 by default) from generator gen."""
     return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+
+
+def captured(step):
+    """(graph, output): step() called once (compiling, and setting aside pre-zeroed counters),
+    then captured in a CUDA graph on a side stream; a capture that would fall back to a
+    captured zero fill (a warning) fails."""
+    step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            out = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, out
 
 
 def cu_seqlens(lengths):

@@ -5,7 +5,7 @@ are poisoned (NaN) before each call; cache slots past each sequence hold NaN."""
 
 import pytest
 import torch
-from kv_cases import assert_close_to_reference, cu_seqlens, reference_per_sequence
+from kv_cases import assert_close_to_reference, captured, cu_seqlens, reference_per_sequence
 
 import flash_cute
 from flash_cute.reference import stable_seed
@@ -213,13 +213,7 @@ def test_fp8_decode_graph_replay():
             num_splits=8, k_descale=kd, v_descale=vd,
         )  # fmt: skip
 
-    step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        graph_out = step()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, graph_out = captured(step)
     for _ in range(3):
         lengths.copy_(torch.randint(1, capacity + 1, (batch,), device="cuda", generator=gen))
         q.copy_(torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen))

@@ -5,12 +5,12 @@ outputs poisoned (NaN) before each call.
 """
 
 import functools
-import warnings
 
 import pytest
 import torch
 from kv_cases import (
     assert_close_to_reference,
+    captured,
     cu_seqlens,
     make_cache,
     ragged_lengths,
@@ -619,15 +619,7 @@ def test_split_decode_graph_replays_one_kernel():
             q, k_cache, v_cache, cache_seqlens=lengths, causal=True, num_splits=6
         )
 
-    step()  # compiles, and sets aside pre-zeroed counters for captures
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback to a captured zero fill
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            graph_out = step()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, graph_out = captured(step)
     for _ in range(4):
         lengths.copy_(torch.randint(1, capacity + 1, (batch,), device="cuda", generator=gen))
         q.copy_(torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen))
