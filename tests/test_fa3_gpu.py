@@ -296,7 +296,16 @@ def test_custom_ops_run_for_real():
     torch.library.opcheck(
         ops.flash_attn_with_kvcache_op,
         (q[:, :1], k, k, lens, None, None, None, True, 0, None, True, torch.empty_like(q[:, :1]),
-         None, [-1, -1], 0, 0.0, None, None, None, None),
+         None, [-1, -1], 0, 0.0, None, None, None, None, None, None),
+    )  # fmt: skip
+    k8, scale = k.to(torch.float8_e4m3fn), torch.full((2, 2), 0.5, device="cuda")
+    torch.library.opcheck(  # an FP8 cache with its descales (test_schema multiplies the
+        # inputs, which torch has no float8 kernel for)
+        ops.flash_attn_with_kvcache_op,
+        (q[:, :1], k8, k8, lens, None, None, None, True, 0, None, True,
+         torch.empty_like(q[:, :1]), None, [-1, -1], 0, 0.0, None, None, None, None, scale,
+         scale),
+        test_utils=("test_faketensor", "test_aot_dispatch_dynamic"),
     )  # fmt: skip
     cu = torch.tensor([0, 77, 154], device="cuda", dtype=torch.int32)
     qv, kv = q.flatten(0, 1), k.flatten(0, 1)
@@ -304,7 +313,8 @@ def test_custom_ops_run_for_real():
     torch.library.opcheck(
         ops.flash_attn_varlen_func_op,
         (qv, kv, kv, cu, 77, cu_k, None, 300, None, None, True, 1, None, True,
-         torch.empty_like(qv), None, [-1, -1], 0, 0.0, None, None, None, None, None),
+         torch.empty_like(qv), None, [-1, -1], 0, 0.0, None, None, None, None, None, None,
+         None),
     )  # fmt: skip
     partial = rand(3, 2, 5, 8, 128, dtype=torch.float32, gen=gen)
     lse_partial = rand(3, 2, 5, 8, dtype=torch.float32, gen=gen)
