@@ -281,9 +281,9 @@ class GraphCounters:
         """Outside captures: give `device` a pool with at least CHUNK / 2 free counters."""
         pool = self.pools.get(device.index)
         if pool is None or pool[0].numel() - pool[1] < self.CHUNK // 2:
+            # (Zeroed on the current stream, with no host sync: torch.cuda.graph synchronizes
+            # the device before it captures.)
             fresh = torch.zeros(self.CHUNK, dtype=torch.int32, device=device)
-            if fresh.is_cuda:  # zero before any replay, on whichever stream it runs
-                torch.cuda.current_stream(device).synchronize()
             if pool is not None:
                 self.retired.append(pool[0])
             self.pools[device.index] = [fresh, 0]
