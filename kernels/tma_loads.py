@@ -99,19 +99,13 @@ class TmaPagedBlockLoader:
     @cute.jit
     def copy(self, n_block: Int32, state: pipeline.PipelineState):
         last_page = cute.size(self.page_table_row) - 1
-        boxes = self.tile_n // self.box_rows
-        # Every box's page first: a page-table load issued after a TMA copy would not be
-        # hoisted above it, and each box would wait out an L2 round trip.
-        pages = [None] * boxes
-        for j in cutlass.range_constexpr(boxes):
+        for j in cutlass.range_constexpr(self.tile_n // self.box_rows):
             key = n_block * self.tile_n + j * self.box_rows
-            pages[j] = self.page_table_row[cutlass.min(key // self.page_size, last_page)]
-        for j in cutlass.range_constexpr(boxes):
-            key = n_block * self.tile_n + j * self.box_rows
+            page = self.page_table_row[cutlass.min(key // self.page_size, last_page)]
             box_in_page = (key % self.page_size) // self.box_rows
             cute.copy(
                 self.atom,
-                self.src_boxes[None, box_in_page, 0, pages[j]],
+                self.src_boxes[None, box_in_page, 0, page],
                 self.dst_boxes[None, j, 0, state.index],
                 tma_bar_ptr=self.ring.producer_get_barrier(state),
             )
