@@ -656,8 +656,9 @@ def fp8_kv_config(config: AttentionConfig, head_dim: int, head_dim_v: int) -> At
         scheduler="single_tile",
         num_stages=2,
         rescale_o_before_pv=config.rescale_o_before_pv and config.intra_wg_overlap,
-        # The converting warps hold 11 pieces of 16 values per thread and block (96 spilled).
-        producer_registers=128,
+        # The converting warps hold up to 16 pieces of 16 values per thread and block (two
+        # of them, beside two gathering warps); 96 registers spilled with three warps' 11.
+        producer_registers=200,
         mma_registers=None,
     )
     if config.smem_bytes(head_dim, 2, head_dim_v, kv_fp8=True) > config.smem_limit():

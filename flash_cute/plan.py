@@ -13,7 +13,8 @@ Every rewrite of a config happens here and nowhere else:
 - the scheduler: split launches run one CTA per tile; a dynamic persistent config whose tiles
   fit in one wave of CTAs runs its static twin (same tile order, no tile counter);
 - paged K/V: TMA boxes where a box of a multiple of 16 rows divides the page size and the key
-  block, otherwise (and for left-padded pages) rows gathered with cp.async, one CTA per tile;
+  block and carries at least MIN_TMA_BOX_BYTES, otherwise (and for left-padded pages) rows
+  gathered with cp.async, one CTA per tile;
 - the O store: split and varlen launches store O from registers (their rows are ragged), as
   do launches whose V head dim differs from q's where O has no smem tile of its own;
 - ping-pong needs two MMA warpgroups, and the O rescale under Q K^T needs the overlap;
@@ -33,6 +34,10 @@ from typing import Optional
 from .config import DECODE_ROWS, AttentionConfig, decode_config, default_config, fp8_kv_config
 
 MAX_SPLITS = 128
+# Paged caches whose TMA boxes would carry fewer bytes gather rows with cp.async instead: an
+# FP8 page of 16 rows of 128 is a 2 KB box, 16 TMA issues per key block (H200, batch 8 x 32k
+# keys: TMA boxes 278 us, gathered rows 249 us).
+MIN_TMA_BOX_BYTES = 4096
 # A split launch merges in the kernel (its last split to finish reads every split's rows of
 # the tile) while a tile's fp32 partials stay within this; above it the combine kernel, spread
 # over the GPU, merges them after the launch (varlen launches, which the combine kernel cannot
@@ -182,14 +187,11 @@ class ForwardVariant:
         ):
             problems.append("page_box_rows must divide tile_n and be a multiple of 16")
         if self.kv_dtype is not None and (
-            self.kv_dtype != "float8_e4m3fn"
-            or c.scheduler != "single_tile"
-            or self.v_in_k
-            or self.gather_page_size is not None
+            self.kv_dtype != "float8_e4m3fn" or c.scheduler != "single_tile" or self.v_in_k
         ):
             problems.append(
                 "an FP8 (float8_e4m3fn) K/V cache runs one CTA per tile (scheduler "
-                "'single_tile') on TMA-loaded K and V (no v_in_k, no gathered pages)"
+                "'single_tile') on separate K and V stages (no v_in_k)"
             )
         elif self.kv_dtype is not None and (
             c.smem_bytes(self.head_dim, 2, self.head_dim_v, kv_fp8=True) > c.smem_limit()
@@ -430,11 +432,7 @@ def plan_forward(
     if problem.kv_capacity == 0:  # no keys: nothing for a kernel (or TMA) to read
         return ForwardPlan(None, num_splits, max_ctas, 0)
     split = num_splits > 1
-    page_box_rows = gather_page_size = None
-    if problem.page_size:
-        page_box_rows = math.gcd(problem.page_size, config.tile_n)
-        if page_box_rows % 16 or problem.leftpad_k:  # no TMA box follows the pages
-            page_box_rows, gather_page_size = None, problem.page_size
+    page_box_rows, gather_page_size = _page_loads(problem, config)
     config = _effective_config(
         config, problem, pack_ratio, split, max_ctas, gather_page_size is not None
     )
@@ -511,6 +509,20 @@ def window_span(window_left: int, window_right: int, attention_chunk: int) -> Op
     if attention_chunk > 0:
         spans.append(attention_chunk)
     return min(spans) if spans else None
+
+
+def _page_loads(problem: Problem, config: AttentionConfig) -> tuple:
+    """(page_box_rows, gather_page_size) of a paged cache: TMA boxes of whole pages' rows
+    where a box of a multiple of 16 rows divides the page size and the key block and carries
+    at least MIN_TMA_BOX_BYTES, else rows gathered with cp.async (also for left-padded
+    pages)."""
+    if not problem.page_size:
+        return None, None
+    rows = math.gcd(problem.page_size, config.tile_n)
+    box_bytes = rows * problem.head_dim * (1 if problem.kv_dtype is not None else 2)
+    if rows % 16 or problem.leftpad_k or box_bytes < MIN_TMA_BOX_BYTES:
+        return None, problem.page_size
+    return rows, None
 
 
 def _effective_config(

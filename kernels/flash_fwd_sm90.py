@@ -64,7 +64,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import hopper_mma, trace_records
 from .block_range import KeyBlockRange, LocalWindow
-from .kv_dequant import CONVERT_THREADS, ConvertingBlockLoader, convert_block
+from .kv_dequant import FP8_GATHER_WARPS, ConvertingBlockLoader, convert_block
 from .masking import AttentionMask
 from .named_barriers import NamedBarrier
 from .paged_kv_gather import PRODUCER_THREADS, GatherPagedBlockLoader
@@ -314,29 +314,43 @@ class FlashAttentionForwardSm90:
         # the O store; otherwise the MMA warps free it after the mainloop.
         self.o_overwrites_q = self.persistent and self.tma_store_o and not self.separate_o_smem
         self.smem_align = 1024
-        # Paged K/V gathered with cp.async by the whole producer warpgroup (pages no TMA box
-        # follows); one CTA per tile, so every producer warp walks the same tile.
+        # Paged K/V gathered with cp.async (pages no TMA box follows); one CTA per tile, so
+        # every producer warp walks the same tile.
         self.kv_gather = variant.gather_page_size is not None
+        # The producer warps that load K/V (0 .. load_warps - 1; warp 0 also loads Q): warp 0
+        # issuing TMA loads, the whole warpgroup gathering 16-bit rows straight into the
+        # WGMMAs' stages, or FP8_GATHER_WARPS gathering FP8 rows. With an FP8 cache the
+        # others convert its blocks (kernels/kv_dequant.py).
+        self.load_warps = 1
+        if self.kv_gather:
+            self.load_warps = FP8_GATHER_WARPS if self.kv_fp8 else PRODUCER_THREADS // 32
+        self.gathers_16bit = self.kv_gather and not self.kv_fp8
+        self.convert_threads = 128 - 32 * self.load_warps if self.kv_fp8 else 0
+        # Page-table reads ahead of the copies: FP8's gathering warps are latency-bound
+        # without them; the 16-bit gathers' producers (24 registers in two-warpgroup
+        # configs) spill with 16 (392 bytes at hdim 96).
+        self.gather_lookahead = 16 if self.kv_fp8 else 1
 
-    def _kv_ring(self, barriers, tx_count: int, tma_warp, mma_warps):
-        """The K or V ring: TMA loads complete on the bytes they carry (tx_count); gathered
-        rows arrive (noinc) from every producer thread once its copies land, and a
-        PipelineCpAsync consumer releases from every thread, not one per warp."""
+    def _kv_ring(self, barriers, tx_count: int, tma_warp, consumer_threads: int):
+        """The K or V ring (or an FP8 cache's K8 or V8 ring) read by consumer_threads: TMA
+        loads complete on the bytes they carry (tx_count) and consumers release one arrive per
+        warp; gathered rows arrive (noinc) from every gathering thread once its copies land,
+        and a PipelineCpAsync consumer releases from every thread."""
         if const_expr(self.kv_gather):
             return pipeline.PipelineCpAsync.create(
                 barrier_storage=barriers.data_ptr(),
                 num_stages=self.config.num_stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, PRODUCER_THREADS),
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.num_mma_threads
+                producer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, 32 * self.load_warps
                 ),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads),
                 defer_sync=True,
             )
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers.data_ptr(),
             num_stages=self.config.num_stages,
             producer_group=tma_warp,
-            consumer_group=mma_warps,
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads // 32),
             tx_count=tx_count,
             defer_sync=True,
         )
@@ -776,12 +790,7 @@ class FlashAttentionForwardSm90:
         if const_expr(self.kv_fp8):
             # TMA -> FP8 rings -> converting warps -> fp16 rings -> MMA warps.
             pipeline_k8, pipeline_v8 = [
-                self._kv_ring(
-                    bar,
-                    tx_count,
-                    tma_warp,
-                    pipeline.CooperativeGroup(pipeline.Agent.Thread, CONVERT_THREADS // 32),
-                )
+                self._kv_ring(bar, tx_count, tma_warp, self.convert_threads)
                 for bar, tx_count in (
                     (storage.mbar_k8, self.tma_bytes_k),
                     (storage.mbar_v8, self.tma_bytes_v),
@@ -792,7 +801,7 @@ class FlashAttentionForwardSm90:
                     barrier_storage=bar.data_ptr(),
                     num_stages=self.config.num_stages,
                     producer_group=pipeline.CooperativeGroup(
-                        pipeline.Agent.Thread, CONVERT_THREADS
+                        pipeline.Agent.Thread, self.convert_threads
                     ),
                     consumer_group=pipeline.CooperativeGroup(
                         pipeline.Agent.Thread, self.num_mma_threads
@@ -803,7 +812,7 @@ class FlashAttentionForwardSm90:
             ]
         else:
             pipeline_k, pipeline_v = [
-                self._kv_ring(bar, tx_count, tma_warp, mma_warps)
+                self._kv_ring(bar, tx_count, tma_warp, self.num_mma_threads)
                 for bar, tx_count in (
                     (storage.mbar_k, self.tma_bytes_k),
                     (storage.mbar_v, self.tma_bytes_v),
@@ -873,7 +882,7 @@ class FlashAttentionForwardSm90:
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.config.producer_registers)
-            if warp_idx == 0 or const_expr(self.kv_gather):
+            if warp_idx < self.load_warps:
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                 kv_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.config.num_stages
@@ -892,7 +901,7 @@ class FlashAttentionForwardSm90:
                     q_state.advance()
                     tile_idx, handoff = scheduler.fetch_next(tile_idx, handoff)
                 scheduler.finish()
-            elif const_expr(self.kv_fp8):  # warps 1-3: FP8 blocks -> fp16 (one tile per CTA)
+            elif const_expr(self.kv_fp8):  # the others: FP8 blocks -> fp16 (one tile per CTA)
                 tile_idx = scheduler.first_tile()
                 if scheduler.is_valid(tile_idx):
                     self._convert_tile(buffers, scheduler.work_tile(tile_idx), shapes)
@@ -1075,9 +1084,9 @@ class FlashAttentionForwardSm90:
             v_loader = block_loader(sources.mV, sV_ring, v_ring, sources.tma_atom_V, dv)
         q_load = SimpleNamespace(copies=q_copies, ring=buf.pipeline_q, state=q_state)
 
-        # (Gathering variants run this in every producer warp; Q is warp 0's.)
+        # (Every loading warp runs this; Q is warp 0's.)
         loads_q = True
-        if const_expr(self.kv_gather):
+        if const_expr(self.load_warps > 1):
             loads_q = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
         if n_block_max > n_block_min:
             k_loader.load(n_block_max - 1, kv_state)
@@ -1103,12 +1112,21 @@ class FlashAttentionForwardSm90:
         into the fp16 rings (kernels/kv_dequant.py)."""
         seqlen, _, n_block_min, n_block_max = self._tile_problem(tile, shapes)
         if n_block_max > n_block_min:
-            thread = cute.arch.thread_idx()[0] - 32
+            thread = cute.arch.thread_idx()[0] - 32 * self.load_warps
             state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Producer, self.config.num_stages
             )
             k_loader, v_loader = [
-                ConvertingBlockLoader(src, dst, ring8, ring16, thread, self.config.tile_n, seqlen_k)
+                ConvertingBlockLoader(
+                    src,
+                    dst,
+                    ring8,
+                    ring16,
+                    thread,
+                    self.convert_threads,
+                    self.config.tile_n,
+                    seqlen_k,
+                )  # fmt: skip
                 for src, dst, ring8, ring16, seqlen_k in (
                     (buf.sK8, buf.sK, buf.pipeline_k8, buf.pipeline_k, None),
                     (buf.sV8, buf.sV, buf.pipeline_v8, buf.pipeline_v, seqlen.seqlen_k),
@@ -1128,9 +1146,11 @@ class FlashAttentionForwardSm90:
                 mPageTable[kv_batch, None],
                 seqlen.offset_k,
                 seqlen.seqlen_k,
-                cute.arch.thread_idx()[0] % PRODUCER_THREADS,
+                cute.arch.thread_idx()[0],
                 self.variant.gather_page_size,
                 self.config.tile_n,
+                32 * self.load_warps,
+                self.gather_lookahead,
             )
         if const_expr(self.variant.kv_layout == "paged"):
             return TmaPagedBlockLoader.create(
@@ -1661,7 +1681,7 @@ class FlashAttentionForwardSm90:
             ring.consumer_wait(state, ring.consumer_try_wait(state))
         else:
             ring.consumer_wait(state)
-        if const_expr(self.kv_gather):  # cp.async's writes -> the WGMMA's (async proxy) reads
+        if const_expr(self.gathers_16bit):  # cp.async's writes -> WGMMA's reads
             cute.arch.fence_view_async_shared()
 
     def _schedule_wait(self, warpgroup_idx):

@@ -1,15 +1,15 @@
 """FP8 (float8_e4m3fn) K/V caches: the blocks the loads bring in, turned into the fp16 blocks the
 WGMMAs read.
 
-The TMA warp loads FP8 key blocks into FP8 rings; the producer warpgroup's three other warps
-(CONVERT_THREADS) convert each block into the matching stage of fp16 rings, which the MMA
-warpgroups consume exactly as they consume a 16-bit cache's rings. So the conversion runs beside
-the MMA warps' GEMMs and softmax rather than in their path. Every e4m3 value is exact in fp16,
-and one instruction converts two of them (bf16 would take four: e4m3 -> f16 -> f32 -> bf16), so
-with an FP8 cache the GEMMs run in fp16; a bf16 Q tile is converted to fp16 in place once it
-lands (saturating at +-65504, fp16's largest value). The per-(batch, kv head) descales are
-folded into the softmax scale (K) and the output's row normalization (V), not applied per
-element.
+The TMA warp (or, for pages no TMA box follows, FP8_GATHER_WARPS warps with cp.async) loads FP8
+key blocks into FP8 rings; the producer warpgroup's other warps convert each block into the
+matching stage of fp16 rings, which the MMA warpgroups consume exactly as they consume a 16-bit
+cache's rings. So the conversion runs beside the MMA warps' GEMMs and softmax rather than in
+their path. Every e4m3 value is exact in fp16, and one instruction converts two of them (bf16
+would take four: e4m3 -> f16 -> f32 -> bf16), so with an FP8 cache the GEMMs run in fp16; a bf16
+Q tile is converted to fp16 in place once it lands (saturating at +-65504, fp16's largest
+value). The per-(batch, kv head) descales are folded into the softmax scale (K) and the
+output's row normalization (V), not applied per element.
 """
 
 from dataclasses import dataclass
@@ -23,7 +23,10 @@ from cutlass import Float32, Int32
 PIECE = 16  # elements per thread and step: one 16-byte FP8 load, or two 16-byte 16-bit loads
 FP16_MAX = 65504.0
 BATCH = 4  # pieces loaded ahead of their stores (11: 4% slower, 1: 22% slower)
-CONVERT_THREADS = 96  # warps 1-3 of the producer warpgroup (warp 0 issues the TMA loads)
+# Producer warps that gather an FP8 cache's rows with cp.async (pages no TMA box follows);
+# the warpgroup's other two convert. (H200, batch 8 x 32k keys, page 1: one gathering warp
+# 304 us, two 217, three 436.)
+FP8_GATHER_WARPS = 2
 
 
 @cute.jit
@@ -92,7 +95,8 @@ class ConvertingBlockLoader:
     dst: cute.Tensor  # (tile_n, width, stages) fp16
     ring8: pipeline.PipelineAsync
     ring16: pipeline.PipelineAsync
-    thread: Int32
+    thread: Int32  # 0 .. num_threads - 1
+    num_threads: int
     tile_n: int
     seqlen_k: Optional[Int32] = None
 
@@ -108,7 +112,7 @@ class ConvertingBlockLoader:
             self.src[None, None, state.index],
             self.dst[None, None, state.index],
             self.thread,
-            CONVERT_THREADS,
+            self.num_threads,
             valid,
         )
         self.ring16.producer_commit(state)

@@ -588,6 +588,13 @@ FP8_KEYS = [
              learnable_sink="bfloat16", causal=True, kv_dtype="float8_e4m3fn"),
     _planned(192, nheads=16, nheads_kv=16, head_dim_v=128, kv_dtype="float8_e4m3fn"),
     _planned(80, nheads=32, kv_dtype="float8_e4m3fn", writes_lse=True),
+    # Gathered pages: SGLang's page size 1 in a split decode, left-padded pages of 24 in a
+    # prefill at the widest head dim.
+    _planned(128, nheads=32, kv_layout="paged", page_size=1, seqused_k=True, causal=True,
+             keys=32768, kv_dtype="float8_e4m3fn"),
+    _planned(256, nheads=16, nheads_kv=4, seqlen_q=300, keys=2048, kv_layout="paged",
+             page_size=24, seqused_k=True, leftpad_k=True, causal=True,
+             kv_dtype="float8_e4m3fn"),
 ]  # fmt: skip
 
 

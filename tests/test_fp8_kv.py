@@ -99,6 +99,29 @@ def test_plan_takes_the_fp8_form_and_names_it():
     assert variant.config.scheduler == "single_tile" and variant.takes_optionals
 
 
+@pytest.mark.parametrize(
+    "page_size, head_dim, kv_dtype, loads",
+    [
+        (1, 128, "float8_e4m3fn", "gather"),  # SGLang's pages
+        (16, 128, "float8_e4m3fn", "gather"),  # 2 KB boxes: rows gathered instead
+        (16, 256, "float8_e4m3fn", "tma"),  # 4 KB boxes
+        (64, 128, "float8_e4m3fn", "tma"),
+        (16, 128, None, "tma"),  # a bf16 page of 16 rows: 4 KB boxes
+        (8, 128, None, "gather"),  # no box of a multiple of 16 rows
+    ],
+)
+def test_paged_loads_follow_the_box_size(page_size, head_dim, kv_dtype, loads):
+    problem = Problem(
+        batch=8, nheads=32, nheads_kv=8, head_dim=head_dim, dtype="bfloat16", max_seqlen_q=1,
+        max_seqlen_k=32768, kv_capacity=32768, kv_layout="paged", page_size=page_size,
+        seqused_k=True, kv_dtype=kv_dtype,
+    )  # fmt: skip
+    variant = plan_forward(problem, 132, None, 0).variant
+    gathered = variant.gather_page_size == page_size and variant.page_box_rows is None
+    assert gathered == (loads == "gather")
+    assert (variant.page_box_rows is not None) == (loads == "tma")
+
+
 def test_caller_config_that_cannot_read_fp8_raises():
     problem = Problem(
         batch=1, nheads=8, nheads_kv=8, head_dim=128, dtype="bfloat16", max_seqlen_q=1000,

@@ -3,6 +3,8 @@ dequantized cache (k_cache * k_descale[b, h]), within the bar of 16-bit attentio
 that of the same math in q's dtype by PyTorch on the dequantized cache, plus a floor). Outputs
 are poisoned (NaN) before each call; cache slots past each sequence hold NaN."""
 
+import functools
+
 import pytest
 import torch
 from kv_cases import assert_close_to_reference, captured, cu_seqlens, reference_per_sequence
@@ -39,15 +41,17 @@ def padded(cache, table, capacity):
     return cache.float()
 
 
-def poison_past(cache, table, lengths, capacity):
-    """NaN bytes in every slot past each sequence's length (what a reused cache may hold)."""
+def poison_past(cache, table, lengths, capacity, firsts=None):
+    """NaN bytes in every slot past each sequence's length, and before its first slot where
+    firsts (left padding) are given: what a reused cache may hold."""
     raw = cache.view(torch.uint8)
     for b, n in enumerate(lengths):
+        slots = list(range(n, capacity)) + list(range(firsts[b] if firsts else 0))
         if table is None:
-            raw[b, n:capacity] = NAN_FP8
+            raw[b, slots] = NAN_FP8
         else:
             page = cache.shape[1]
-            for slot in range(n, capacity):
+            for slot in slots:
                 raw[table[b, slot // page].item(), slot % page] = NAN_FP8
 
 
@@ -94,6 +98,10 @@ DECODE_CASES = [
     (256, None, 0, (32, 8), torch.bfloat16),
     (256, 64, 1, (16, 2), torch.bfloat16),
     (96, None, 0, (8, 1), torch.bfloat16),
+    # Pages no TMA box follows: rows gathered with cp.async by the TMA warp.
+    (128, 1, 0, (32, 8), torch.bfloat16),
+    (64, 8, 3, (16, 4), torch.float16),
+    (256, 24, 0, (16, 2), torch.bfloat16),
 ]
 
 
@@ -221,3 +229,33 @@ def test_fp8_decode_graph_replay():
         graph.replay()
         torch.cuda.synchronize()
         check_against_dequantized(q, graph_out, k_pad, v_pad, kd, vd, lengths.tolist(), True)
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("num_splits", [1, 0])
+def test_fp8_left_padded_pages(page_size, num_splits):
+    """cache_leftpad on paged FP8 caches (rows gathered at any page size) with cache_batch_idx:
+    sequence b reads slots leftpad[b] .. cache_seqlens[b] of cache row idx[b]."""
+    seed = stable_seed("fp8 leftpad", page_size, num_splits)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    batch, rows, capacity, nheads, nheads_kv, head_dim = 4, 6, 1100, 16, 4, 128
+    lengths, firsts = [1, 700, 1100, 40], [0, 300, 17, 39]
+    k_cache, v_cache, table = fp8_cache(rows, capacity, nheads_kv, head_dim, page_size, gen)
+    k_pad, v_pad = padded(k_cache, table, capacity), padded(v_cache, table, capacity)
+    idx = torch.randperm(rows, device="cuda", generator=gen)[:batch].to(torch.int32)
+    for cache in (k_cache, v_cache):
+        poison_past(cache, table[idx.long()], lengths, capacity, firsts)
+    q = torch.randn(batch, 2, nheads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    kd, vd = descales("tensor", batch, nheads_kv, gen)
+    out = torch.full_like(q, float("nan"))
+    as_i32 = functools.partial(torch.tensor, device="cuda", dtype=torch.int32)
+    flash_cute.flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=as_i32(lengths), page_table=table,
+        cache_batch_idx=idx, cache_leftpad=as_i32(firsts), causal=True, num_splits=num_splits,
+        out=out, k_descale=kd, v_descale=vd,
+    )  # fmt: skip
+    for b, (row, first, n) in enumerate(zip(idx.tolist(), firsts, lengths)):
+        check_against_dequantized(
+            q[b : b + 1], out[b : b + 1], k_pad[row : row + 1, first:n],
+            v_pad[row : row + 1, first:n], kd[b : b + 1], vd[b : b + 1], [n - first], True,
+        )  # fmt: skip
