@@ -14,7 +14,7 @@ Every rewrite of a config happens here and nowhere else:
   fit in one wave of CTAs runs its static twin (same tile order, no tile counter);
 - paged K/V: TMA boxes where a box of a multiple of 16 rows divides the page size and the key
   block and carries at least MIN_TMA_BOX_BYTES, otherwise (and for left-padded pages) rows
-  gathered with cp.async, one CTA per tile;
+  gathered with cp.async, one CTA per tile (with one MMA warpgroup, 128 producer registers);
 - the O store: split and varlen launches store O from registers (their rows are ragged), as
   do launches whose V head dim differs from q's where O has no smem tile of its own;
 - ping-pong needs two MMA warpgroups, and the O rescale under Q K^T needs the overlap;
@@ -558,6 +558,10 @@ def _effective_config(
         # Q's smem tile holds O only where the head dims agree; without a tile of its own,
         # O goes from registers.
         changes["store_o_from_registers"] = True
+    if gather and config.num_mma_warpgroups == 1 and config.producer_registers < 128:
+        # Registers to read page-table entries ahead of the copies (the kernel does where it
+        # has 128); one MMA warpgroup leaves them spare.
+        changes["producer_registers"] = 128
     if config.pingpong and config.tile_m < 128:
         changes["pingpong"] = False
     if config.rescale_o_before_pv and not config.intra_wg_overlap:

@@ -120,6 +120,8 @@ def test_paged_loads_follow_the_box_size(page_size, head_dim, kv_dtype, loads):
     gathered = variant.gather_page_size == page_size and variant.page_box_rows is None
     assert gathered == (loads == "gather")
     assert (variant.page_box_rows is not None) == (loads == "tma")
+    if gathered:  # registers to read page-table entries ahead of the copies
+        assert variant.config.producer_registers >= 128
 
 
 def test_caller_config_that_cannot_read_fp8_raises():
