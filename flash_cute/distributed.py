@@ -41,9 +41,17 @@ from . import reference
 LAYOUTS = ("contiguous", "zigzag")
 
 
-def _world(group) -> Tuple[int, int]:
+def _world(group, x: torch.Tensor) -> Tuple[int, int]:
+    """(world size, rank) of group, checked to carry x's device: NCCL for CUDA tensors, gloo
+    for CPU ones."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("flash_cute.distributed needs an initialized torch.distributed group")
+    backend = dist.get_backend(group)
+    if backend != ("nccl" if x.is_cuda else "gloo"):
+        raise ValueError(
+            f"the group's backend is {backend!r}; {'CUDA' if x.is_cuda else 'CPU'} tensors "
+            f"need {'nccl' if x.is_cuda else 'gloo'}"
+        )
     return dist.get_world_size(group), dist.get_rank(group)
 
 
@@ -225,7 +233,7 @@ def ring_attention(
     Returns out (batch, seqlen_local, nheads, headdim) in q's dtype, and with return_lse the
     lse (batch, nheads, seqlen_local) float32.
     """
-    world, rank = _world(group)
+    world, rank = _world(group, q)
     pieces = _pieces(layout)
     if q.dim() != 4 or k.shape != v.shape[:-1] + (k.shape[-1],) or q.shape[:2] != k.shape[:2]:
         raise ValueError(
@@ -337,7 +345,7 @@ def ring_attention_varlen(
     must be divisible by the layout's pieces per rank. No windows (their shift per sequence
     differs). Reads cu_seqlens on the host once. Returns out (total_local, nheads, headdim),
     and with return_lse the lse (nheads, total_local)."""
-    world, rank = _world(group)
+    world, rank = _world(group, q)
     pieces = _pieces(layout)
     attend = attend or kernel_varlen_attend
     bounds = [int(x) for x in cu_seqlens.tolist()]
@@ -457,7 +465,7 @@ def sharded_decode(
     (batch, nheads, seqlen_q)). One all-gather of outputs and LSEs, then the combine kernel
     (CPU tensors: the reference merge); no host synchronization on CUDA.
     """
-    world, rank = _world(group)
+    world, rank = _world(group, q)
     if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dim() != 1:
         raise TypeError("cache_seqlens must be a (batch,) int32 tensor of global lengths")
     attend = attend or kernel_decode_attend
