@@ -37,6 +37,12 @@ import torch
 import torch.distributed as dist
 
 from . import reference
+from .interface import (
+    flash_attn_combine,
+    flash_attn_func,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+)
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -158,8 +164,6 @@ def reference_attend(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=
 
 def kernel_attend(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None):
     """`attend` by flash_cute's forward kernel: (out in q's dtype, lse (b, h, s) float32)."""
-    from .interface import flash_attn_func
-
     return flash_attn_func(
         q, k, v, softmax_scale, causal=causal, window_size=window_size, return_lse=True
     )
@@ -205,6 +209,22 @@ class _Ring:
             torch.cuda.current_stream().wait_stream(self.stream)
 
 
+def _ring_chunks(k: torch.Tensor, v: torch.Tensor, group, world: int, rank: int):
+    """Yields (source rank, (k, v)) for each ring step: the chunk of rank (rank - step) mod
+    world, the next one in flight while the caller attends to this one."""
+    ring = _Ring(group, world, rank)
+    kv = (k.contiguous(), v.contiguous())
+    for step in range(world):
+        works = nxt = None
+        if step + 1 < world:
+            nxt = tuple(torch.empty_like(t) for t in kv)
+            works = ring.start(kv, nxt)
+        yield (rank - step) % world, kv
+        if works is not None:
+            ring.finish(works)
+            kv = nxt
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -248,15 +268,8 @@ def ring_attention(
     length = seqlen // pieces  # tokens per piece
     acc_out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
     acc_lse = torch.full((batch, nheads, seqlen), float("-inf"), device=q.device)
-    ring = _Ring(group, world, rank)
-    kv = (k.contiguous(), v.contiguous())
     q_pieces = piece_indices(layout, world, rank)
-    for step in range(world):
-        works, nxt = None, None
-        if step + 1 < world:
-            nxt = tuple(torch.empty_like(t) for t in kv)
-            works = ring.start(kv, nxt)
-        source = (rank - step) % world
+    for source, kv in _ring_chunks(k, v, group, world, rank):
         for qi, q_piece in enumerate(q_pieces):
             for ki, k_piece in enumerate(piece_indices(layout, world, source)):
                 m = pair_mask(q_piece * length, k_piece * length, length, causal, window_size)
@@ -269,9 +282,6 @@ def ring_attention(
                     window_size=m.window, softmax_scale=softmax_scale,
                 )  # fmt: skip
                 merge_into(acc_out[:, rows], acc_lse[:, :, rows], out, lse)
-        if works is not None:
-            ring.finish(works)
-            kv = nxt
     out = acc_out.to(q.dtype)
     return (out, acc_lse) if return_lse else out
 
@@ -291,8 +301,6 @@ def kernel_varlen_attend(
     """Varlen `attend` by flash_cute's kernel: sequence b's queries are rows cu_seqlens_q[b] ..
     + seqused_q[b], its keys cu_seqlens_k[b] .. + seqused_k[b]; (out (total_q, h, d), lse
     (h, total_q)), rows outside the used ranges undefined."""
-    from .interface import flash_attn_varlen_func
-
     return flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, max_seqlen, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
         max_seqlen_k=max_seqlen, softmax_scale=softmax_scale, causal=causal,
@@ -315,8 +323,8 @@ def reference_varlen_attend(
     """Varlen `attend` in float32 by PyTorch, per sequence (reads the lengths on the host)."""
     out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
-    for sq, sk, nq, nk in zip(*(t.tolist() for t in (cu_seqlens_q[:-1], cu_seqlens_k[:-1],
-                                                      seqused_q, seqused_k))):  # fmt: skip
+    starts_q, starts_k = cu_seqlens_q[:-1].tolist(), cu_seqlens_k[:-1].tolist()
+    for sq, sk, nq, nk in zip(starts_q, starts_k, seqused_q.tolist(), seqused_k.tolist()):
         o, lse_b = reference.attention_ref(
             q[None, sq : sq + nq], k[None, sk : sk + nk], v[None, sk : sk + nk],
             softmax_scale, causal=causal,
@@ -369,15 +377,8 @@ def ring_attention_varlen(
     ]
     acc_out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=device)
     acc_lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=device)
-    ring = _Ring(group, world, rank)
-    kv = (k.contiguous(), v.contiguous())
     q_pieces = piece_indices(layout, world, rank)
-    for step in range(world):
-        works, nxt = None, None
-        if step + 1 < world:
-            nxt = tuple(torch.empty_like(t) for t in kv)
-            works = ring.start(kv, nxt)
-        source = (rank - step) % world
+    for source, kv in _ring_chunks(k, v, group, world, rank):
         for qi, q_piece in enumerate(q_pieces):
             for ki, k_piece in enumerate(piece_indices(layout, world, source)):
                 if causal and k_piece > q_piece:
@@ -394,9 +395,6 @@ def ring_attention_varlen(
                 )  # fmt: skip
                 acc_out.index_copy_(0, rows, part_out)
                 acc_lse.index_copy_(1, rows, part_lse)
-        if works is not None:
-            ring.finish(works)
-            kv = nxt
     out = acc_out.to(q.dtype)
     return (out, acc_lse) if return_lse else out
 
@@ -414,8 +412,6 @@ def _gather(x: torch.Tensor, group, world: int) -> torch.Tensor:
 
 def kernel_decode_attend(q, k_cache, v_cache, cache_seqlens, page_table=None, softmax_scale=None):
     """Decode `attend` by flash_cute's kernel: (out in q's dtype, lse (b, h, s) float32)."""
-    from .interface import flash_attn_with_kvcache
-
     return flash_attn_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table,
         softmax_scale=softmax_scale, return_softmax_lse=True,
@@ -474,8 +470,6 @@ def sharded_decode(
     outs = _gather(out.float(), group, world)  # (world, b, s, h, d)
     lses = _gather(lse.transpose(1, 2).float(), group, world)  # (world, b, s, h)
     if q.is_cuda:
-        from .interface import flash_attn_combine
-
         merged, merged_lse = flash_attn_combine(outs, lses, out_dtype=q.dtype, return_lse=True)
     else:
         merged, merged_lse = reference.combine_ref(outs, lses)
