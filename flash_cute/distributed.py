@@ -366,15 +366,11 @@ def ring_attention_varlen(
     total = cu_seqlens[-1:].to(torch.int32)
     # Piece p of every sequence: its start offsets (cu_seqlens form) and its rows.
     piece_cu = [torch.cat([starts + p * piece_len, total]) for p in range(pieces)]
-    piece_rows = [
-        torch.cat(
-            [
-                torch.arange(a + p * (n // pieces), a + (p + 1) * (n // pieces))
-                for a, n in zip(bounds[:-1], lengths)
-            ]
-        ).to(device)  # fmt: skip
-        for p in range(pieces)
-    ]
+    lengths_t = torch.tensor(lengths, device=device)
+    seq_of_row = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths_t)
+    all_rows = torch.arange(bounds[0], bounds[-1], device=device)
+    piece_of_row = (all_rows - starts[seq_of_row]) // piece_len[seq_of_row]
+    piece_rows = [all_rows[piece_of_row == p] for p in range(pieces)]
     acc_out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=device)
     acc_lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=device)
     q_pieces = piece_indices(layout, world, rank)
