@@ -431,6 +431,9 @@ def reference_decode_attend(
     return torch.cat(outs), torch.cat(lses)
 
 
+_LSE_PAD = 4  # float32 words after each gathered output row: its LSE, then 16-byte alignment
+
+
 def sharded_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -454,7 +457,7 @@ def sharded_decode(
             ceil((len - r) / world) of each (`local_lengths`, computed on the device).
 
     Returns out (batch, seqlen_q, nheads, headdim) in q's dtype (and with return_lse the lse
-    (batch, nheads, seqlen_q)). One all-gather of outputs and LSEs, then the combine kernel
+    (batch, nheads, seqlen_q)). One all-gather of outputs with their LSEs, then the combine kernel
     (CPU tensors: the reference merge); no host synchronization on CUDA.
     """
     world, rank = _world(group, q)
@@ -463,8 +466,14 @@ def sharded_decode(
     attend = attend or kernel_decode_attend
     lengths = local_lengths(cache_seqlens, world, rank)
     out, lse = attend(q, k_cache, v_cache, lengths, page_table, softmax_scale)
-    outs = _gather(out.float(), group, world)  # (world, b, s, h, d)
-    lses = _gather(lse.transpose(1, 2).float(), group, world)  # (world, b, s, h)
+    # One all-gather carries both: each row holds the output, its LSE and padding that keeps
+    # the rows 16-byte aligned for the combine kernel (a second collective cost more).
+    d = out.shape[-1]
+    part = out.new_empty(out.shape[:-1] + (d + _LSE_PAD,), dtype=torch.float32)
+    part[..., :d] = out
+    part[..., d] = lse.transpose(1, 2)
+    parts = _gather(part, group, world)  # (world, b, s, h, d + pad)
+    outs, lses = parts[..., :d], parts[..., d]
     if q.is_cuda:
         merged, merged_lse = flash_attn_combine(outs, lses, out_dtype=q.dtype, return_lse=True)
     else:
