@@ -1,13 +1,14 @@
 """Context-parallel scaling: ring prefill and sharded decode on N GPUs against one GPU.
 
-    torchrun --nproc-per-node N benchmarks/context_parallel.py [--seqlen 131072]
+    torchrun --nproc-per-node N benchmarks/context_parallel.py [--seqlen 131072 524288 ...]
         [--decode-tokens 1048576] [--json benchmarks/context_parallel.json]
 
 Ring prefill: batch 1, GQA 32/8, hdim 128, bf16, causal, zigzag layout; one GPU runs
 flash_attn_func on the whole sequence. Sharded decode: batch 1, one query token, the same
 heads, a cache of --decode-tokens tokens interleaved over the ranks, CUDA-graph replays; one
 GPU reads the whole cache with flash_attn_with_kvcache. Efficiency: (one GPU's time / N GPUs'
-time) / N. Rank 0 prints the table and writes the JSON (overwritten each run).
+time) / N. Rank 0 prints the table and writes its rows into the JSON under its world size,
+replacing rows of the same step and length and keeping the rest.
 """
 
 import argparse
@@ -22,9 +23,29 @@ from flash_cute import distributed as cp
 from flash_cute.timing import time_cuda, time_graph
 
 
+def _ring_prefill(s, world, rank, gen, h, hk, d):
+    """Causal zigzag ring prefill of one s-token sequence on `world` GPUs against one GPU."""
+    q, k, v = (
+        torch.randn(1, s // world, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for n in (h, hk, hk)
+    )
+    ms_ring = time_cuda(lambda: cp.ring_attention(q, k, v, causal=True), 1, 3)
+    q = k = v = None
+    ms_one = None
+    if rank == 0:
+        qf, kf, vf = (
+            torch.randn(1, s, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for n in (h, hk, hk)
+        )
+        ms_one = time_cuda(lambda: flash_cute.flash_attn_func(qf, kf, vf, causal=True), 1, 3)
+    dist.barrier()
+    flops = 4 * s * s * h * d / 2
+    return dict(tokens=s, ms_n=ms_ring, ms_1=ms_one, tflops_per_gpu=flops / ms_ring / 1e9 / world)
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seqlen", type=int, default=131072)
+    parser.add_argument("--seqlen", type=int, nargs="*", default=[131072])
     parser.add_argument("--decode-tokens", type=int, default=1 << 20)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -36,27 +57,8 @@ def main():
     h, hk, d = 32, 8, 128
     rows = {}
 
-    # Ring prefill.
-    s = args.seqlen
-    q, k, v = (
-        torch.randn(1, s // world, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-        for n in (h, hk, hk)
-    )
-    ms_ring = time_cuda(lambda: cp.ring_attention(q, k, v, causal=True), 1, 3)
-    flops = 4 * s * s * h * d / 2
-    ms_one = None
-    if rank == 0:
-        qf, kf, vf = (
-            torch.randn(1, s, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-            for n in (h, hk, hk)
-        )
-        ms_one = time_cuda(lambda: flash_cute.flash_attn_func(qf, kf, vf, causal=True), 1, 3)
-        qf = kf = vf = None
-    dist.barrier()
-    rows["ring_prefill"] = dict(
-        tokens=s, ms_n=ms_ring, ms_1=ms_one, tflops_per_gpu=flops / ms_ring / 1e9 / world
-    )
-    q = k = v = None  # (freed before the decode tensors)
+    for s in args.seqlen:
+        rows[f"ring_prefill_{s}"] = _ring_prefill(s, world, rank, gen, h, hk, d)
 
     # Sharded decode.
     n = args.decode_tokens
@@ -78,7 +80,7 @@ def main():
             lambda: flash_cute.flash_attn_with_kvcache(qd, kf, vf, cache_seqlens=lengths)
         )
     dist.barrier()
-    rows["sharded_decode"] = dict(
+    rows[f"sharded_decode_{n}"] = dict(
         tokens=n, ms_n=ms_dec, ms_1=ms_dec_one, tb_per_s=kv_bytes / ms_dec / 1e9
     )
 
@@ -87,7 +89,8 @@ def main():
         print(f"{device} x {world}, torch {torch.__version__}")
         print("| step | tokens | 1 GPU ms | N GPUs ms | speedup | efficiency | rate |")
         print("|---|---|---|---|---|---|---|")
-        for name, r in rows.items():
+        for key, r in rows.items():
+            name = key.rsplit("_", 1)[0]
             speedup = r["ms_1"] / r["ms_n"]
             rate = (
                 f"{r['tflops_per_gpu']:.0f} TFLOP/s per GPU"
@@ -99,8 +102,14 @@ def main():
                 f"{speedup:.2f}x | {speedup / world:.2f} | {rate} |"
             )
         if args.json:
+            runs = {}
+            if os.path.exists(args.json):
+                with open(args.json) as f:
+                    runs = json.load(f).get("runs", {})
+            old = runs.get(str(world), {}).get("rows", {})
+            runs[str(world)] = dict(device=device, rows={**old, **rows})
             with open(args.json, "w") as f:
-                json.dump(dict(device=device, world=world, rows=rows), f, indent=1)
+                json.dump(dict(runs=runs), f, indent=1)
     dist.destroy_process_group()
 
 
