@@ -44,6 +44,17 @@ def test_shard_and_unshard_invert(layout):
         assert shards[0][0].tolist() == [0, 1, 2, 3, 20, 21, 22, 23]
 
 
+def test_local_lengths_count_each_ranks_tokens():
+    lengths = torch.arange(0, 23, dtype=torch.int32)
+    for world in (1, 2, 3, 5):
+        counts = [cp.local_lengths(lengths, world, rank) for rank in range(world)]
+        for rank, got in enumerate(counts):
+            assert got.dtype == torch.int32
+            want = [len(range(rank, n, world)) for n in lengths.tolist()]
+            assert got.tolist() == want, (world, rank)
+        assert torch.equal(sum(counts), lengths)
+
+
 def test_layout_and_length_errors():
     with pytest.raises(ValueError, match="layout must be one of"):
         cp.shard_sequence(torch.zeros(1, 8), 2, 0, "striped")
