@@ -143,6 +143,10 @@ class AttentionConfig:
         from shared memory, no lazy or pre-P V rescale, tile_n % 32 == 0.
     trace: the kernel records, per work tile, its SM, coordinates and phase times (a variant
         of its own: untraced kernels carry none of it; flash_cute.trace reads the records).
+    gather_lookahead: paged K/V gathered with cp.async (pages no TMA box follows): rows whose
+        page-table entries a producer thread reads before it issues their copies (1-32; 1: each
+        read just before its copy). Above 1 the entries take registers: producer_registers
+        >= 128. The plan sets it (plan.GATHER_LOOKAHEAD) where the producer has them.
     """
 
     tile_m: int
@@ -165,6 +169,7 @@ class AttentionConfig:
     o_split: int = 1
     split_scores: bool = False
     trace: bool = False
+    gather_lookahead: int = 1
 
     def __post_init__(self):
         for name in (
@@ -176,6 +181,7 @@ class AttentionConfig:
             "exp2_on_fma",
             "rescale_threshold",
             "o_split",
+            "gather_lookahead",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -403,6 +409,14 @@ class AttentionConfig:
             )
         if self.rescale_o_before_pv and not self.intra_wg_overlap:
             problems.append("rescale_o_before_pv needs intra_wg_overlap")
+        if not 1 <= self.gather_lookahead <= 32:
+            problems.append(f"gather_lookahead={self.gather_lookahead} must be in [1, 32]")
+        elif self.gather_lookahead > 1 and self.producer_registers < 128:
+            problems.append(
+                f"gather_lookahead={self.gather_lookahead} needs producer_registers >= 128 "
+                f"(the read-ahead page-table entries live in registers), got "
+                f"{self.producer_registers}"
+            )
         for name in ("producer_registers", "mma_registers"):
             value = getattr(self, name)
             if not isinstance(value, int) or not (24 <= value <= 256 and value % 8 == 0):

@@ -38,6 +38,9 @@ MAX_SPLITS = 128
 # FP8 page of 16 rows of 128 is a 2 KB box, 16 TMA issues per key block (H200, batch 8 x 32k
 # keys: TMA boxes 278 us, gathered rows 249 us).
 MIN_TMA_BOX_BYTES = 4096
+# Rows whose page-table entries a gathering producer thread reads before their copies, where
+# it has the registers (AttentionConfig.gather_lookahead).
+GATHER_LOOKAHEAD = 16
 # A split launch merges in the kernel (its last split to finish reads every split's rows of
 # the tile) while a tile's fp32 partials stay within this; above it the combine kernel, spread
 # over the GPU, merges them after the launch (varlen launches, which the combine kernel cannot
@@ -559,14 +562,20 @@ def _effective_config(
         # O goes from registers.
         changes["store_o_from_registers"] = True
     if gather and config.num_mma_warpgroups == 1 and config.producer_registers < 128:
-        # Registers to read page-table entries ahead of the copies (the kernel does where it
-        # has 128); one MMA warpgroup leaves them spare.
+        # Registers to read page-table entries ahead of the copies; one MMA warpgroup leaves
+        # them spare.
         changes["producer_registers"] = 128
     if config.pingpong and config.tile_m < 128:
         changes["pingpong"] = False
     if config.rescale_o_before_pv and not config.intra_wg_overlap:
         changes["rescale_o_before_pv"] = False
-    return config.replace(**changes) if changes else config
+    config = config.replace(**changes) if changes else config
+    if gather and config.producer_registers >= 128 and config.gather_lookahead == 1:
+        # A read just before each copy waits out its latency once per row (H200, bf16, page
+        # 8: 458 -> 262 us at batch 8 x 32k with the read-ahead). Producers of two MMA
+        # warpgroups (24 registers) would spill the entries.
+        config = config.replace(gather_lookahead=GATHER_LOOKAHEAD)
+    return config
 
 
 def padded_tiles(problem: Problem, tile_m: int, pack_ratio: int) -> int:

@@ -40,10 +40,11 @@ class FlashAttentionCombine:
         self.rows_per_cta = THREADS // self.lanes_per_row
 
     @staticmethod
-    def grid(batch: int, seqlen: int, nheads: int, head_dim: int):
-        """The launch's grid: CTAs of rows_per_cta (token, head) rows, by batch."""
+    def grid(batch, seqlen, nheads, head_dim: int):
+        """The launch's grid: CTAs of rows_per_cta (token, head) rows, by batch (ints on the
+        host, the tensor's dynamic sizes in the launch)."""
         rows_per_cta = THREADS // lanes_per_row(head_dim)
-        return (-(-(seqlen * nheads) // rows_per_cta), batch, 1)
+        return ((seqlen * nheads + rows_per_cta - 1) // rows_per_cta, batch, 1)
 
     @cute.jit
     def __call__(
@@ -55,8 +56,7 @@ class FlashAttentionCombine:
         mTrace: Optional[cute.Tensor],
         stream: cuda.CUstream,
     ):
-        rows = mO.shape[1] * mO.shape[2]
-        grid = (cute.ceil_div(rows, self.rows_per_cta), mO.shape[0], 1)
+        grid = self.grid(mO.shape[0], mO.shape[1], mO.shape[2], self.head_dim)
         self.kernel(mO_partial, mLSE_partial, mO, mLSE, mTrace).launch(
             grid=grid, block=[THREADS, 1, 1], stream=stream
         )

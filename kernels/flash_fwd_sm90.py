@@ -326,11 +326,7 @@ class FlashAttentionForwardSm90:
             self.load_warps = FP8_GATHER_WARPS if self.kv_fp8 else PRODUCER_THREADS // 32
         self.gathers_16bit = self.kv_gather and not self.kv_fp8
         self.convert_threads = 128 - 32 * self.load_warps if self.kv_fp8 else 0
-        # Page-table reads 16 rows ahead of the copies where the producer has the registers
-        # (gathering variants with one MMA warpgroup get 128 from the plan): a read just
-        # before each copy waits out its latency once per row (H200, bf16, page 8: 458 ->
-        # 262 us at batch 8 x 32k). Two-warpgroup producers (24 registers) spill with them.
-        self.gather_lookahead = 16 if config.producer_registers >= 128 else 1
+        self.gather_lookahead = config.gather_lookahead  # set by the plan
 
     def _kv_ring(self, barriers, tx_count: int, tma_warp, consumer_threads: int):
         """The K or V ring (or an FP8 cache's K8 or V8 ring) read by consumer_threads: TMA

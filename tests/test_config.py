@@ -123,6 +123,9 @@ def test_smem_estimate_matches_layout():
             128,
             "registers per CTA",
         ),
+        (dict(tile_m=64, tile_n=128, pingpong=False, gather_lookahead=0), 128, r"\[1, 32\]"),
+        (dict(tile_m=64, tile_n=128, pingpong=False, gather_lookahead=33), 128, r"\[1, 32\]"),
+        (dict(tile_m=128, tile_n=128, gather_lookahead=16), 128, "producer_registers >= 128"),
     ],
 )
 def test_invalid_configs_are_refused(kwargs, head_dim, message):

@@ -219,6 +219,30 @@ def test_call_gets_variant(case):
     assert plan.variant.dtype == problem.dtype and plan.variant.causal == problem.causal
 
 
+@pytest.mark.parametrize(
+    "problem, lookahead",
+    [
+        # One MMA warpgroup: the plan gives the producer 128 registers and reads ahead.
+        (decode(kv_layout="paged", page_size=1, seqused_k=True), 16),
+        (decode(kv_layout="paged", page_size=8, seqused_k=True, kv_dtype="float8_e4m3fn"), 16),
+        # Two MMA warpgroups leave the producer 24 registers: one row at a time.
+        (prefill(batch=1, seqlen=1000, kv_layout="paged", page_size=24, seqused_k=True), 1),
+    ],
+)
+def test_gathered_pages_read_the_page_table_ahead_where_registers_allow(problem, lookahead):
+    variant = plan_forward(problem, SMS).variant
+    assert variant.gather_page_size == problem.page_size
+    config = variant.config
+    assert config.gather_lookahead == lookahead
+    assert (config.producer_registers >= 128) == (lookahead > 1)
+    config.validate(problem.head_dim)
+
+
+def test_pages_in_tma_boxes_keep_the_default_lookahead():
+    problem = decode(kv_layout="paged", page_size=64, seqused_k=True)
+    assert plan_forward(problem, SMS).variant.config.gather_lookahead == 1
+
+
 # Local masks, softcap and sinks: (problem, plan_forward arguments) -> the variant's fields.
 GPT_OSS = dict(nheads=64, nheads_kv=8, head_dim=64)
 LOCAL_CASES = {
