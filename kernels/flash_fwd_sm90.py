@@ -325,8 +325,7 @@ class FlashAttentionForwardSm90:
         if self.kv_gather:
             self.load_warps = FP8_GATHER_WARPS if self.kv_fp8 else PRODUCER_THREADS // 32
         self.gathers_16bit = self.kv_gather and not self.kv_fp8
-        self.convert_threads = 128 - 32 * self.load_warps if self.kv_fp8 else 0
-        self.gather_lookahead = config.gather_lookahead  # set by the plan
+        self.convert_threads = PRODUCER_THREADS - 32 * self.load_warps if self.kv_fp8 else 0
 
     def _kv_ring(self, barriers, tx_count: int, tma_warp, consumer_threads: int):
         """The K or V ring (or an FP8 cache's K8 or V8 ring) read by consumer_threads: TMA
@@ -1147,7 +1146,7 @@ class FlashAttentionForwardSm90:
                 self.variant.gather_page_size,
                 self.config.tile_n,
                 32 * self.load_warps,
-                self.gather_lookahead,
+                self.config.gather_lookahead,
             )
         if const_expr(self.variant.kv_layout == "paged"):
             return TmaPagedBlockLoader.create(

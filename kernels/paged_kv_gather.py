@@ -4,12 +4,12 @@ A TMA box covers whole rows of one page, so the TMA loader needs boxes of a mult
 rows that divide both the page size and the key block (kernels/tma_loads.py). Page sizes of
 1 (SGLang's default), 8 or 24, and caches whose rows start at a per-sequence offset
 (cache_leftpad), take this loader instead: the gathering threads (the producer warpgroup's 128
-with a 16-bit cache; with an FP8 cache warp 0's 32, as the other three convert the blocks)
-each copy 16-byte pieces of the block's rows, looking up each row's page in the page table,
-into the swizzled smem stage, and signal the stage's full barrier when their copies land
-(cp.async.mbarrier.arrive.noinc, a PipelineCpAsync with that many producer threads). Rows
-past the sequence's last key are not loaded: their page-table entries need not be valid, and
-the consumer masks those keys (and zeroes their V rows).
+with a 16-bit cache; with an FP8 cache the first FP8_GATHER_WARPS warps', as the others
+convert the blocks) each copy 16-byte pieces of the block's rows, looking up each row's page
+in the page table, into the swizzled smem stage, and signal the stage's full barrier when
+their copies land (cp.async.mbarrier.arrive.noinc, a PipelineCpAsync with that many producer
+threads). Rows past the sequence's last key are not loaded: their page-table entries need not
+be valid, and the consumer masks those keys (and zeroes their V rows).
 
 The MMA warps read a 16-bit stage with WGMMA (the async proxy) after cp.async's generic-proxy
 writes: they fence after each wait (FlashAttentionForwardSm90._wait_full). An FP8 stage's
@@ -147,7 +147,12 @@ class GatherPagedBlockLoader:
     def _page_of(self, key: Int32) -> Int32:
         """The page holding key's slot (clamped to real pages), read from the table at the last
         key's entry for keys past the sequence (entries past it need not exist)."""
-        page = self.page_table_row[cutlass.min(key, self.end_key - 1) // self.page_size]
+        return self._real_page(
+            self.page_table_row[cutlass.min(key, self.end_key - 1) // self.page_size]
+        )
+
+    def _real_page(self, page: Int32) -> Int32:
+        """A page-table entry clamped to the cache's pages (a stray entry reads a real page)."""
         return cutlass.max(cutlass.min(page, self.num_pages - 1), 0)
 
     @cute.jit
@@ -156,8 +161,7 @@ class GatherPagedBlockLoader:
         (a branch around the page-table read and the copy: fewest registers)."""
         key = block_key + row
         if key < self.end_key:
-            page = self.page_table_row[key // self.page_size]
-            page = cutlass.max(cutlass.min(page, self.num_pages - 1), 0)
+            page = self._real_page(self.page_table_row[key // self.page_size])
             cute.copy(atom, self._source(key, page, piece), self._piece_of(dst, row, piece))
 
     @cute.jit
