@@ -6,6 +6,10 @@ with seqused_k the number of valid keys of each batch comes from that tensor ins
 kv_length from one scalar for all of them (either clamped to the sequence's keys, so a bad
 value cannot read past them). seqused_q likewise shortens a packed query span. With leftpad_k
 a padded cache row's keys start at leftpad_k[b] (offset_k) and end at the valid count.
+
+Every value read from a tensor is clamped to the rows the tensors have: cu_seqlens spans to
+0 .. total rows (`cu_span`), so metadata past them (or decreasing) can neither read nor write
+outside q, k, v, out and the LSE; such a sequence gets fewer rows, not a stray store.
 """
 
 from dataclasses import dataclass
@@ -14,6 +18,14 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
+
+
+def cu_span(mCuSeqlens: cute.Tensor, batch_idx: Int32, total: Int32):
+    """(start, end) of sequence batch_idx's rows, cu_seqlens[b] .. cu_seqlens[b + 1], clamped
+    to 0 .. total (the rows the packed tensor has), with end >= start."""
+    start = cutlass.min(cutlass.max(mCuSeqlens[batch_idx], 0), total)
+    end = cutlass.min(cutlass.max(mCuSeqlens[batch_idx + 1], start), total)
+    return start, end
 
 
 @dataclass(frozen=True)
@@ -37,16 +49,16 @@ class SeqlenInfo:
     ) -> "SeqlenInfo":
         offset_q = Int32(0)
         seqlen_q = seqlen_q_padded
-        if const_expr(mCuSeqlensQ is not None):
-            offset_q = mCuSeqlensQ[batch_idx]
-            seqlen_q = mCuSeqlensQ[batch_idx + 1] - offset_q
+        if const_expr(mCuSeqlensQ is not None):  # seqlen_q_padded: the packed total
+            offset_q, end_q = cu_span(mCuSeqlensQ, batch_idx, seqlen_q_padded)
+            seqlen_q = end_q - offset_q
         if const_expr(mSeqUsedQ is not None):  # the first rows of the sequence's span
             seqlen_q = cutlass.max(cutlass.min(mSeqUsedQ[batch_idx], seqlen_q), 0)
         offset_k = Int32(0)
         seqlen_k = seqlen_k_capacity
-        if const_expr(mCuSeqlensK is not None):
-            offset_k = mCuSeqlensK[batch_idx]
-            seqlen_k = mCuSeqlensK[batch_idx + 1] - offset_k
+        if const_expr(mCuSeqlensK is not None):  # seqlen_k_capacity: the packed total
+            offset_k, end_k = cu_span(mCuSeqlensK, batch_idx, seqlen_k_capacity)
+            seqlen_k = end_k - offset_k
         if const_expr(mSeqUsedK is not None):
             seqlen_k = cutlass.max(cutlass.min(mSeqUsedK[batch_idx], seqlen_k), 0)
         if const_expr(kv_length is not None):  # the same count for every batch

@@ -163,7 +163,7 @@ class TileSpace:
         """(m_block, batch) of a varlen tile index within a head; causal tiles of a sequence
         run longest first."""
         batch_idx, m_block, num_tiles = varlen_tile(
-            index, self.cu_seqlens_q, self.rows_per_token, self.tile_m
+            index, self.cu_seqlens_q, self.seqlen_q, self.rows_per_token, self.tile_m
         )
         if const_expr(self.causal):
             if m_block < num_tiles:  # (not a spare index)

@@ -54,7 +54,8 @@ class TmaPagedBlockLoader:
 
     box_rows divides both the page size and tile_n, so no box straddles a page; each box's
     page comes from this batch's row of the page table. Positions past the table's width
-    (only in the masked tail of the last block) reuse its last entry.
+    (only in the masked tail of the last block) reuse its last entry, and entries are clamped
+    to the pages there are (a stray one reads a real page, as the gather loader's do).
     """
 
     atom: cute.CopyAtom
@@ -99,9 +100,11 @@ class TmaPagedBlockLoader:
     @cute.jit
     def copy(self, n_block: Int32, state: pipeline.PipelineState):
         last_page = cute.size(self.page_table_row) - 1
+        num_pages = cute.size(self.src_boxes, mode=[3])
         for j in cutlass.range_constexpr(self.tile_n // self.box_rows):
             key = n_block * self.tile_n + j * self.box_rows
             page = self.page_table_row[cutlass.min(key // self.page_size, last_page)]
+            page = cutlass.max(cutlass.min(page, num_pages - 1), 0)
             box_in_page = (key % self.page_size) // self.box_rows
             cute.copy(
                 self.atom,

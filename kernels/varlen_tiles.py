@@ -13,6 +13,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from .seqlen_info import cu_span
+
 
 @cute.jit
 def _warp_inclusive_sum(value: Int32, lane: Int32) -> Int32:
@@ -27,12 +29,14 @@ def _warp_inclusive_sum(value: Int32, lane: Int32) -> Int32:
 def varlen_tile(
     tile_idx: Int32,
     mCuSeqlensQ: cute.Tensor,
+    total_q: Int32,
     rows_per_token: cutlass.Constexpr[int],
     tile_m: cutlass.Constexpr[int],
 ):
     """(batch, m_block, tiles of that batch) of flat tile tile_idx. A spare index (past every
     sequence's tiles) maps to batch 0 at m_block = its tile count: the tile just past its end,
-    which is empty."""
+    which is empty. Sequences' rows are cu_span's (clamped to q's total_q rows), as the tiles'
+    SeqlenInfo reads them."""
     lane = cute.arch.lane_idx()
     num_batch = mCuSeqlensQ.shape[0] - 1
     tiles_before = Int32(0)  # tiles of the sequences in earlier chunks
@@ -43,7 +47,8 @@ def varlen_tile(
         b = chunk + lane
         count = Int32(0)
         if b < num_batch:
-            count = cute.ceil_div((mCuSeqlensQ[b + 1] - mCuSeqlensQ[b]) * rows_per_token, tile_m)
+            start, end = cu_span(mCuSeqlensQ, b, total_q)
+            count = cute.ceil_div((end - start) * rows_per_token, tile_m)
         inclusive = _warp_inclusive_sum(count, lane)
         # Prefix sums are non-decreasing over lanes, so the sequences ending at or before the
         # tile are lanes 0 .. done-1 and the tile belongs to lane `done` (if it is a sequence).
@@ -58,6 +63,7 @@ def varlen_tile(
         tiles_before = tiles_before + cute.arch.shuffle_sync(inclusive, 31)
     if batch == num_batch:
         batch = Int32(0)
-        m_block = cute.ceil_div((mCuSeqlensQ[1] - mCuSeqlensQ[0]) * rows_per_token, tile_m)
+        start, end = cu_span(mCuSeqlensQ, Int32(0), total_q)
+        m_block = cute.ceil_div((end - start) * rows_per_token, tile_m)
         num_tiles = m_block
     return batch, m_block, num_tiles
