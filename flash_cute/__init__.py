@@ -1,5 +1,7 @@
 """flash_cute: FlashAttention-3-style attention kernels for Hopper GPUs, in the CuTe DSL."""
 
+# First: makes the CuTe DSL importable (flash_cute/_dsl.py).
+from . import _dsl  # noqa: F401
 from .config import (
     DECODE_CONFIGS,
     FORWARD_CONFIGS,

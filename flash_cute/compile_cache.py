@@ -13,8 +13,8 @@ package's sources and the DSL/TVM-FFI versions; FLASH_CUTE_DISK_CACHE=0 turns it
 processes may fill it at once: a per-kernel file lock makes one compile while the others wait
 and then load, and files appear atomically (write to a temporary name, then rename).
 
-Compiling needs no GPU: with no device, the target architecture comes from CUTE_DSL_ARCH
-(set to sm_90a by `ensure_target_arch`).
+Compiling needs no GPU: every compile names its target, sm_90a, in its options (TARGET_OPTIONS),
+so no environment variable has to be set before the DSL is imported.
 """
 
 from __future__ import annotations
@@ -44,24 +44,13 @@ _cache: Dict[object, Callable] = {}
 _lock = threading.Lock()
 
 
-def ensure_target_arch(arch: Optional[str] = None) -> None:
-    """Make the DSL target Hopper. Without a GPU it would otherwise pick a default arch."""
-    if arch is not None:
-        os.environ["CUTE_DSL_ARCH"] = arch
-    elif "CUTE_DSL_ARCH" not in os.environ:
-        try:
-            import torch
-
-            has_gpu = torch.cuda.is_available()
-        except ImportError:  # pragma: no cover - torch is a dependency
-            has_gpu = False
-        if not has_gpu:
-            os.environ["CUTE_DSL_ARCH"] = TARGET_ARCH
-
+# The compile target, named in every compile's options: the DSL's own default (CUTE_DSL_ARCH,
+# or the GPU it finds, or sm_100 without one) is read when it is imported, which a test runner
+# or an application may do first.
+TARGET_OPTIONS = f"--enable-tvm-ffi --gpu-arch {TARGET_ARCH}"
 
 # Import the DSL with the package (about a second, once) rather than inside the first call,
 # so a process whose kernels are in the disk cache serves its first call in milliseconds.
-ensure_target_arch()
 import cutlass  # noqa: E402
 import cutlass.cute  # noqa: E402,F401
 
@@ -207,8 +196,7 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
 
 
 def compile_forward(variant: ForwardVariant, options: str = "") -> Callable:
-    """Compile (uncached) the forward kernel of `variant` on fake arguments."""
-    ensure_target_arch()
+    """Compile (uncached) the forward kernel of `variant` on fake arguments, for sm_90a."""
     import cutlass.cute as cute
 
     from flash_cute.kernels import FlashAttentionForwardSm90
@@ -219,7 +207,7 @@ def compile_forward(variant: ForwardVariant, options: str = "") -> Callable:
     # A variant taking the short signature may use none of the optional tensors.
     assert sig is FULL or all(fakes[name] is None for name in OPTIONAL_TENSORS), variant
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    opts = ("--enable-tvm-ffi " + options).strip()
+    opts = f"{TARGET_OPTIONS} {options}".strip()
     args = [fakes[name] for name in sig.args]
     return cute.compile(getattr(kernel, sig.method), *args, stream, options=opts)
 
@@ -235,8 +223,8 @@ class CombineKernelKey:
 
 
 def compile_combine(key: CombineKernelKey, options: str = "") -> Callable:
-    """Compile (uncached) the combine kernel for `key` on fake tensors with symbolic shapes."""
-    ensure_target_arch()
+    """Compile (uncached) the combine kernel for `key` on fake tensors with symbolic shapes, for
+    sm_90a."""
     import cutlass
     import cutlass.cute as cute
 
@@ -277,7 +265,7 @@ def compile_combine(key: CombineKernelKey, options: str = "") -> Callable:
         )  # fmt: skip
     kernel = FlashAttentionCombine(out_dtype, d, key.writes_lse)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    opts = ("--enable-tvm-ffi " + options).strip()
+    opts = f"{TARGET_OPTIONS} {options}".strip()
     return cute.compile(kernel, out_partial, lse_partial, out, lse, records, stream, options=opts)
 
 
@@ -402,6 +390,16 @@ def _load(path: Path) -> Callable:
     return getattr(module, EXPORTED_SYMBOL)
 
 
+def _try_load(path: Path):
+    """(function, None), or (None, the error) when the file cannot be loaded (a truncated or
+    otherwise broken entry: files appear by atomic rename, so one that fails to load is
+    broken, not half-written)."""
+    try:
+        return _load(path), None
+    except Exception as exc:  # whatever the DSL's loader raises on a bad file
+        return None, exc
+
+
 def _load_or_compile(key, compile_fn) -> Callable:
     directory = disk_cache_dir()
     if directory is None:
@@ -412,10 +410,20 @@ def _load_or_compile(key, compile_fn) -> Callable:
         obj, lock = directory / f"{name}.o", directory / f"{name}.lock"
         if obj.exists():
             with _FileLock(lock, exclusive=False):
-                return _load(obj)
+                fn, _ = _try_load(obj)
+            if fn is not None:
+                return fn
         with _FileLock(lock, exclusive=True):
-            if obj.exists():  # another process compiled it while we waited
-                return _load(obj)
+            if obj.exists():  # another process compiled it while we waited, or it is broken
+                fn, error = _try_load(obj)
+                if fn is not None:
+                    return fn
+                warnings.warn(
+                    f"flash_cute: the cached kernel {obj} could not be loaded "
+                    f"({type(error).__name__}: {error}); it is deleted and compiled again",
+                    stacklevel=3,
+                )
+                obj.unlink()
             fn = compile_fn(key)
             fd, tmp = tempfile.mkstemp(dir=directory, suffix=".o.tmp")
             os.close(fd)

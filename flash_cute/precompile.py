@@ -1,13 +1,12 @@
 """Compile every kernel variant of the config tables ahead of time (into the disk cache).
 
-    python -m flash_cute.precompile [--arch sm_90a] [--head-dims 64 128] [--gqa-ratios 4 8]
-                                    [--check-ptx]
+    python -m flash_cute.precompile [--head-dims 64 128] [--gqa-ratios 4 8] [--check-ptx]
 
 Covers the prefill table (and its short-sequence rows), with and without the LSE, and the decode
 configs as flash_attn_with_kvcache uses them (cache_seqlens a tensor or an int, split and not,
-GQA packed at each --gqa-ratios). With --arch sm_90a it runs on a machine with no GPU.
---check-ptx keeps each kernel's PTX and ptxas report and fails unless the PTX has WGMMA, TMA
-loads and setmaxnreg and ptxas reports zero spill bytes.
+GQA packed at each --gqa-ratios). Kernels target sm_90a, so it runs on a machine with no GPU.
+--check-ptx keeps each kernel's PTX and ptxas report and fails unless the PTX targets sm_90a,
+has WGMMA, TMA loads and setmaxnreg, and ptxas reports zero spill bytes.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional
 
-from .compile_cache import compile_forward, ensure_target_arch, get_forward_kernel
+from .compile_cache import TARGET_ARCH, compile_forward, get_forward_kernel
 from .config import (
     DECODE_CONFIGS,
     FORWARD_CONFIGS,
@@ -44,9 +43,12 @@ class PtxReport:
     registers: int
     setmaxnreg_ignored: bool
     seconds: float
+    target: str = ""  # the PTX's .target
 
     def problems(self) -> List[str]:
         found = [f"no {name} in the PTX" for name, n in self.instruction_counts.items() if n == 0]
+        if self.target != TARGET_ARCH:
+            found.append(f"the PTX targets {self.target or 'nothing'}, not {TARGET_ARCH}")
         if self.spill_bytes:
             found.append(f"ptxas reports {self.spill_bytes} spill bytes")
         if self.setmaxnreg_ignored:
@@ -148,7 +150,6 @@ def decode_variants(
 
 def compile_with_ptx_report(variant: ForwardVariant) -> PtxReport:
     """Compile `variant` (uncached), keeping its PTX and the ptxas resource report."""
-    ensure_target_arch()
     with tempfile.TemporaryDirectory() as dump_dir:
         log = io.StringIO()
         start = time.time()
@@ -172,15 +173,13 @@ def compile_with_ptx_report(variant: ForwardVariant) -> PtxReport:
         registers=max(regs),
         setmaxnreg_ignored="C7508" in report or "'setmaxnreg' ignored" in report,
         seconds=seconds,
+        target=" ".join(re.findall(r"^\.target\s+(\S+)", ptx, re.MULTILINE)),
     )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--arch", default=None, help="target arch when there is no GPU, e.g. sm_90a"
     )
     parser.add_argument("--head-dims", type=int, nargs="*", default=None)
     parser.add_argument(
@@ -192,7 +191,6 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--check-ptx", action="store_true")
     args = parser.parse_args(argv)
-    ensure_target_arch(args.arch)
     failures = 0
     variants = table_variants(args.head_dims) + decode_variants(args.head_dims, args.gqa_ratios)
     for variant in variants:

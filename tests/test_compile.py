@@ -20,7 +20,7 @@ def ragged(dtype, head_dim, causal, config, writes_lse, **flags) -> ForwardVaria
     """A split or varlen variant, whose rows are ragged: its O goes from registers (the plan
     step's rule, which ForwardVariant enforces)."""
     config = config.replace(store_o_from_registers=True)
-    return ForwardVariant(dtype, head_dim, causal, config, writes_lse, **flags)
+    return ForwardVariant(dtype, head_dim, causal, config=config, writes_lse=writes_lse, **flags)
 
 
 # Every (head_dim, dtype, causal) row (and short-sequence row), writing the LSE (the larger
@@ -37,18 +37,34 @@ TABLE_KEYS = [
 
 # Knobs off the table's path, and the no-LSE variant.
 KNOB_KEYS = [
-    ForwardVariant("bfloat16", 128, False, AttentionConfig(128, 128), False),
-    ForwardVariant("bfloat16", 128, True, AttentionConfig(128, 128, intra_wg_overlap=False), True),
+    ForwardVariant("bfloat16", 128, False, config=AttentionConfig(128, 128), writes_lse=False),
+    ForwardVariant(
+        "bfloat16",
+        128,
+        True,
+        config=AttentionConfig(128, 128, intra_wg_overlap=False),
+        writes_lse=True,
+    ),
     ForwardVariant(
         "float16",
         128,
         False,
-        AttentionConfig(128, 128, pv_from_registers=False, pingpong=False),
-        True,
+        config=AttentionConfig(128, 128, pv_from_registers=False, pingpong=False),
+        writes_lse=True,
     ),
-    ForwardVariant("bfloat16", 128, True, AttentionConfig(128, 64, num_stages=3), True),
-    ForwardVariant("bfloat16", 64, False, AttentionConfig(64, 128, pingpong=False), True),
-    ForwardVariant("bfloat16", 64, True, AttentionConfig(192, 96, intra_wg_overlap=False), True),
+    ForwardVariant(
+        "bfloat16", 128, True, config=AttentionConfig(128, 64, num_stages=3), writes_lse=True
+    ),
+    ForwardVariant(
+        "bfloat16", 64, False, config=AttentionConfig(64, 128, pingpong=False), writes_lse=True
+    ),
+    ForwardVariant(
+        "bfloat16",
+        64,
+        True,
+        config=AttentionConfig(192, 96, intra_wg_overlap=False),
+        writes_lse=True,
+    ),
     ragged(
         "bfloat16",
         128,
@@ -61,23 +77,27 @@ KNOB_KEYS = [
     ),
     # Persistent scheduler: O in its own smem, O over Q's tile, packed GQA on a paged cache.
     ForwardVariant(
-        "bfloat16", 128, True, AttentionConfig(128, 128, scheduler="dynamic_persistent"), True
+        "bfloat16",
+        128,
+        True,
+        config=AttentionConfig(128, 128, scheduler="dynamic_persistent"),
+        writes_lse=True,
     ),
     ForwardVariant(
         "float16",
         256,
         False,
-        AttentionConfig(
+        config=AttentionConfig(
             128, 80, pingpong=False, rescale_o_before_pv=True, scheduler="static_persistent"
         ),
-        False,
+        writes_lse=False,
     ),
     ForwardVariant(
         "bfloat16",
         64,
         True,
-        AttentionConfig(192, 128, intra_wg_overlap=False, scheduler="dynamic_persistent"),
-        True,
+        config=AttentionConfig(192, 128, intra_wg_overlap=False, scheduler="dynamic_persistent"),
+        writes_lse=True,
         kv_layout="paged",
         seqused_k=True,
         page_box_rows=64,
@@ -87,7 +107,7 @@ KNOB_KEYS = [
         "bfloat16",
         128,
         False,
-        AttentionConfig(
+        config=AttentionConfig(
             64,
             64,
             num_stages=3,
@@ -96,7 +116,7 @@ KNOB_KEYS = [
             scheduler="dynamic_persistent",
             mbarrier_probe=True,
         ),
-        True,
+        writes_lse=True,
     ),
     # An int cache_seqlens (the kernel's kv_length scalar): the decode row split on a paged cache,
     # and a padded prefill-like call on persistent CTAs.
@@ -116,25 +136,33 @@ KNOB_KEYS = [
         "float16",
         64,
         True,
-        AttentionConfig(192, 128, scheduler="static_persistent"),
-        True,
+        config=AttentionConfig(192, 128, scheduler="static_persistent"),
+        writes_lse=True,
         scalar_kv_length=True,
     ),
     # Exponentials on the FMA pipe: a few (hdim 64 row) and all of them.
     ForwardVariant(
-        "bfloat16", 64, False, AttentionConfig(192, 128, mbarrier_probe=True, exp2_on_fma=2), False
+        "bfloat16",
+        64,
+        False,
+        config=AttentionConfig(192, 128, mbarrier_probe=True, exp2_on_fma=2),
+        writes_lse=False,
     ),
     ForwardVariant(
         "float16",
         128,
         True,
-        AttentionConfig(128, 128, scheduler="dynamic_persistent", exp2_on_fma=16),
-        True,
+        config=AttentionConfig(128, 128, scheduler="dynamic_persistent", exp2_on_fma=16),
+        writes_lse=True,
     ),
     # O stored from registers on a padded problem, one CTA per tile (the table's hdim-64 row is
     # static persistent).
     ForwardVariant(
-        "float16", 128, True, AttentionConfig(128, 128, store_o_from_registers=True), False
+        "float16",
+        128,
+        True,
+        config=AttentionConfig(128, 128, store_o_from_registers=True),
+        writes_lse=False,
     ),
     # Persistent varlen: packed, paged (GQA packed) and padded K/V; O from registers.
     ragged(
@@ -226,8 +254,8 @@ KNOB_KEYS = [
         "float16",
         96,
         True,
-        AttentionConfig(128, 128),
-        True,
+        config=AttentionConfig(128, 128),
+        writes_lse=True,
         kv_layout="paged",
         seqused_k=True,
         leftpad_k=True,
@@ -273,8 +301,8 @@ SPLITKV_KEYS = [
         "float16",
         64,
         True,
-        decode_config(64, "float16"),
-        True,
+        config=decode_config(64, "float16"),
+        writes_lse=True,
         kv_layout="paged",
         seqused_k=True,
         page_box_rows=64,
@@ -323,8 +351,8 @@ SPLITKV_KEYS = [
         "bfloat16",
         64,
         False,
-        FORWARD_CONFIGS[(64, "bfloat16", False)],
-        False,
+        config=FORWARD_CONFIGS[(64, "bfloat16", False)],
+        writes_lse=False,
         kv_layout="paged",
         seqused_k=True,
         page_box_rows=64,
@@ -341,8 +369,8 @@ LOCAL_KEYS = [
         "bfloat16",
         64,
         False,
-        SHORT_WINDOW_CONFIGS[(64, "bfloat16")][1],
-        True,
+        config=SHORT_WINDOW_CONFIGS[(64, "bfloat16")][1],
+        writes_lse=True,
         window_left=128,
         window_right=0,
     ),
@@ -350,21 +378,26 @@ LOCAL_KEYS = [
         "bfloat16",
         64,
         False,
-        FORWARD_CONFIGS[(64, "bfloat16", True)],
-        True,
+        config=FORWARD_CONFIGS[(64, "bfloat16", True)],
+        writes_lse=True,
         window_left=4096,
         window_right=0,
         learnable_sink="float32",
     ),
     ForwardVariant(
-        "float16", 256, True, FORWARD_CONFIGS[(256, "float16", True)], True, softcap=50.0
+        "float16",
+        256,
+        True,
+        config=FORWARD_CONFIGS[(256, "float16", True)],
+        writes_lse=True,
+        softcap=50.0,
     ),
     ForwardVariant(
         "bfloat16",
         96,
         False,
-        FORWARD_CONFIGS[(96, "bfloat16", True)],
-        True,
+        config=FORWARD_CONFIGS[(96, "bfloat16", True)],
+        writes_lse=True,
         window_left=3,
         window_right=3,
         attention_chunk=128,
@@ -452,8 +485,22 @@ def _latent(dtype, causal, knobs, ratio=64, **flags) -> ForwardVariant:
 
 
 O_SPLIT_KEYS = [
-    ForwardVariant("bfloat16", 64, True, AttentionConfig(64, 64, **_O_SPLIT), True, head_dim_v=512),
-    ForwardVariant("float16", 512, True, AttentionConfig(64, 32, **_O_SPLIT), True, head_dim_v=512),
+    ForwardVariant(
+        "bfloat16",
+        64,
+        True,
+        config=AttentionConfig(64, 64, **_O_SPLIT),
+        writes_lse=True,
+        head_dim_v=512,
+    ),
+    ForwardVariant(
+        "float16",
+        512,
+        True,
+        config=AttentionConfig(64, 32, **_O_SPLIT),
+        writes_lse=True,
+        head_dim_v=512,
+    ),
     ragged(
         "bfloat16",
         128,
@@ -479,10 +526,20 @@ O_SPLIT_KEYS = [
     _latent("float16", True, _O_SPLIT, varlen_q=True, gather_page_size=1, ratio=16, qv=True),
     # split_scores: each warpgroup the scores of half of each key block, P through smem.
     ForwardVariant(
-        "float16", 512, True, AttentionConfig(64, 32, **_SPLIT_SCORES), True, head_dim_v=512
+        "float16",
+        512,
+        True,
+        config=AttentionConfig(64, 32, **_SPLIT_SCORES),
+        writes_lse=True,
+        head_dim_v=512,
     ),
     ForwardVariant(
-        "bfloat16", 64, False, AttentionConfig(64, 64, **_SPLIT_SCORES), True, head_dim_v=512
+        "bfloat16",
+        64,
+        False,
+        config=AttentionConfig(64, 64, **_SPLIT_SCORES),
+        writes_lse=True,
+        head_dim_v=512,
     ),
     _latent("bfloat16", True, _SPLIT_SCORES, split=True, combine_launch=True, page_box_rows=64),
     _latent("float16", True, _SPLIT_SCORES, varlen_q=True, gather_page_size=1, ratio=16, qv=True),
@@ -510,10 +567,10 @@ O_SPLIT_KEYS = [
         "bfloat16",
         256,
         True,
-        AttentionConfig(
+        config=AttentionConfig(
             128, 64, pingpong=False, rescale_o_before_pv=True, store_o_from_registers=True
         ),
-        True,
+        writes_lse=True,
         head_dim_v=128,
         v_in_k=True,
     ),
@@ -523,13 +580,12 @@ O_SPLIT_KEYS = [
 # Traced variants (AttentionConfig.trace): one CTA per tile, persistent, split with the merge
 # in the kernel, varlen.
 TRACE_KEYS = [
-    ForwardVariant("bfloat16", 128, True, AttentionConfig(128, 128, trace=True), True),
     ForwardVariant(
-        "bfloat16",
-        128,
-        True,
-        AttentionConfig(128, 128, scheduler="dynamic_persistent", trace=True),
-        True,
+        "bfloat16", 128, True, config=AttentionConfig(128, 128, trace=True), writes_lse=True
+    ),
+    ForwardVariant(
+        "bfloat16", 128, True, writes_lse=True,
+        config=AttentionConfig(128, 128, scheduler="dynamic_persistent", trace=True),
     ),
     ragged(
         "bfloat16", 128, True, _DECODE_128.replace(trace=True), True, seqused_k=True,
@@ -614,7 +670,7 @@ FP8_KEYS = [
 def test_variant_compiles_clean(key):
     report = compile_with_ptx_report(key)
     assert not report.problems(), report.problems()
-    assert report.instruction_counts["wgmma.mma_async"] > 0
+    assert report.target == "sm_90a" and report.instruction_counts["wgmma.mma_async"] > 0
 
 
 @pytest.mark.parametrize(
@@ -631,4 +687,5 @@ def test_variant_compiles_clean(key):
 def test_combine_compiles(key, tmp_path):
     compile_combine(key, options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    assert ".target sm_90a" in ptx
     assert "ld.global.v4" in ptx, "partial O is not read with 16-byte loads"

@@ -11,21 +11,33 @@ import pytest
 pytestmark = pytest.mark.compile
 
 SCRIPT = textwrap.dedent("""
-    import os, sys, time
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import sys, time
     import flash_cute.compile_cache as cc
     if sys.argv[1] == "load-only":
         def refuse(key, options=""):
             raise SystemExit("compiled although the kernel was on disk")
         cc.compile_combine = refuse
+    if sys.argv[1] == "must-compile":
+        real = cc.compile_combine
+        def compile_and_say(key, options=""):
+            print("compiled", file=sys.stderr)
+            return real(key, options)
+        cc.compile_combine = compile_and_say
     start = time.time()
     fn = cc.get_combine_kernel(cc.CombineKernelKey("bfloat16", 128, True))
     print(type(fn).__name__, f"{time.time() - start:.3f}")
 """)
 
 
+def clean_env(**changes):
+    """The environment without CUTE_DSL_ARCH: compiles name their target themselves."""
+    env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
+    env.update(changes)
+    return env
+
+
 def run(cache_dir, mode):
-    env = dict(os.environ, FLASH_CUTE_CACHE_DIR=str(cache_dir), CUTE_DSL_ARCH="sm_90a")
+    env = clean_env(FLASH_CUTE_CACHE_DIR=str(cache_dir))
     return subprocess.Popen(
         [sys.executable, "-c", SCRIPT, mode],
         env=env,
@@ -59,12 +71,7 @@ def test_concurrent_processes_fill_the_cache_once(tmp_path):
 
 
 def test_cache_can_be_disabled(tmp_path):
-    env = dict(
-        os.environ,
-        FLASH_CUTE_CACHE_DIR=str(tmp_path),
-        FLASH_CUTE_DISK_CACHE="0",
-        CUTE_DSL_ARCH="sm_90a",
-    )
+    env = clean_env(FLASH_CUTE_CACHE_DIR=str(tmp_path), FLASH_CUTE_DISK_CACHE="0")
     p = subprocess.run(
         [sys.executable, "-c", SCRIPT, "compile"],
         env=env,
@@ -74,3 +81,20 @@ def test_cache_can_be_disabled(tmp_path):
     )
     assert p.returncode == 0, p.stderr[-2000:]
     assert not list(tmp_path.rglob("*.o"))
+
+
+def test_a_broken_entry_is_deleted_and_compiled_again(tmp_path):
+    """An entry that fails to load (here truncated) is replaced, with a warning, and the next
+    process loads the new one."""
+    first = run(tmp_path, "compile")
+    assert first.wait(timeout=300) == 0, first.stderr.read()[-2000:]
+    (obj,) = tmp_path.rglob("*.o")
+    obj.write_bytes(obj.read_bytes()[:100])
+    healing = run(tmp_path, "must-compile")
+    out, err = healing.communicate(timeout=300)
+    assert healing.returncode == 0, err[-2000:]
+    assert "could not be loaded" in err and "compiled again" in err and "compiled\n" in err
+    assert obj.stat().st_size > 100
+    second = run(tmp_path, "load-only")
+    out, err = second.communicate(timeout=300)
+    assert second.returncode == 0, err[-2000:]
