@@ -16,6 +16,7 @@ import sys
 import torch
 
 import flash_cute
+import flash_cute.flash_attn_interface  # noqa: F401 (the fa3 calls)
 from flash_cute.timing import host_rounds_us
 
 dev, bf16 = "cuda", torch.bfloat16
@@ -47,12 +48,20 @@ CALLS = {
     "varlen paged decode, 4 splits": lambda m: m.flash_attn_varlen_func(
         qv, kp, vp, cu_q, 1, seqused_k=used, max_seqlen_k=256, page_table=pages, num_splits=4
     ),
+    "fa3 func": lambda m: m.flash_attn_interface.flash_attn_func(q, k, v),
+    "fa3 kvcache tensor len": lambda m: m.flash_attn_interface.flash_attn_with_kvcache(
+        qd, kc, vc, cache_seqlens=sl
+    ),
+    "fa3 varlen paged decode": lambda m: m.flash_attn_interface.flash_attn_with_kvcache(
+        qv, kp, vp, cache_seqlens=used, page_table=pages, cu_seqlens_q=cu_q, max_seqlen_q=1
+    ),
 }
 
 
 def main():
     sys.path.insert(0, sys.argv[1])
     import flash_cute_old
+    import flash_cute_old.flash_attn_interface  # noqa: F401
 
     names = sys.argv[2:] or list(CALLS)
     fns = {

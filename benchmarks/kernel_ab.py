@@ -8,6 +8,8 @@ old_package.py) against the working tree's `flash_cute`.
 - decode: CUDA-graph replays of 20 flash_attn_with_kvcache decode steps (32 q heads, 8 kv
   heads, hdim 128, bf16, a (batch,) int32 cache_seqlens, contiguous and paged caches), the two
   graphs replayed in turns.
+- varlen: flash_attn_varlen_func over mixed-length batches (packed K/V, and a paged decode
+  batch), the two taking turns.
 
 Run from the repository root on a GPU (compiles both packages' kernels in parallel first):
 
@@ -41,7 +43,7 @@ def precompile(old_dir, hdims, workers=16):
 
     import flash_cute.precompile as new_pre
 
-    jobs = [("old", k) for k in old_pre.table_keys(hdims, writes_lse=(False,))]
+    jobs = [("old", k) for k in old_pre.table_variants(hdims, writes_lse=(False,))]
     jobs += [("new", v) for v in new_pre.table_variants(hdims, writes_lse=(False,))]
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(
@@ -141,6 +143,40 @@ def decode(old, new, reps):
     return rows
 
 
+def varlen(old, new, reps):
+    """Mixed-length batches through flash_attn_varlen_func: new / old time per case."""
+    from flash_cute.timing import time_interleaved
+
+    rows = []
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    for label, lengths, hdim, causal in (
+        ("16 x 100-2000, causal", [100 + 127 * i for i in range(16)], 128, True),
+        ("16 x 100-2000", [100 + 127 * i for i in range(16)], 128, False),
+        ("64 x 50-600, causal", [50 + 9 * i for i in range(64)], 128, True),
+        ("8 x 500-4000, hdim 64, causal", [500 + 500 * i for i in range(8)], 64, True),
+    ):
+        gen = torch.Generator(device="cuda").manual_seed(len(lengths) + hdim)
+        total = sum(lengths)
+        cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+        q, k, v = (torch.randn(total, 2048 // hdim, hdim, generator=gen, **bf16) for _ in "qkv")
+        fns = {
+            name: (
+                lambda m=m: m.flash_attn_varlen_func(
+                    q, k, v, cu, max(lengths), cu_seqlens_k=cu, max_seqlen_k=max(lengths),
+                    causal=causal,
+                )
+            )
+            for name, m in (("old", old), ("new", new))
+        }  # fmt: skip
+        diff = (fns["old"]().float() - fns["new"]().float()).abs().max().item()
+        times = time_interleaved(fns, warmup=3, reps=reps)
+        ratio = times["new"] / times["old"]
+        rows.append((label, times["new"], ratio))
+        print(f"varlen {label:32s}: new {times['new'] * 1e3:8.1f} us, new/old {ratio:.4f}, "
+              f"max |new - old| {diff:.2e}", flush=True)  # fmt: skip
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("old_dir")
@@ -149,6 +185,7 @@ def main():
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--no-decode", action="store_true")
     parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument("--no-varlen", action="store_true")
     args = parser.parse_args()
     sys.path.insert(0, args.old_dir)
     import flash_cute_old as old
@@ -169,6 +206,9 @@ def main():
         low, high = min(r[4] for r in rows), max(r[4] for r in rows)
         print(f"new/old time: {low:.3f}-{high:.3f} (furthest from 1: {ratio:.3f} at hdim {hdim}, "
               f"causal {int(causal)}, seqlen {seqlen})")  # fmt: skip
+    if not args.no_varlen:
+        rows = varlen(old, new, args.reps)
+        print(f"varlen, new/old: {min(r[2] for r in rows):.3f}-{max(r[2] for r in rows):.3f}")
     if not args.no_decode:
         rows = decode(old, new, args.reps)
         print(f"decode graph replays, new/old: {min(r[4] for r in rows):.3f}"

@@ -892,18 +892,17 @@ def run_host() -> List[str]:
             num_splits=4,
         )
     )  # fmt: skip
-    out_d = torch.empty_like(qd)
-    calls["torch.ops.flash_cute.flash_attn_func (out=)"] = lambda: (
-        torch.ops.flash_cute.flash_attn_func(
-            q, k, v, out, None, False, False, None, [-1, -1], 0, 0.0, None
-        )
+    from flash_cute.call import Call
+    from flash_cute.ops import op_arguments
+
+    func_op = op_arguments(Call(q, k, v, out, decode_rows=False, pack_gqa=False))
+    decode_op = op_arguments(Call(qd, kc, vc, torch.empty_like(qd), seqused_k=seqlens))
+    calls["torch.ops.flash_cute.forward (func, out=)"] = lambda: torch.ops.flash_cute.forward(
+        *func_op
     )
-    calls["torch.ops.flash_cute.flash_attn_with_kvcache (no split, out=)"] = lambda: (
-        torch.ops.flash_cute.flash_attn_with_kvcache(
-            qd, kc, vc, seqlens, None, None, None, False, 1, None, False, out_d, None, [-1, -1],
-            0, 0.0, None, None, None,
-        )
-    )  # fmt: skip
+    calls["torch.ops.flash_cute.forward (kvcache, no split, out=)"] = lambda: (
+        torch.ops.flash_cute.forward(*decode_op)
+    )
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))

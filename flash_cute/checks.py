@@ -340,23 +340,24 @@ def check_seqused(name: str, t, batch: int, what: str = "keys used per sequence"
         raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")
 
 
-def check_page_table(page_table, batch: Optional[int], k_cache: torch.Tensor) -> int:
+def check_page_table(
+    page_table, batch: Optional[int], k_cache: torch.Tensor, name: str = "page_table"
+) -> int:
     """page_table (batch, max_pages) int32 over k_cache (num_pages, page_size, ...); batch
     None: any number of rows (cache_batch_idx picks them). Returns the key capacity per
     sequence, max_pages * page_size."""
     if not isinstance(page_table, torch.Tensor):
-        raise TypeError(f"page_table must be a torch.Tensor, got {type(page_table).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(page_table).__name__}")
     if page_table.dtype != torch.int32:
-        raise TypeError(f"page_table must be int32, got {page_table.dtype}")
+        raise TypeError(f"{name} must be int32, got {page_table.dtype}")
     if page_table.dim() != 2 or (batch is not None and page_table.shape[0] != batch):
         raise ValueError(
-            f"page_table must have shape (batch={batch if batch is not None else 'any'}, "
-            "max_pages_per_seq), "
-            f"got {tuple(page_table.shape)}"
+            f"{name} must have shape (batch={batch if batch is not None else 'any'}, "
+            f"max_pages_per_seq), got {tuple(page_table.shape)}"
         )
     if page_table.shape[1] > 1 and page_table.stride(1) != 1:
         raise ValueError(
-            f"page_table must have a contiguous last dimension, got strides {page_table.stride()}"
+            f"{name} must have a contiguous last dimension, got strides {page_table.stride()}"
         )
     page_size = k_cache.shape[1]
     if page_size == 0:

@@ -4,18 +4,22 @@ Engines written against FlashAttention-3 switch with one line:
 
     from flash_cute.flash_attn_interface import flash_attn_varlen_func, flash_attn_with_kvcache
 
-The functions keep FlashAttention-3's names, argument order, defaults and return conventions,
-and map each call onto flash_cute's native entry points (flash_cute.interface). An argument
-flash_cute does not serve yet raises NotImplementedError naming it; nothing falls back to
-other math. Extensions, keyword-only: `learnable_sink` (per-head sink logits, gpt-oss's
-`s_aux`). There is no backward pass: `deterministic` (a backward option) is accepted and has no
-effect.
+The functions keep FlashAttention-3's names, argument order, defaults and return conventions.
+Each is an entry point of its own, generated from its signature like the native ones
+(flash_cute.entry): its arguments' roles (flash_cute.call.ROLES) give its replay key and the
+Call its first pass runs through the shared forward path, so a replay costs what a native
+one does. An argument flash_cute does not serve yet raises NotImplementedError naming it;
+nothing falls back to other math. Extensions, keyword-only: `learnable_sink` (per-head sink
+logits, gpt-oss's `s_aux`). There is no backward pass: `deterministic` (a backward option) is
+accepted and has no effect.
 
 Split counts: flash_cute chooses a call's split count on the host from shapes alone, so every
 call can be captured in a CUDA graph and replayed with new lengths and page tables.
 `get_scheduler_metadata` returns the split count a kvcache call with those arguments would
 use, as a one-element int32 tensor that also carries it on the host; passing it back as
-`scheduler_metadata` fixes that count for the call (as `num_splits=n` does).
+`scheduler_metadata` fixes that count for the call (as `num_splits=n` does). A copy of that
+tensor is read on the device (once per new content; under CUDA-graph capture the call
+chooses its own count and warns).
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ from typing import Optional, Union
 import torch
 
 from . import checks, interface
-from .config import check_head_dims
-from .plan import Problem, plan_forward
-from .runtime import current_device, num_sms
+from .call import UNSERVED, Call, window_pair
+from .entry import entry_point
+from .forward import describe
+from .plan import plan_forward
+from .runtime import PlanCache, current_device, num_sms
 
 __all__ = [
     "flash_attn_combine",
@@ -38,36 +44,20 @@ __all__ = [
     "get_scheduler_metadata",
 ]
 
-_native_func = interface.flash_attn_func
-_native_varlen = interface.flash_attn_varlen_func
-_native_kvcache = interface.flash_attn_with_kvcache
+
+def _padded_unless_split(call: Call) -> Call:
+    """FlashAttention-3's flash_attn_func: the padded prefill kernels, unless it asks for
+    split-KV or packed GQA (then those of a cache over the whole of k and v)."""
+    if call.num_splits == 1 and call.pack_gqa is None:
+        return call.replace(decode_rows=False, pack_gqa=False)
+    return call
 
 
-def _unsupported(**given) -> None:
-    """NotImplementedError naming the arguments flash_cute does not serve that the call gave
-    (those not None). Callers test their arguments inline first, so a served call pays no
-    call here."""
-    names = [name for name, value in given.items() if value is not None]
-    if names:
-        raise NotImplementedError(
-            f"flash_cute does not serve {', '.join(names)} yet (FlashAttention-3 arguments "
-            "outside its feature set); leave them at their defaults"
-        )
-
-
-def _window_pair(window_size):
-    """FlashAttention-3 reads window_size[0] and window_size[1], so its callers (its tests
-    among them) also pass lists and 2-element integer tensors: as a tuple of ints here (the
-    sides are compile-time constants of flash_cute's kernels, read on the host)."""
-    if isinstance(window_size, torch.Tensor) and window_size.numel() == 2:
-        if window_size.dtype.is_floating_point or window_size.dtype == torch.bool:
-            return window_size  # (refused by the native checks)
-        return tuple(window_size.tolist())
-    if isinstance(window_size, list):
-        return tuple(window_size)
-    return window_size
-
-
+@entry_point(
+    PlanCache(),
+    overrides={"k_descale": UNSERVED, "v_descale": UNSERVED},
+    adjust=_padded_unless_split,
+)
 def flash_attn_func(
     q,
     k,
@@ -93,23 +83,6 @@ def flash_attn_func(
     (batch, seqlen_k, nheads_kv, headdim). Returns out (batch, seqlen_q, nheads, headdim), and
     with return_attn_probs (out, softmax_lse) with softmax_lse (batch, nheads, seqlen_q) fp32.
     num_splits: 1 none, 0 the heuristic, n forces n. See flash_cute.flash_attn_func."""
-    if type(window_size) is not tuple:
-        window_size = _window_pair(window_size)
-    if q_descale is not None or k_descale is not None or v_descale is not None or sm_margin:
-        _unsupported(
-            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-            sm_margin=sm_margin or None,
-        )  # fmt: skip
-    if num_splits == 1 and pack_gqa is None:
-        return _native_func(
-            q, k, v, softmax_scale, causal, return_attn_probs, None, None, window_size,
-            attention_chunk, softcap, learnable_sink, qv,
-        )  # fmt: skip
-    # Split-KV or packed GQA over a padded batch: the cache entry point, whole cache.
-    return _native_kvcache(
-        q, k, v, None, None, softmax_scale, causal, num_splits, pack_gqa, return_attn_probs,
-        None, None, window_size, attention_chunk, softcap, learnable_sink, qv=qv,
-    )  # fmt: skip
 
 
 def flash_attn_qkvpacked_func(
@@ -131,6 +104,8 @@ def flash_attn_qkvpacked_func(
 ):
     """qkv (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, nheads_q + 2 * nheads_kv,
     headdim) with num_heads_q (GQA). Otherwise as flash_attn_func."""
+    # Every other argument is flash_attn_func's, passed on by name.
+    options = {n: value for n, value in locals().items() if n not in ("qkv", "num_heads_q")}
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
     if qkv.dim() == 5:
@@ -151,13 +126,10 @@ def flash_attn_qkvpacked_func(
         q, k, v = qkv.split([num_heads_q, num_heads_kv, num_heads_kv], dim=2)
     else:
         raise ValueError(f"qkv must be 4-D or 5-D, got shape {tuple(qkv.shape)}")
-    return flash_attn_func(
-        q, k, v, softmax_scale, causal, None, q_descale, k_descale, v_descale, window_size,
-        attention_chunk, softcap, 1, None, deterministic, sm_margin, return_attn_probs,
-        learnable_sink=learnable_sink,
-    )  # fmt: skip
+    return flash_attn_func(q, k, v, **options)
 
 
+@entry_point(PlanCache())
 def flash_attn_varlen_func(
     q,
     k,
@@ -191,28 +163,6 @@ def flash_attn_varlen_func(
     (batch,) int32 shorten each sequence to its first rows. Returns out (total_q, nheads,
     headdim), and with return_attn_probs (out, softmax_lse) with softmax_lse (nheads, total_q).
     See flash_cute.flash_attn_varlen_func."""
-    if type(window_size) is not tuple:
-        window_size = _window_pair(window_size)
-    if q_descale is not None or sm_margin:
-        _unsupported(q_descale=q_descale, sm_margin=sm_margin or None)
-    if cu_seqlens_q is None:
-        # Padded queries: FlashAttention-3's non-varlen path.
-        if cu_seqlens_k is not None or seqused_q is not None:
-            raise NotImplementedError(
-                "flash_cute serves cu_seqlens_k and seqused_q with packed queries "
-                "(cu_seqlens_q) only"
-            )
-        return _native_kvcache(
-            q, k, v, seqused_k, None, softmax_scale, causal, num_splits, pack_gqa,
-            return_attn_probs, None, None, window_size, attention_chunk, softcap, learnable_sink,
-            qv=qv, k_descale=k_descale, v_descale=v_descale,
-        )  # fmt: skip
-    return _native_varlen(
-        q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k, None,
-        softmax_scale, causal, num_splits, pack_gqa, return_attn_probs, None, None, window_size,
-        attention_chunk, softcap, learnable_sink, seqused_q, qv=qv, k_descale=k_descale,
-        v_descale=v_descale,
-    )  # fmt: skip
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
@@ -223,6 +173,18 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
     return interface.flash_attn_combine(out_partial, lse_partial, out, out_dtype, True)
 
 
+def _with_accumulators(result):
+    """FlashAttention-3's kvcache return with return_softmax_lse: (out, softmax_lse,
+    out_accum, softmax_lse_accum), the accumulators empty (flash_cute merges split partials
+    inside the launch)."""
+    if type(result) is not tuple:
+        return result
+    out, lse = result
+    empty = out.new_empty((0,), dtype=torch.float32)
+    return out, lse, empty, empty
+
+
+@entry_point(PlanCache(), overrides={"k": UNSERVED, "v": UNSERVED}, finish=_with_accumulators)
 def flash_attn_with_kvcache(
     q,
     k_cache,
@@ -269,54 +231,6 @@ def flash_attn_with_kvcache(
     is not served. rotary_seqlens matters only with rotary_cos,
     which flash_cute does not serve yet (refused); alone it is ignored, as FlashAttention-3
     ignores it. See flash_cute.flash_attn_with_kvcache."""
-    if type(window_size) is not tuple:
-        window_size = _window_pair(window_size)
-    if (
-        k is not None
-        or v is not None
-        or rotary_cos is not None
-        or rotary_sin is not None
-        or cu_seqlens_k_new is not None
-        or q_descale is not None
-        or sm_margin
-    ):
-        _unsupported(
-            k=k,
-            v=v,
-            rotary_cos=rotary_cos,
-            rotary_sin=rotary_sin,
-            cu_seqlens_k_new=cu_seqlens_k_new,
-            q_descale=q_descale,
-            sm_margin=sm_margin or None,
-        )
-    if scheduler_metadata is not None:
-        num_splits = _splits_of_metadata(scheduler_metadata, num_splits)
-    if cu_seqlens_q is None:
-        result = _native_kvcache(
-            q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, causal, num_splits,
-            pack_gqa, return_softmax_lse, None, None, window_size, attention_chunk, softcap,
-            learnable_sink, cache_batch_idx, cache_leftpad, qv, k_descale, v_descale,
-        )  # fmt: skip
-    else:
-        if max_seqlen_q is None:
-            raise ValueError("max_seqlen_q must be given with cu_seqlens_q")
-        seqused_k = cache_seqlens
-        if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
-            length = checks.check_host_int("cache_seqlens", cache_seqlens)
-            seqused_k = torch.full(
-                (cu_seqlens_q.shape[0] - 1,), length, dtype=torch.int32, device=q.device
-            )
-        result = _native_varlen(
-            q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, None, seqused_k, None, page_table,
-            softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, None, None,
-            window_size, attention_chunk, softcap, learnable_sink, None, cache_batch_idx,
-            cache_leftpad, qv, k_descale, v_descale,
-        )  # fmt: skip
-    if not return_softmax_lse:
-        return result
-    out, lse = result
-    empty = out.new_empty((0,), dtype=torch.float32)
-    return out, lse, empty, empty
 
 
 def get_scheduler_metadata(
@@ -345,63 +259,58 @@ def get_scheduler_metadata(
     """The split count a flash_attn_with_kvcache call with these sizes would use (num_splits
     0: the heuristic, from max_seqlen_k; n: n), as a (1,) int32 tensor on cache_seqlens'
     device that also carries the count on the host. Pass it as scheduler_metadata to fix that
-    count for the call, and for every replay of a CUDA graph that captured it."""
-    if type(window_size) is not tuple:
-        window_size = _window_pair(window_size)
-    if cu_seqlens_k_new is not None:
-        _unsupported(cu_seqlens_k_new=cu_seqlens_k_new)
+    count for the call, and for every replay of a CUDA graph that captured it. The call is
+    described as flash_attn_with_kvcache describes its own (on meta tensors of these sizes)."""
+    if cu_seqlens_k_new is not None or sm_margin:
+        names = ["cu_seqlens_k_new"] * (cu_seqlens_k_new is not None) + ["sm_margin"] * bool(
+            sm_margin
+        )
+        raise NotImplementedError(
+            f"flash_cute does not serve {', '.join(names)} yet (FlashAttention-3 arguments "
+            "outside its feature set); leave them at their defaults"
+        )
     # max_seqlen_k_new only describes the call (FA3's tests pass it without new keys); a call
     # that appends keys is refused by flash_attn_with_kvcache itself.
     checks.check_host_int("max_seqlen_k_new", max_seqlen_k_new)
-    if sm_margin:
-        _unsupported(sm_margin=sm_margin)
     if page_size is not None:
         checks.check_host_int("page_size", page_size)
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(
             f"cache_seqlens must be a (batch,) int32 tensor, got {type(cache_seqlens).__name__}"
         )
-    if qkv_dtype not in (torch.float16, torch.bfloat16):
-        _unsupported(**{f"qkv_dtype={qkv_dtype}": qkv_dtype})
+    if qkv_dtype not in checks.TORCH_DTYPES:
+        raise NotImplementedError(f"flash_cute does not serve qkv_dtype={qkv_dtype} yet")
     batch = checks.check_host_int("batch_size", batch_size)
     max_q = checks.check_host_int("max_seqlen_q", max_seqlen_q)
     max_k = checks.check_host_int("max_seqlen_k", max_seqlen_k)
-    checks.check_gqa(num_heads_q, num_heads_kv)
-    check_head_dims(headdim, headdim_v)
-    window_left, window_right = checks.check_window_size(window_size)
-    problem = Problem(
-        batch=batch,
-        nheads=num_heads_q,
-        nheads_kv=num_heads_kv,
-        head_dim=headdim,
-        head_dim_v=headdim_v,
-        dtype=checks.dtype_name(qkv_dtype),
-        max_seqlen_q=max_q,
-        max_seqlen_k=max_k,
-        kv_capacity=max_k,
-        causal=bool(causal),
-        varlen_q=cu_seqlens_q is not None,
-        total_q=batch * max_q,
-        seqused_k=True,  # (the split count depends on sizes, not on the cache's layout)
-        window_left=window_left,
-        window_right=window_right,
-        attention_chunk=checks.check_host_int("attention_chunk", attention_chunk),
+    hq = checks.check_host_int("num_heads_q", num_heads_q)
+    hkv = checks.check_host_int("num_heads_kv", num_heads_kv)
+    d = checks.check_host_int("headdim", headdim)
+    dv = d if headdim_v is None else checks.check_host_int("headdim_v", headdim_v)
+
+    def meta(*shape, dtype=qkv_dtype):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    varlen = cu_seqlens_q is not None
+    call = Call(
+        q=meta(batch * max_q, hq, d) if varlen else meta(batch, max_q, hq, d),
+        k=meta(batch, max_k, hkv, d),
+        v=meta(batch, max_k, hkv, dv),
+        cu_seqlens_q=cu_seqlens_q,
+        seqused_k=cache_seqlens,
+        leftpad_k=cache_leftpad,
+        max_seqlen_q=max_q if varlen else None,
+        causal=causal,
+        window_size=window_pair(window_size),
+        attention_chunk=attention_chunk,
         softcap=1.0 if has_softcap else 0.0,
+        num_splits=num_splits,
+        pack_gqa=pack_gqa,
     )
+    problem = describe(call, flash_attn_with_kvcache.entry_point.names)
     device = cache_seqlens.device
     sms = num_sms(device.index if device.index is not None else current_device())
-    splits = plan_forward(problem, sms, None, checks.check_num_splits(num_splits), pack_gqa)
-    metadata = torch.tensor([splits.num_splits], dtype=torch.int32, device=device)
-    metadata.flash_cute_num_splits = splits.num_splits
+    plan = plan_forward(problem, sms, None, checks.check_num_splits(num_splits), pack_gqa)
+    metadata = torch.tensor([plan.num_splits], dtype=torch.int32, device=device)
+    metadata.flash_cute_num_splits = plan.num_splits
     return metadata
-
-
-def _splits_of_metadata(scheduler_metadata, num_splits: int) -> int:
-    """The split count of a call given scheduler_metadata: its own num_splits when set, else
-    the count get_scheduler_metadata recorded on the tensor (a copy of that tensor, which
-    carries no host count, leaves the call's heuristic, which depends on shapes alone)."""
-    if not isinstance(scheduler_metadata, torch.Tensor) or scheduler_metadata.dtype != torch.int32:
-        raise TypeError("scheduler_metadata must be an int32 tensor from get_scheduler_metadata")
-    if num_splits:
-        return num_splits
-    return getattr(scheduler_metadata, "flash_cute_num_splits", num_splits)

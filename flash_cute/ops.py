@@ -1,16 +1,15 @@
-"""torch.library custom ops of the public entry points, for torch.compile and graph tracers.
+"""torch.library custom ops, for torch.compile and graph tracers.
 
-Each forward entry point and the combine is one op under `flash_cute::`, an out-variant: it
-writes the output tensor it is given (declared in mutates_args) and returns the LSE (an empty
-tensor when the call asks for none). Their fake implementations compute the LSE's shape from
-the arguments alone, so torch.compile traces a call without running it.
+`flash_cute::forward` takes a forward call's record (flash_cute.call.Call) field by field, its
+schema derived from Call's fields: it writes the output tensor it is given (`out`, mutated)
+and returns the LSE (an empty tensor when the call asks for none). Every forward entry point,
+flash_cute's and FlashAttention-3's, traces into it; its fake implementation computes the LSE's
+shape from the arguments alone. `flash_cute::flash_attn_combine` is the combine's.
 
-Eager calls never reach these ops: each public function checks `torch.compiler.is_compiling()`
+Eager calls never reach the ops: each public function checks `torch.compiler.is_compiling()`
 first and, outside a trace, takes its own fast path (a launch-plan replay), so eager host time
-does not pay for the dispatcher. Inside a trace the public function calls `traced_*` here,
-which allocates the output and calls the op. The ops' CUDA kernels are the public functions
-run eagerly: flash_cute.interface registers them (this module does not import it); on other
-devices an op raises.
+does not pay for the dispatcher. The ops' CUDA kernels run the calls eagerly: flash_cute.interface
+registers them (this module does not import it); on other devices an op raises.
 
 An AttentionConfig travels through an op as JSON (ops take no Python objects).
 """
@@ -19,14 +18,38 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
+from .call import CALL_FIELDS, Call
 from .checks import new_out
 from .config import AttentionConfig
 
 _EMPTY_LSE = (0,)
+
+# Call's field types as schema types; the config crosses as JSON, the window as a list.
+_SCHEMA_TYPES = {
+    "torch.Tensor": "Tensor",
+    "Optional[torch.Tensor]": "Tensor?",
+    "Optional[int]": "int?",
+    "Optional[float]": "float?",
+    "Optional[bool]": "bool?",
+    "bool": "bool",
+    "int": "int",
+    "float": "float",
+    "Optional[AttentionConfig]": "str?",
+    "Tuple[int, int]": "int[]",
+}
+
+
+def forward_schema() -> str:
+    """flash_cute::forward's schema, from Call's fields (out mutated and required)."""
+    params = []
+    for f in dataclasses.fields(Call):
+        kind = "Tensor(a!)" if f.name == "out" else _SCHEMA_TYPES[f.type]
+        params.append(f"{kind} {f.name}")
+    return f"({', '.join(params)}) -> Tensor"
 
 
 @torch.compiler.assume_constant_result  # a trace takes the string, not the json code
@@ -42,6 +65,27 @@ def config_from_str(text: Optional[str]) -> Optional[AttentionConfig]:
     return None if text is None else AttentionConfig(**json.loads(text))
 
 
+def op_arguments(call: Call) -> tuple:
+    """A call's fields as the op takes them."""
+    values = []
+    for name in CALL_FIELDS:
+        value = getattr(call, name)
+        if name == "config":
+            value = config_to_str(value)
+        elif name == "window_size":
+            value = list(value) if isinstance(value, (tuple, list)) else value
+        values.append(value)
+    return tuple(values)
+
+
+def call_from_op(values: tuple) -> Call:
+    """The Call of an op's arguments (op_arguments undone)."""
+    fields = dict(zip(CALL_FIELDS, values))
+    fields["config"] = config_from_str(fields["config"])
+    fields["window_size"] = tuple(fields["window_size"])
+    return Call(**fields)
+
+
 def lse_or_empty(result, wants_lse: bool, like: torch.Tensor) -> torch.Tensor:
     """What an op returns for a public function's result: its LSE, or an empty tensor."""
     return result[1] if wants_lse else _fake_lse(like, None, False)
@@ -52,129 +96,42 @@ def _fake_lse(like: torch.Tensor, shape, wants_lse: bool) -> torch.Tensor:
     return like.new_empty(shape if wants_lse else _EMPTY_LSE, dtype=torch.float32)
 
 
-def _no_kernel(tensor: torch.Tensor):
+def _no_kernel(*args):
     raise RuntimeError(
-        f"flash_cute's kernels run on CUDA tensors (a Hopper GPU), got a tensor on {tensor.device}"
+        f"flash_cute's kernels run on CUDA tensors (a Hopper GPU), got a tensor on {args[0].device}"
     )
 
 
-# ----------------------------------------------------------------------------------------
-# flash_cute::flash_attn_func
-# ----------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("flash_cute::flash_attn_func", mutates_args=("out",))
-def flash_attn_func_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    softmax_scale: Optional[float],
-    causal: bool,
-    return_lse: bool,
-    config: Optional[str],
-    window_size: List[int],
-    attention_chunk: int,
-    softcap: float,
-    learnable_sink: Optional[torch.Tensor],
-    qv: Optional[torch.Tensor],
-) -> torch.Tensor:
-    _no_kernel(q)
-
-
-@flash_attn_func_op.register_fake
-def _(q, k, v, out, softmax_scale, causal, return_lse, config, window_size, attention_chunk,
-      softcap, learnable_sink, qv):  # fmt: skip
-    batch, seqlen_q, nheads, _ = q.shape
-    return _fake_lse(q, (batch, nheads, seqlen_q), return_lse)
-
+LIBRARY = torch.library.Library("flash_cute", "FRAGMENT")
 
 # ----------------------------------------------------------------------------------------
-# flash_cute::flash_attn_varlen_func
+# flash_cute::forward
 # ----------------------------------------------------------------------------------------
 
-
-@torch.library.custom_op("flash_cute::flash_attn_varlen_func", mutates_args=("out",))
-def flash_attn_varlen_func_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    max_seqlen_q: int,
-    cu_seqlens_k: Optional[torch.Tensor],
-    seqused_k: Optional[torch.Tensor],
-    max_seqlen_k: Optional[int],
-    page_table: Optional[torch.Tensor],
-    softmax_scale: Optional[float],
-    causal: bool,
-    num_splits: int,
-    pack_gqa: Optional[bool],
-    return_softmax_lse: bool,
-    out: torch.Tensor,
-    config: Optional[str],
-    window_size: List[int],
-    attention_chunk: int,
-    softcap: float,
-    learnable_sink: Optional[torch.Tensor],
-    seqused_q: Optional[torch.Tensor],
-    cache_batch_idx: Optional[torch.Tensor],
-    cache_leftpad: Optional[torch.Tensor],
-    qv: Optional[torch.Tensor],
-    k_descale: Optional[torch.Tensor],
-    v_descale: Optional[torch.Tensor],
-) -> torch.Tensor:
-    _no_kernel(q)
+LIBRARY.define("forward" + forward_schema())
+forward_op = torch.ops.flash_cute.forward.default
+LIBRARY.impl("forward", _no_kernel, "CPU")
 
 
-@flash_attn_varlen_func_op.register_fake
-def _(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k, page_table,
-      softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out, config, window_size,
-      attention_chunk, softcap, learnable_sink, seqused_q, cache_batch_idx, cache_leftpad,
-      qv, k_descale, v_descale):  # fmt: skip
-    total_q, nheads, _ = q.shape
-    return _fake_lse(q, (nheads, total_q), return_softmax_lse)
+@torch.library.register_fake("flash_cute::forward", lib=LIBRARY)
+def _(*values):
+    call = dict(zip(CALL_FIELDS, values))
+    q = call["q"]
+    if (
+        call["cu_seqlens_q"] is None
+    ):  # q (batch, seqlen_q, nheads, d): lse (batch, nheads, seqlen_q)
+        shape = (q.shape[0], q.shape[2], q.shape[1])
+    else:  # q (total_q, nheads, d): lse (nheads, total_q)
+        shape = (q.shape[1], q.shape[0])
+    return _fake_lse(q, shape, call["return_lse"])
 
 
-# ----------------------------------------------------------------------------------------
-# flash_cute::flash_attn_with_kvcache
-# ----------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("flash_cute::flash_attn_with_kvcache", mutates_args=("out",))
-def flash_attn_with_kvcache_op(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_seqlens: Optional[torch.Tensor],
-    cache_seqlens_int: Optional[int],
-    page_table: Optional[torch.Tensor],
-    softmax_scale: Optional[float],
-    causal: bool,
-    num_splits: int,
-    pack_gqa: Optional[bool],
-    return_softmax_lse: bool,
-    out: torch.Tensor,
-    config: Optional[str],
-    window_size: List[int],
-    attention_chunk: int,
-    softcap: float,
-    learnable_sink: Optional[torch.Tensor],
-    cache_batch_idx: Optional[torch.Tensor],
-    cache_leftpad: Optional[torch.Tensor],
-    qv: Optional[torch.Tensor],
-    k_descale: Optional[torch.Tensor],
-    v_descale: Optional[torch.Tensor],
-) -> torch.Tensor:
-    _no_kernel(q)
-
-
-@flash_attn_with_kvcache_op.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, cache_seqlens_int, page_table, softmax_scale, causal,
-      num_splits, pack_gqa, return_softmax_lse, out, config, window_size, attention_chunk,
-      softcap, learnable_sink, cache_batch_idx, cache_leftpad, qv, k_descale,
-      v_descale):  # fmt: skip
-    batch, seqlen_q, nheads, _ = q.shape
-    return _fake_lse(q, (batch, nheads, seqlen_q), return_softmax_lse)
+def traced_forward(call: Call):
+    """A forward call inside a trace: the op, with out allocated when the call has none.
+    Returns out, or (out, lse) with call.return_lse."""
+    out = call.out if call.out is not None else new_out(call.q, call.v)
+    lse = forward_op(*op_arguments(call.replace(out=out)))
+    return (out, lse) if call.return_lse else out
 
 
 # ----------------------------------------------------------------------------------------
@@ -194,62 +151,9 @@ def _(out_partial, lse_partial, out, return_lse):
     return _fake_lse(out_partial, tuple(lse_partial.shape[1:]), return_lse)
 
 
-# ----------------------------------------------------------------------------------------
-# The traced calls of the public functions
-# ----------------------------------------------------------------------------------------
-
-
-def _result(out, lse, wants_lse: bool):
-    return (out, lse) if wants_lse else out
-
-
-def traced_func(q, k, v, softmax_scale, causal, return_lse, out, config, window_size,
-                attention_chunk, softcap, learnable_sink, qv=None):  # fmt: skip
-    if out is None:
-        out = new_out(q, v)
-    lse = flash_attn_func_op(
-        q, k, v, out, softmax_scale, causal, return_lse, config_to_str(config),
-        list(window_size), attention_chunk, softcap, learnable_sink, qv,
-    )  # fmt: skip
-    return _result(out, lse, return_lse)
-
-
-def traced_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k,
-                  page_table, softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse,
-                  out, config, window_size, attention_chunk, softcap, learnable_sink,
-                  seqused_q, cache_batch_idx, cache_leftpad, qv=None, k_descale=None,
-                  v_descale=None):  # fmt: skip
-    if out is None:
-        out = new_out(q, v)
-    lse = flash_attn_varlen_func_op(
-        q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, max_seqlen_k, page_table,
-        softmax_scale, causal, num_splits, pack_gqa, return_softmax_lse, out,
-        config_to_str(config), list(window_size), attention_chunk, softcap, learnable_sink,
-        seqused_q, cache_batch_idx, cache_leftpad, qv, k_descale, v_descale,
-    )  # fmt: skip
-    return _result(out, lse, return_softmax_lse)
-
-
-def traced_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, causal,
-                   num_splits, pack_gqa, return_softmax_lse, out, config, window_size,
-                   attention_chunk, softcap, learnable_sink, cache_batch_idx,
-                   cache_leftpad, qv=None, k_descale=None, v_descale=None):  # fmt: skip
-    if out is None:
-        out = new_out(q, v_cache)
-    tensor_lengths = isinstance(cache_seqlens, torch.Tensor)
-    lse = flash_attn_with_kvcache_op(
-        q, k_cache, v_cache, cache_seqlens if tensor_lengths else None,
-        None if tensor_lengths else cache_seqlens, page_table, softmax_scale, causal, num_splits,
-        pack_gqa, return_softmax_lse, out, config_to_str(config), list(window_size),
-        attention_chunk, softcap, learnable_sink, cache_batch_idx, cache_leftpad, qv, k_descale,
-        v_descale,
-    )  # fmt: skip
-    return _result(out, lse, return_softmax_lse)
-
-
 def traced_combine(out_partial, lse_partial, out, out_dtype, return_lse):
     if out is None:
         dtype = out_dtype if out_dtype is not None else torch.float32
         out = out_partial.new_empty(tuple(out_partial.shape[1:]), dtype=dtype)
     lse = flash_attn_combine_op(out_partial, lse_partial, out, return_lse)
-    return _result(out, lse, return_lse)
+    return (out, lse) if return_lse else out

@@ -28,7 +28,7 @@ reads a tensor or a device: the SM count is an argument, so a plan is a pure fun
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from .config import DECODE_ROWS, AttentionConfig, decode_config, default_config, fp8_kv_config
@@ -52,63 +52,87 @@ KV_LAYOUTS = ("padded", "packed", "paged")
 
 
 @dataclass(frozen=True)
-class Problem:
-    """Host-known sizes and flags of one forward call.
+class CallShape:
+    """What a forward call is, statically: its dtype and head dims, its mask, how its queries
+    and keys are laid out and which optional tensors it has. A Problem (what the plan step
+    reads) and a ForwardVariant (what a kernel is compiled for) both hold one: the plan copies
+    it over whole (`shape_fields`) and rewrites the fields it decides, by name (the mask's
+    normal form: attention_mask; V read from K's columns for qv).
 
-    Queries are padded (batch, max_seqlen_q rows each) or, with varlen_q, packed as total_q
-    rows. kv_layout: "padded" (batch, seqlen_k, ...), "packed" (total_k, ...) with
-    cu_seqlens_k, or "paged" (num_pages, page_size, ...) with a page table. seqused_k: the
-    valid keys of each sequence come from a (batch,) tensor; scalar_kv_length: from one int
-    for every sequence. causal is bottom-right aligned; a window given with it keeps its left
-    side and gets a right side of 0.
+    causal is bottom-right aligned. FlashAttention-3's local attention: query i sees key j iff
+    i + sk - sq - window_left <= j <= i + sk - sq + window_right (-1: unbounded), and with
+    attention_chunk c also floor((i + sk - sq) / c) == floor(j / c); a Problem holds the
+    caller's values (a window given with causal keeps its left side and gets a right side of
+    0), a variant their normal form (a local variant is not causal: window_right = 0).
     """
 
-    batch: int
-    nheads: int
-    nheads_kv: int
-    head_dim: int
     dtype: str  # "float16" | "bfloat16"
-    max_seqlen_q: int
-    max_seqlen_k: int  # longest key length known on the host (guides the split count)
-    kv_capacity: int  # keys a sequence can hold at most; 0: no keys anywhere
+    head_dim: int  # q's and k's (with qv: qv's columns and q's)
     causal: bool = False
-    writes_lse: bool = False
-    varlen_q: bool = False
-    total_q: int = 0  # rows of a packed q (varlen_q)
+    writes_lse: bool = False  # the final LSE (split kernels write their partial LSEs regardless)
+    varlen_q: bool = False  # q packed (total_q, ...) with cu_seqlens_q
+    # "padded" (batch, seqlen_k, ...), "packed" (total_k, ...) with cu_seqlens_k, or "paged"
+    # (num_pages, page_size, ...) with a page table.
     kv_layout: str = "padded"
-    page_size: Optional[int] = None
-    seqused_k: bool = False
-    scalar_kv_length: bool = False
+    seqused_k: bool = False  # each sequence's valid keys from a (batch,) tensor
+    scalar_kv_length: bool = False  # ... or from one int for every sequence
     seqused_q: bool = False  # a packed sequence's queries are the first seqused_q[b] rows
     kv_batch_idx: bool = False  # batch b reads cache row kv_batch_idx[b]
-    leftpad_k: bool = False  # a padded cache row's keys start at leftpad_k[b]
-    # FlashAttention-3's local attention: query i sees key j iff
-    # i + sk - sq - window_left <= j <= i + sk - sq + window_right (-1: unbounded), and with
-    # attention_chunk c also floor((i + sk - sq) / c) == floor(j / c).
+    leftpad_k: bool = False  # a cache row's keys start at leftpad_k[b]
     window_left: int = -1
     window_right: int = -1
     attention_chunk: int = 0
     softcap: float = 0.0  # scores become softcap * tanh(s * scale / softcap); 0: off
     learnable_sink: Optional[str] = None  # the (nheads,) sink logits' dtype; None: no sink
     head_dim_v: Optional[int] = None  # V's (and O's) head dim; None: head_dim
-    v_in_k: bool = False  # V is the first head_dim_v columns of K (a view of the same memory)
-    qv: bool = False  # FlashAttention-3's qv: head_dim counts qv's columns and q's
-    kv_dtype: Optional[str] = None  # "float8_e4m3fn": an FP8 cache; None: K/V in dtype
+    # V is the first head_dim_v columns of K (absorbed MLA's latent cache, v = k[..., :dv]):
+    # read from K's smem stages, never loaded.
+    v_in_k: bool = False
+    # FlashAttention-3's absorbed-MLA form: scores q k^T + qv v^T, with q and k head_dim -
+    # head_dim_v wide and qv like q with head_dim_v; Q's and K's tiles hold qv / v's columns
+    # then q / k's (so a variant's V is K's leading columns: v_in_k).
+    qv: bool = False
+    # The K/V cache's dtype where it differs from q's: "float8_e4m3fn" (an FP8 cache, its
+    # blocks converted to q's dtype before each GEMM: kernels/kv_dequant.py), else None.
+    kv_dtype: Optional[str] = None
 
     def __post_init__(self):
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
+
+
+SHAPE_FIELDS = tuple(f.name for f in fields(CallShape))
+
+
+def shape_fields(shape: CallShape) -> dict:
+    """A CallShape's fields by name (what a variant takes over from its problem)."""
+    return {name: getattr(shape, name) for name in SHAPE_FIELDS}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem(CallShape):
+    """Host-known sizes and flags of one forward call: its CallShape and its sizes. Queries
+    are padded (batch, max_seqlen_q rows each) or, with varlen_q, packed as total_q rows."""
+
+    batch: int
+    nheads: int
+    nheads_kv: int
+    max_seqlen_q: int
+    max_seqlen_k: int  # longest key length known on the host (guides the split count)
+    kv_capacity: int  # keys a sequence can hold at most; 0: no keys anywhere
+    total_q: int = 0  # rows of a packed q (varlen_q)
+    page_size: Optional[int] = None
 
     @property
     def qheads_per_kvhead(self) -> int:
         return self.nheads // self.nheads_kv
 
 
-@dataclass(frozen=True)
-class ForwardVariant:
+@dataclass(frozen=True, kw_only=True)
+class ForwardVariant(CallShape):
     """One compiled forward kernel: the record the cache key, the compile step and the kernel
     all take whole. `config` is the effective config, what the kernel runs (the plan step has
-    applied every rewrite); the other fields are the problem's static shape.
+    applied every rewrite); the CallShape fields are the problem's static shape.
 
     pack_gqa_ratio: q heads per kv head folded into a tile's rows (1: none). A paged K/V load
     takes TMA boxes of page_box_rows rows (gcd(page_size, tile_n), a multiple of 16), or with
@@ -116,18 +140,7 @@ class ForwardVariant:
     gathered row by row with cp.async (kernels/paged_kv_gather.py).
     """
 
-    dtype: str  # "float16" | "bfloat16"
-    head_dim: int
-    causal: bool
     config: AttentionConfig
-    writes_lse: bool = False  # the final LSE (split kernels write their partial LSEs regardless)
-    varlen_q: bool = False
-    kv_layout: str = "padded"
-    seqused_k: bool = False
-    scalar_kv_length: bool = False
-    seqused_q: bool = False
-    kv_batch_idx: bool = False
-    leftpad_k: bool = False
     page_box_rows: Optional[int] = None
     gather_page_size: Optional[int] = None
     split: bool = False
@@ -135,30 +148,10 @@ class ForwardVariant:
     # the last of a tile's splits: one CTA reading every split's rows; plan.MERGE_IN_KERNEL_BYTES).
     combine_launch: bool = False
     pack_gqa_ratio: int = 1
-    # Local attention (Problem's semantics), baked into the kernel: window sides (-1:
-    # unbounded) and chunk (0: none). A variant with any of them is local and not causal
-    # (causal with a window is the window with a right side of 0).
-    window_left: int = -1
-    window_right: int = -1
-    attention_chunk: int = 0
-    softcap: float = 0.0
-    learnable_sink: Optional[str] = None  # the sink logits' dtype
-    head_dim_v: Optional[int] = None  # V's and O's head dim (None: head_dim)
-    # V is the first head_dim_v columns of K (absorbed MLA's latent cache, v = k[..., :dv]):
-    # read from K's smem stages, never loaded.
-    v_in_k: bool = False
-    # FlashAttention-3's absorbed-MLA form: scores q k^T + qv v^T, with q and k head_dim -
-    # head_dim_v wide and qv like q with head_dim_v; Q's and K's tiles hold qv / v's columns
-    # then q / k's (so V is K's leading columns: v_in_k).
-    qv: bool = False
-    # The K/V cache's dtype where it differs from q's: "float8_e4m3fn" (an FP8 cache, its
-    # blocks converted to q's dtype before each GEMM: kernels/kv_dequant.py), else None.
-    kv_dtype: Optional[str] = None
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if self.head_dim_v is None:
-            object.__setattr__(self, "head_dim_v", self.head_dim)
+        super().__post_init__()
         # Facts the plan step guarantees: a hand-built variant breaking one is refused here
         # rather than compiled into a kernel that cannot run.
         c = self.config
@@ -439,19 +432,19 @@ def plan_forward(
     config = _effective_config(
         config, problem, pack_ratio, split, max_ctas, gather_page_size is not None
     )
-    variant = ForwardVariant(
-        dtype=problem.dtype,
-        head_dim=problem.head_dim,
+    # The problem's shape, with what the plan decides of it: the mask's normal form, and V read
+    # from K's columns for qv too.
+    decided = dict(
         causal=causal,
+        window_left=window_left,
+        window_right=window_right,
+        attention_chunk=chunk,
+        softcap=float(problem.softcap),
+        v_in_k=problem.v_in_k or problem.qv,
+    )
+    variant = ForwardVariant(
+        **{**shape_fields(problem), **decided},
         config=config,
-        writes_lse=problem.writes_lse,
-        varlen_q=problem.varlen_q,
-        kv_layout=problem.kv_layout,
-        seqused_k=problem.seqused_k,
-        scalar_kv_length=problem.scalar_kv_length,
-        seqused_q=problem.seqused_q,
-        kv_batch_idx=problem.kv_batch_idx,
-        leftpad_k=problem.leftpad_k,
         page_box_rows=page_box_rows,
         gather_page_size=gather_page_size,
         split=split,
@@ -459,15 +452,6 @@ def plan_forward(
         and num_splits * split_bytes > MERGE_IN_KERNEL_BYTES
         and not problem.varlen_q,
         pack_gqa_ratio=pack_ratio,
-        window_left=window_left,
-        window_right=window_right,
-        attention_chunk=chunk,
-        softcap=float(problem.softcap),
-        learnable_sink=problem.learnable_sink,
-        head_dim_v=problem.head_dim_v,
-        v_in_k=problem.v_in_k or problem.qv,
-        qv=problem.qv,
-        kv_dtype=problem.kv_dtype,
     )
     if variant.uses_tile_counter:
         num_counters = 2

@@ -19,6 +19,7 @@ may be reused, call empty_cache().
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from collections import deque
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from typing import Optional
 import torch
 
 from . import checks
+from .call import KERNEL_CALL_FIELDS
 from .compile_cache import (
     SHORT,
     CombineKernelKey,
@@ -183,6 +185,10 @@ class StreamBuffers:
         self.counters: dict = {}
         self.scratch: dict = {}
         self.version = 0
+        # Held while a buffer is looked up, grown or dropped: threads launching on one stream
+        # (or clearing) must not race on the caches or the version. Replays that reuse their
+        # memo (LaunchPlan.launch) only read the version.
+        self.lock = threading.Lock()
 
     def zeroed_counters(self, device, count: int, stream: Optional[tuple]) -> torch.Tensor:
         """At least `count` zeroed int32 counters for a launch on `stream` (stream_key; None
@@ -224,8 +230,9 @@ class StreamBuffers:
         where the launch needs none), and their addresses as the kernel takes them
         (partials, counters; None where unused). The caller keeps the tensors alive through the
         launch (the caches do between calls)."""
-        counters = self.zeroed_counters(device, num_counters, stream) if num_counters else None
-        scratch = self.split_scratch(device, layout, stream) if layout is not None else None
+        with self.lock:
+            counters = self.zeroed_counters(device, num_counters, stream) if num_counters else None
+            scratch = self.split_scratch(device, layout, stream) if layout is not None else None
         addresses = (
             None if scratch is None else scratch[0].data_ptr(),
             None if counters is None else counters.data_ptr(),
@@ -233,9 +240,10 @@ class StreamBuffers:
         return (counters, scratch), addresses
 
     def clear(self):
-        self.counters.clear()
-        self.scratch.clear()
-        self.version += 1
+        with self.lock:
+            self.counters.clear()
+            self.scratch.clear()
+            self.version += 1
 
 
 BUFFERS = StreamBuffers()
@@ -257,8 +265,14 @@ class GraphCounters:
         self.retired: list = []  # replaced pools: captured graphs still hold their slices
         self.low = True  # some device's pool may be missing or short: eager launches refill
         self.warned = False
+        # Slices are handed out under it: two threads capturing at once never share one.
+        self.lock = threading.Lock()
 
     def take(self, device, count: int) -> torch.Tensor:
+        with self.lock:
+            return self._take(device, count)
+
+    def _take(self, device, count: int) -> torch.Tensor:
         pool = self.pools.get(device.index)
         if pool is not None and pool[0].numel() - pool[1] >= count:
             start = pool[1]
@@ -279,6 +293,10 @@ class GraphCounters:
 
     def refill(self, device) -> None:
         """Outside captures: give `device` a pool with at least CHUNK / 2 free counters."""
+        with self.lock:
+            self._refill(device)
+
+    def _refill(self, device) -> None:
         pool = self.pools.get(device.index)
         if pool is None or pool[0].numel() - pool[1] < self.CHUNK // 2:
             # (Zeroed on the current stream, with no host sync: torch.cuda.graph synchronizes
@@ -339,6 +357,9 @@ def traced_records(label: str, config, slots: int, device) -> torch.Tensor:
     return records
 
 
+# The positions of k_descale and v_descale among the kernel's call arguments.
+_DESCALES = (KERNEL_CALL_FIELDS.index("k_descale"), KERNEL_CALL_FIELDS.index("v_descale"))
+
 FUNC_PLANS = PlanCache()
 KVCACHE_PLANS = PlanCache()
 VARLEN_PLANS = PlanCache()
@@ -377,6 +398,7 @@ class LaunchPlan:
         "v_in_k",
         "merge",
         "trace",
+        "variant",
     )
 
     def __init__(
@@ -395,6 +417,7 @@ class LaunchPlan:
         signature's order (compile_cache.SHORT or FULL). lse_shape: the LSE's shape, returned
         when the variant writes it (split scratch holds one per split either way)."""
         self.kernel = kernel
+        self.variant = plan.variant
         self.short = signature(plan.variant) is SHORT
         self.device, self.device_index, self.dtype = device, device.index, dtype
         self.out_shape = out_shape
@@ -471,35 +494,17 @@ class LaunchPlan:
         oe = self.extents[3]
         return all(op >= p + e or p >= op + oe for p, e in zip((qp, kp, vp), self.extents))
 
-    def launch(
-        self,
-        q,
-        k,
-        v,
-        out,
-        seqused_k=None,
-        page_table=None,
-        cu_seqlens_q=None,
-        cu_seqlens_k=None,
-        kv_length=0,
-        learnable_sink=None,
-        seqused_q=None,
-        kv_batch_idx=None,
-        leftpad_k=None,
-        qv=None,
-        k_descale=None,
-        v_descale=None,
-    ):
-        """Launch on the current stream; out is allocated when None. Returns out, or (out,
-        lse) when the plan returns the LSE. The arguments go in the signature's order
-        (compile_cache.SHORT / FULL; tests/test_runtime.py checks it)."""
+    def launch(self, q, k, v, out, call_args: tuple):
+        """Launch on the current stream; out is allocated when None. call_args: the kernel's
+        call arguments (flash_cute.call.KERNEL_CALL_FIELDS, its signature's order from
+        cu_seqlens_q to kv_length). Returns out, or (out, lse) when the plan returns the LSE."""
         if out is None:
             if self.out_like_q:
                 out = torch.empty_like(q)
             else:
                 out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         if self.short:  # the common call
-            self.kernel(q, k, v, out, kv_length, self.scale_log2, self.max_ctas)
+            self.kernel(q, k, v, out, call_args[-1], self.scale_log2, self.max_ctas)
             return out
         if self.v_in_k and (v.data_ptr() != k.data_ptr() or v.stride() != k.stride()):
             # (A call whose key matched, with a v of its own: the checks plan it anew.)
@@ -535,16 +540,18 @@ class LaunchPlan:
                 ):
                     self.buffers = (raw, BUFFERS.version, (partials, counters))
         if self.unit_descale is not None:
-            k_descale = self.unit_descale if k_descale is None else k_descale
-            v_descale = self.unit_descale if v_descale is None else v_descale
+            # FP8 K/V: a descale the call leaves out is 1.
+            call_args = tuple(
+                self.unit_descale if a is None and i in _DESCALES else a
+                for i, a in enumerate(call_args)
+            )
         records = None
         if self.trace is not None:
             slots, variant = self.trace
             records = traced_records(variant.describe(), variant.config, slots, q.device)
         self.kernel(
-            q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, learnable_sink,
-            seqused_q, kv_batch_idx, leftpad_k, qv, k_descale, v_descale, kv_length, partials,
-            counters, self.scale_log2, self.max_ctas, self.num_splits, records,
+            q, k, v, out, lse, *call_args, partials, counters, self.scale_log2, self.max_ctas,
+            self.num_splits, records,
         )  # fmt: skip
         if self.merge is not None:
             run_combine(self.merge, self.trace is not None, *merge_views, *combine_views(out, lse))

@@ -392,7 +392,7 @@ def test_sink_must_be_on_q_device():
 
 
 def test_v_in_k_is_a_view_of_k_leading_columns():
-    from flash_cute.interface import _v_in_k
+    from flash_cute.forward import _v_in_k
 
     cache = torch.randn(4, 16, 1, 576, dtype=torch.bfloat16)
     assert _v_in_k(cache, cache[..., :512])

@@ -19,6 +19,7 @@ from kv_cases import (
 import flash_cute
 from flash_cute import flash_attn_interface as fa3
 from flash_cute import ops
+from flash_cute.call import Call
 from flash_cute.reference import combine_ref, stable_seed
 
 pytestmark = pytest.mark.gpu
@@ -200,9 +201,11 @@ def test_kvcache_batch_idx_and_leftpad(case, nheads_kv):
 @pytest.mark.parametrize("page_size", [None, 1, 16, 64])
 @pytest.mark.parametrize("num_splits", [1, 0])
 @pytest.mark.parametrize("rows", [False, True])
-def test_kvcache_varlen_queries(page_size, num_splits, rows):
+@pytest.mark.parametrize("int_length", [False, True])
+def test_kvcache_varlen_queries(page_size, num_splits, rows, int_length):
     """cu_seqlens_q over a cache (speculative decoding, chunked prefill): FlashAttention-3's
-    kvcache with varlen_q, and with rows its cache_batch_idx and cache_leftpad as well."""
+    kvcache with varlen_q, and with rows its cache_batch_idx and cache_leftpad as well; with
+    int_length one int cache_seqlens for every sequence (the kernel's scalar key count)."""
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("kv-varlen", page_size, rows))
     q_lens, h, hk, d = [1, 4, 2, 0, 3], 8, 2, 128
     batch, capacity = len(q_lens), 700
@@ -211,13 +214,16 @@ def test_kvcache_varlen_queries(page_size, num_splits, rows):
         batch_cache, capacity, hk, d, BF16, page_size, gen
     )
     lens = torch.tensor([700, 5, 333, 10, 64], device="cuda", dtype=torch.int32)
+    if int_length:
+        lens.fill_(333)
     idx = torch.randperm(batch_cache, device="cuda", generator=gen)[:batch].to(torch.int32)
     pad = torch.tensor([0, 4, 300, 9, 1], device="cuda", dtype=torch.int32)
     cu_q = cu_seqlens(q_lens)
     q = rand(sum(q_lens), h, d, gen=gen)
     out, lse, *_ = fa3.flash_attn_with_kvcache(
-        q, k_cache, v_cache, cache_seqlens=lens, page_table=page_table, cu_seqlens_q=cu_q,
-        max_seqlen_q=max(q_lens), causal=True, num_splits=num_splits, return_softmax_lse=True,
+        q, k_cache, v_cache, cache_seqlens=333 if int_length else lens, page_table=page_table,
+        cu_seqlens_q=cu_q, max_seqlen_q=max(q_lens), causal=True, num_splits=num_splits,
+        return_softmax_lse=True,
         cache_batch_idx=idx if rows else None, cache_leftpad=pad if rows else None,
     )  # fmt: skip
     n = lens.tolist()
@@ -288,34 +294,31 @@ def test_custom_ops_run_for_real():
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("ops"))
     q, k = rand(2, 77, 8, 128, gen=gen), rand(2, 300, 2, 128, gen=gen)
     sink = torch.randn(8, device="cuda", generator=gen)
-    torch.library.opcheck(
-        ops.flash_attn_func_op,
-        (q, k, k, torch.empty_like(q), None, True, True, None, [64, 0], 0, 0.0, sink, None),
-    )
-    lens = torch.tensor([300, 17], device="cuda", dtype=torch.int32)
-    torch.library.opcheck(
-        ops.flash_attn_with_kvcache_op,
-        (q[:, :1], k, k, lens, None, None, None, True, 0, None, True, torch.empty_like(q[:, :1]),
-         None, [-1, -1], 0, 0.0, None, None, None, None, None, None),
+
+    def opcheck(call, **options):
+        torch.library.opcheck(ops.forward_op, ops.op_arguments(call), **options)
+
+    opcheck(
+        Call(q, k, k, torch.empty_like(q), causal=True, return_lse=True, window_size=(64, 0),
+             learnable_sink=sink, decode_rows=False, pack_gqa=False)
     )  # fmt: skip
+    lens = torch.tensor([300, 17], device="cuda", dtype=torch.int32)
+    q1 = q[:, :1]
+    opcheck(Call(q1, k, k, torch.empty_like(q1), seqused_k=lens, causal=True, num_splits=0,
+                 return_lse=True))  # fmt: skip
     k8, scale = k.to(torch.float8_e4m3fn), torch.full((2, 2), 0.5, device="cuda")
-    torch.library.opcheck(  # an FP8 cache with its descales (test_schema multiplies the
-        # inputs, which torch has no float8 kernel for)
-        ops.flash_attn_with_kvcache_op,
-        (q[:, :1], k8, k8, lens, None, None, None, True, 0, None, True,
-         torch.empty_like(q[:, :1]), None, [-1, -1], 0, 0.0, None, None, None, None, scale,
-         scale),
+    opcheck(  # an FP8 cache with its descales (test_schema multiplies the inputs, which torch
+        # has no float8 kernel for)
+        Call(q1, k8, k8, torch.empty_like(q1), seqused_k=lens, causal=True, num_splits=0,
+             return_lse=True, k_descale=scale, v_descale=scale),
         test_utils=("test_faketensor", "test_aot_dispatch_dynamic"),
     )  # fmt: skip
+    opcheck(Call(q1, k, k, torch.empty_like(q1), kv_length=200, causal=True, num_splits=3))
     cu = torch.tensor([0, 77, 154], device="cuda", dtype=torch.int32)
     qv, kv = q.flatten(0, 1), k.flatten(0, 1)
     cu_k = torch.tensor([0, 300, 600], device="cuda", dtype=torch.int32)
-    torch.library.opcheck(
-        ops.flash_attn_varlen_func_op,
-        (qv, kv, kv, cu, 77, cu_k, None, 300, None, None, True, 1, None, True,
-         torch.empty_like(qv), None, [-1, -1], 0, 0.0, None, None, None, None, None, None,
-         None),
-    )  # fmt: skip
+    opcheck(Call(qv, kv, kv, torch.empty_like(qv), cu_seqlens_q=cu, max_seqlen_q=77,
+                 cu_seqlens_k=cu_k, max_seqlen_k=300, causal=True, return_lse=True))  # fmt: skip
     partial = rand(3, 2, 5, 8, 128, dtype=torch.float32, gen=gen)
     lse_partial = rand(3, 2, 5, 8, dtype=torch.float32, gen=gen)
     torch.library.opcheck(

@@ -133,31 +133,21 @@ def test_signatures_match_fa3(name):
     assert extra in ([], ["learnable_sink"])
 
 
-class Recorder:
-    """Stands in for a native entry point: records its arguments by name."""
-
-    def __init__(self, native):
-        self.signature = inspect.signature(native)
-        self.calls = []
-
-    def __call__(self, *args, **kwargs):
-        self.calls.append(self.signature.bind(*args, **kwargs).arguments)
-        return "out"
-
-
 @pytest.fixture
 def natives(monkeypatch):
-    from flash_cute import interface
+    """The Calls FlashAttention-3's functions hand the shared forward path (flash_cute.forward),
+    after its argument checks (describe), not run."""
+    from flash_cute import forward
 
-    recorders = {
-        "func": Recorder(interface.flash_attn_func),
-        "varlen": Recorder(interface.flash_attn_varlen_func),
-        "kvcache": Recorder(interface.flash_attn_with_kvcache),
-    }
-    monkeypatch.setattr(fa3, "_native_func", recorders["func"])
-    monkeypatch.setattr(fa3, "_native_varlen", recorders["varlen"])
-    monkeypatch.setattr(fa3, "_native_kvcache", recorders["kvcache"])
-    return recorders
+    calls = []
+
+    def run(call, names, plans, key):
+        forward.describe(call, names)
+        calls.append(call)
+        return ("out", "lse") if call.return_lse else "out"
+
+    monkeypatch.setattr(forward, "run", run)
+    return calls
 
 
 def tensors(*shape, dtype=torch.bfloat16):
@@ -175,15 +165,16 @@ def test_func_maps_to_native(natives):
         q, k, v, 0.3, True, window_size=(5, 0), softcap=7.0, return_attn_probs=True,
         learnable_sink=sink,
     )  # fmt: skip
-    call = natives["func"].calls[-1]
-    assert call["q"] is q and call["softmax_scale"] == 0.3 and call["causal"] is True
-    assert call["return_lse"] is True and call["window_size"] == (5, 0)
-    assert call["softcap"] == 7.0 and call["learnable_sink"] is sink
-    # Splits or packed GQA: the cache entry point over the whole (padded) cache.
+    call = natives[-1]
+    assert call.q is q and call.softmax_scale == 0.3 and call.causal is True
+    assert call.return_lse is True and call.window_size == (5, 0)
+    assert call.softcap == 7.0 and call.learnable_sink is sink
+    assert not call.decode_rows and call.pack_gqa is False  # the padded prefill kernels
+    # Splits or packed GQA: those of a cache over the whole of k and v.
     fa3.flash_attn_func(q, k, v, num_splits=0, pack_gqa=True)
-    call = natives["kvcache"].calls[-1]
-    assert call["k_cache"] is k and call["cache_seqlens"] is None
-    assert call["num_splits"] == 0 and call["pack_gqa"] is True
+    call = natives[-1]
+    assert call.k is k and call.seqused_k is None and call.kv_length is None
+    assert call.num_splits == 0 and call.pack_gqa is True and call.decode_rows
 
 
 @pytest.mark.parametrize("window", [[5, 0], torch.tensor([5, 0]), torch.tensor([5, 0]).int()])
@@ -192,26 +183,25 @@ def test_window_size_as_list_or_tensor(natives, window):
     own tests pass tensors); each entry point hands the native API a tuple of ints."""
     q, k = tensors(2, 9, 8, 64), tensors(2, 17, 2, 64)
     fa3.flash_attn_func(q, k, k, window_size=window)
-    assert natives["func"].calls[-1]["window_size"] == (5, 0)
     fa3.flash_attn_with_kvcache(q, k, k, window_size=window)
-    assert natives["kvcache"].calls[-1]["window_size"] == (5, 0)
     fa3.flash_attn_varlen_func(
         q[0], k[0], k[0], int32(0, 9), int32(0, 17), 9, 17, window_size=window
     )
-    assert natives["varlen"].calls[-1]["window_size"] == (5, 0)
-    assert all(type(w) is int for w in natives["varlen"].calls[-1]["window_size"])
+    assert len(natives) == 3
+    assert all(c.window_size == (5, 0) for c in natives)
+    assert all(type(w) is int for c in natives for w in c.window_size)
 
 
 def test_qkvpacked_splits_heads(natives):
     qkv = tensors(2, 9, 3, 4, 64)
     fa3.flash_attn_qkvpacked_func(qkv, causal=True)
-    call = natives["func"].calls[-1]
-    assert call["q"].shape == (2, 9, 4, 64) and torch.equal(call["v"], qkv[:, :, 2])
+    call = natives[-1]
+    assert call.q.shape == (2, 9, 4, 64) and torch.equal(call.v, qkv[:, :, 2]) and call.causal
     gqa = tensors(2, 9, 8 + 2 * 2, 64)
     fa3.flash_attn_qkvpacked_func(gqa, num_heads_q=8)
-    call = natives["func"].calls[-1]
-    assert call["q"].shape == (2, 9, 8, 64) and call["k"].shape == (2, 9, 2, 64)
-    assert torch.equal(call["k"], gqa[:, :, 8:10])
+    call = natives[-1]
+    assert call.q.shape == (2, 9, 8, 64) and call.k.shape == (2, 9, 2, 64)
+    assert torch.equal(call.k, gqa[:, :, 8:10])
     with pytest.raises(ValueError, match="needs num_heads_q"):
         fa3.flash_attn_qkvpacked_func(gqa)
     with pytest.raises(ValueError, match="not num_heads_q=7"):
@@ -225,15 +215,15 @@ def test_varlen_maps_to_native(natives):
         q, k, k, cu_q, cu_k, 20, 25, used_q, used_k, causal=True, num_splits=0,
         return_attn_probs=True,
     )  # fmt: skip
-    call = natives["varlen"].calls[-1]
-    assert call["cu_seqlens_q"] is cu_q and call["cu_seqlens_k"] is cu_k
-    assert call["seqused_q"] is used_q and call["seqused_k"] is used_k
-    assert (call["max_seqlen_q"], call["max_seqlen_k"], call["num_splits"]) == (20, 25, 0)
-    assert call["return_softmax_lse"] is True and call["page_table"] is None
-    # Padded queries and keys (no cu_seqlens): the cache entry point with seqused_k.
+    call = natives[-1]
+    assert call.cu_seqlens_q is cu_q and call.cu_seqlens_k is cu_k
+    assert call.seqused_q is used_q and call.seqused_k is used_k
+    assert (call.max_seqlen_q, call.max_seqlen_k, call.num_splits) == (20, 25, 0)
+    assert call.return_lse is True and call.page_table is None
+    # Padded queries and keys (no cu_seqlens): a padded cache with seqused_k.
     qp, kp = tensors(2, 5, 8, 128), tensors(2, 33, 2, 128)
     fa3.flash_attn_varlen_func(qp, kp, kp, None, None, 5, 33, seqused_k=used_k)
-    assert natives["kvcache"].calls[-1]["cache_seqlens"] is used_k
+    assert natives[-1].seqused_k is used_k and natives[-1].cu_seqlens_q is None
     with pytest.raises(NotImplementedError, match="packed queries"):
         fa3.flash_attn_varlen_func(qp, k, k, None, cu_k, 5, 33)
 
@@ -245,29 +235,29 @@ def test_kvcache_maps_to_native(natives):
         q, cache, cache, cache_seqlens=lens, cache_batch_idx=idx, cache_leftpad=pad,
         causal=True, num_splits=3,
     )  # fmt: skip
-    call = natives["kvcache"].calls[-1]
-    assert call["cache_seqlens"] is lens and call["cache_batch_idx"] is idx
-    assert call["cache_leftpad"] is pad and call["num_splits"] == 3 and call["causal"] is True
+    call = natives[-1]
+    assert call.seqused_k is lens and call.kv_batch_idx is idx
+    assert call.leftpad_k is pad and call.num_splits == 3 and call.causal is True
     # rotary_seqlens without rotary_cos changes nothing (FlashAttention-3's tests pass it).
     fa3.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens, rotary_seqlens=lens)
-    assert natives["kvcache"].calls[-1]["cache_seqlens"] is lens
-    # Packed queries over a (paged) cache: the varlen entry point, an int length made a tensor.
+    assert natives[-1].seqused_k is lens
+    # Packed queries over a (paged) cache, an int length for every sequence.
     pages, table = tensors(20, 16, 2, 64), torch.zeros(3, 4, dtype=torch.int32)
     qv = tensors(7, 8, 64)
     fa3.flash_attn_with_kvcache(
         qv, pages, pages, cache_seqlens=40, page_table=table, cu_seqlens_q=int32(0, 1, 3, 7),
         max_seqlen_q=4,
     )  # fmt: skip
-    call = natives["varlen"].calls[-1]
-    assert call["page_table"] is table and call["max_seqlen_q"] == 4
-    assert call["seqused_k"].tolist() == [40, 40, 40] and call["cu_seqlens_k"] is None
+    call = natives[-1]
+    assert call.page_table is table and call.max_seqlen_q == 4
+    assert call.kv_length == 40 and call.seqused_k is None and call.cu_seqlens_k is None
     fa3.flash_attn_with_kvcache(
         qv, pages, pages, cache_seqlens=lens, page_table=table, cu_seqlens_q=int32(0, 1, 3, 7),
         max_seqlen_q=4, cache_batch_idx=idx, cache_leftpad=pad,
     )  # fmt: skip
-    call = natives["varlen"].calls[-1]
-    assert call["cache_batch_idx"] is idx and call["cache_leftpad"] is pad
-    with pytest.raises(ValueError, match="max_seqlen_q must be given"):
+    call = natives[-1]
+    assert call.kv_batch_idx is idx and call.leftpad_k is pad and call.cu_seqlens_q is not None
+    with pytest.raises(ValueError, match="max_seqlen_q must be given with cu_seqlens_q"):
         fa3.flash_attn_with_kvcache(qv, pages, pages, page_table=table, cu_seqlens_q=int32(0, 7))
 
 
@@ -281,17 +271,19 @@ def test_qv_passes_through(natives):
         tensors(1, 4, 8, 512),
     )
     fa3.flash_attn_func(q, k, v, qv=qv)
-    assert natives["func"].calls[-1]["qv"] is qv
+    assert natives[-1].qv is qv
     fa3.flash_attn_with_kvcache(q, k, v, qv=qv, cache_seqlens=5)
-    assert natives["kvcache"].calls[-1]["qv"] is qv
+    assert natives[-1].qv is qv
     qv0 = qv[0]
     fa3.flash_attn_varlen_func(q[0], k[0], v[0], int32(0, 4), int32(0, 9), 4, 9, qv=qv0)
-    assert natives["varlen"].calls[-1]["qv"] is qv0
+    assert natives[-1].qv is qv0
 
 
 def test_kvcache_lse_returns_fa3_tuple(monkeypatch):
+    from flash_cute import forward
+
     out, lse = tensors(1, 1, 8, 64), torch.zeros(1, 8, 1)
-    monkeypatch.setattr(fa3, "_native_kvcache", lambda *a, **k: (out, lse))
+    monkeypatch.setattr(forward, "run", lambda *a: (out, lse))
     q, cache = tensors(1, 1, 8, 64), tensors(1, 16, 8, 64)
     result = fa3.flash_attn_with_kvcache(q, cache, cache, return_softmax_lse=True)
     assert len(result) == 4 and result[0] is out and result[1] is lse
@@ -332,7 +324,7 @@ def test_unserved_arguments_raise_by_name(natives, call, names):
         call(*_q_k())
     for name in names:
         assert name in str(err.value)
-    assert not any(r.calls for r in natives.values())
+    assert not natives
 
 
 def test_scheduler_metadata_fixes_split_count(natives, monkeypatch):
@@ -346,11 +338,29 @@ def test_scheduler_metadata_fixes_split_count(natives, monkeypatch):
     assert int(fa3.get_scheduler_metadata(2, 1, 65536, 32, 8, 128, lens, num_splits=5)[0]) == 5
     q, cache = tensors(2, 1, 32, 128), tensors(2, 64, 8, 128)
     fa3.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens, scheduler_metadata=meta)
-    assert natives["kvcache"].calls[-1]["num_splits"] == splits
-    # The call's own num_splits wins; a copied buffer (no host count) leaves the heuristic.
+    assert natives[-1].num_splits == splits
+    # The call's own num_splits wins; a copy (an engine's buffer: no host count) is read.
     fa3.flash_attn_with_kvcache(q, cache, cache, scheduler_metadata=meta, num_splits=2)
-    assert natives["kvcache"].calls[-1]["num_splits"] == 2
-    fa3.flash_attn_with_kvcache(q, cache, cache, scheduler_metadata=meta.clone())
-    assert natives["kvcache"].calls[-1]["num_splits"] == 0
+    assert natives[-1].num_splits == 2
+    buffer = torch.zeros(4, dtype=torch.int32)
+    buffer[:1] = meta
+    fa3.flash_attn_with_kvcache(q, cache, cache, scheduler_metadata=buffer[:1])
+    assert natives[-1].num_splits == splits
     with pytest.raises(TypeError, match="scheduler_metadata must be an int32 tensor"):
         fa3.flash_attn_with_kvcache(q, cache, cache, scheduler_metadata=meta.float())
+
+
+def test_fp8_queries_are_refused_by_name(natives):
+    """FP8 q (as SGLang calls FlashAttention-3: float8_e4m3fn q, k_cache, v_cache, descales
+    left at None) is not served yet: NotImplementedError, never TypeError."""
+    q8 = tensors(2, 1, 8, 64).to(torch.float8_e4m3fn)
+    k8 = tensors(2, 64, 2, 64).to(torch.float8_e4m3fn)
+    for call in (
+        lambda: fa3.flash_attn_with_kvcache(q8, k8, k8, cache_seqlens=int32(5, 9)),
+        lambda: fa3.flash_attn_func(q8, k8, k8),
+        lambda: fa3.flash_attn_varlen_func(
+            q8[:, 0], k8[0], k8[0], int32(0, 1, 2), int32(0, 30, 64), 1, 34
+        ),
+    ):
+        with pytest.raises(NotImplementedError, match="FP8 queries"):
+            call()

@@ -146,25 +146,21 @@ def test_qv_needs_a_16bit_cache():
 
 
 def test_fa3_interface_passes_descales(monkeypatch):
-    seen = {}
+    from flash_cute import forward
 
-    def native(*args, **kwargs):
-        seen["args"], seen["kwargs"] = args, kwargs
-        return "out"
-
-    monkeypatch.setattr(fa3, "_native_kvcache", native)
-    monkeypatch.setattr(fa3, "_native_varlen", native)
+    seen = []
+    monkeypatch.setattr(forward, "run", lambda call, *rest: seen.append(call) or "out")
     k, v = caches()
     kd, vd = torch.ones(2, 2), torch.full((2, 2), 2.0)
     assert fa3.flash_attn_with_kvcache(q_of(), k, v, k_descale=kd, v_descale=vd) == "out"
-    assert seen["args"][-2] is kd and seen["args"][-1] is vd
+    assert seen[-1].k_descale is kd and seen[-1].v_descale is vd
     q = torch.randn(5, 4, 64, dtype=torch.bfloat16)
     cu = torch.tensor([0, 2, 5], dtype=torch.int32)
     fa3.flash_attn_with_kvcache(
         q, k, v, cu_seqlens_q=cu, max_seqlen_q=3, k_descale=kd, v_descale=vd
     )
-    assert seen["args"][-2] is kd and seen["args"][-1] is vd
+    assert seen[-1].k_descale is kd and seen[-1].v_descale is vd
     fa3.flash_attn_varlen_func(q, k, v, cu, None, 3, 32, k_descale=kd, v_descale=vd)
-    assert seen["kwargs"]["k_descale"] is kd and seen["kwargs"]["v_descale"] is vd
+    assert seen[-1].k_descale is kd and seen[-1].v_descale is vd and seen[-1].cu_seqlens_q is cu
     with pytest.raises(NotImplementedError, match="q_descale"):
         fa3.flash_attn_with_kvcache(q_of(), k, v, q_descale=kd)

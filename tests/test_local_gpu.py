@@ -301,3 +301,32 @@ def test_decode_graph_replay_with_window_and_sink():
         assert_close_to_reference(
             [graph_out[b : b + 1] for b in range(batch)], None, refs, lowps, None
         )
+
+
+@pytest.mark.parametrize("window", [1000, 4095])
+def test_decode_loop_with_an_int_length_across_the_window(window):
+    """A decode loop whose int cache_seqlens grows one key at a time across the window's edge
+    (a plan made for a short length replays at longer ones: each must keep the window). The
+    loop starts below the window, jumps to just under it, then steps across it and across the
+    next power of two."""
+    gen = torch.Generator(device="cuda").manual_seed(window)
+    nheads, nheads_kv, d = 8, 2, 128
+    capacity = 2 * window + 64
+    q = torch.randn(1, 1, nheads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cache = torch.randn(
+        2, capacity, nheads_kv, d, device="cuda", dtype=torch.bfloat16, generator=gen
+    )
+    k, v = cache[:1], cache[1:]
+    lengths = [window // 2, *range(window - 8, window + 24)]
+    lengths += [2 * window - 8 + i for i in range(8)] + [
+        (1 << window.bit_length()) + i for i in range(3)
+    ]
+    for length in lengths:
+        out = torch.full_like(q, float("nan"))
+        flash_cute.flash_attn_with_kvcache(
+            q, k, v, cache_seqlens=length, causal=True, window_size=(window, 0), out=out
+        )
+        refs, lowps, _ = reference_per_sequence(
+            [q], [k[:, :length]], [v[:, :length]], True, dict(window_size=(window, 0))
+        )
+        assert_close_to_reference([out], None, refs, lowps, None)

@@ -8,6 +8,7 @@ import torch
 import flash_cute
 from flash_cute import AttentionConfig, ops
 from flash_cute import flash_attn_interface as fa3
+from flash_cute.call import Call
 
 META = "meta"
 BF16 = torch.bfloat16
@@ -24,39 +25,33 @@ def meta_int32(n):
 def op_cases():
     q, k = meta(2, 9, 8, 64), meta(2, 17, 2, 64)
     qv, kv = meta(30, 8, 64), meta(40, 2, 64)
+    used = meta_int32(2)
     sink = meta(8, dtype=torch.float32)
-    config = ops.config_to_str(AttentionConfig(128, 128))
-    yield (
-        "func",
-        ops.flash_attn_func_op,
-        (q, k, k, meta(2, 9, 8, 64), 0.125, True, True, config, [4, 0], 0, 5.0, sink, None),
-    )
-    yield (
-        "func-no-lse",
-        ops.flash_attn_func_op,
-        (q, k, k, meta(2, 9, 8, 64), None, False, False, None, [-1, -1], 8, 0.0, None, None),
-    )
-    yield (
-        "varlen",
-        ops.flash_attn_varlen_func_op,
-        (qv, kv, kv, meta_int32(3), 20, meta_int32(3), meta_int32(2), 25, None, None, True,
-         0, None, True, meta(30, 8, 64), None, [-1, -1], 0, 0.0, None, meta_int32(2), None,
-         None, None, None, None),
-    )  # fmt: skip
-    yield (
-        "kvcache",
-        ops.flash_attn_with_kvcache_op,
-        (q, meta(50, 16, 2, 64), meta(50, 16, 2, 64), meta_int32(2), None,
-         torch.empty(2, 4, dtype=torch.int32, device=META), None, True, 0, True, True,
-         meta(2, 9, 8, 64), None, [-1, -1], 0, 0.0, sink, None, None, None,
-         meta(2, 2, dtype=torch.float32), meta(2, 2, dtype=torch.float32)),
-    )  # fmt: skip
-    yield (
-        "kvcache-int",
-        ops.flash_attn_with_kvcache_op,
-        (q, k, k, None, 11, None, None, False, 1, None, False, meta(2, 9, 8, 64), None,
-         [-1, -1], 0, 0.0, None, meta_int32(2), meta_int32(2), None, None, None),
-    )  # fmt: skip
+    scale = meta(2, 2, dtype=torch.float32)
+    calls = {
+        "func": Call(
+            q, k, k, meta(2, 9, 8, 64), softmax_scale=0.125, causal=True, return_lse=True,
+            config=AttentionConfig(128, 128), window_size=(4, 0), softcap=5.0,
+            learnable_sink=sink, decode_rows=False, pack_gqa=False,
+        ),
+        "func-no-lse": Call(q, k, k, meta(2, 9, 8, 64), attention_chunk=8, decode_rows=False),
+        "varlen": Call(
+            qv, kv, kv, meta(30, 8, 64), cu_seqlens_q=meta_int32(3), max_seqlen_q=20,
+            cu_seqlens_k=meta_int32(3), seqused_k=used, max_seqlen_k=25, causal=True,
+            num_splits=0, return_lse=True, seqused_q=used,
+        ),
+        "kvcache": Call(
+            q, meta(50, 16, 2, 64), meta(50, 16, 2, 64), meta(2, 9, 8, 64), seqused_k=used,
+            page_table=torch.empty(2, 4, dtype=torch.int32, device=META), causal=True,
+            num_splits=0, pack_gqa=True, return_lse=True, learnable_sink=sink, k_descale=scale,
+            v_descale=scale,
+        ),
+        "kvcache-int": Call(
+            q, k, k, meta(2, 9, 8, 64), kv_length=11, kv_batch_idx=used, leftpad_k=used
+        ),
+    }  # fmt: skip
+    for name, call in calls.items():
+        yield name, ops.forward_op, ops.op_arguments(call)
     yield (
         "combine",
         ops.flash_attn_combine_op,
@@ -205,7 +200,7 @@ def test_eager_calls_stay_off_the_dispatcher(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("an eager call went through the custom op")
 
-    for name in ("traced_func", "traced_varlen", "traced_kvcache", "traced_combine"):
+    for name in ("traced_forward", "traced_combine"):
         monkeypatch.setattr(ops, name, refuse)
     q, k = torch.randn(1, 4, 2, 64, dtype=BF16), torch.randn(1, 4, 2, 64, dtype=BF16)
     with pytest.raises(ValueError, match="q must be a CUDA tensor"):  # the native checks
@@ -215,8 +210,7 @@ def test_eager_calls_stay_off_the_dispatcher(monkeypatch):
 
 
 def test_ops_have_cuda_kernels_and_refuse_other_devices():
-    for name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"):
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"flash_cute::{name}", "CUDA")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("flash_cute::forward", "CUDA")
     assert torch._C._dispatch_has_kernel_for_dispatch_key("flash_cute::flash_attn_combine", "CUDA")
     with pytest.raises(RuntimeError, match="run on CUDA tensors .* got a tensor on cpu"):
         ops.flash_attn_combine_op(

@@ -355,7 +355,7 @@ def test_split_tile_counts_for_hand_counted_shapes():
 
 
 def variant(**changes) -> ForwardVariant:
-    base = ForwardVariant(BF16, 128, False, AttentionConfig(128, 128), False)
+    base = ForwardVariant(BF16, 128, False, config=AttentionConfig(128, 128), writes_lse=False)
     return dataclasses.replace(base, **changes)
 
 
@@ -432,17 +432,17 @@ def test_kernel_derives_its_o_store_from_the_variant():
     from flash_cute.kernels import FlashAttentionForwardSm90
 
     cfg = AttentionConfig(192, 128, scheduler="static_persistent")
-    tma = FlashAttentionForwardSm90(ForwardVariant(BF16, 64, False, cfg))
+    tma = FlashAttentionForwardSm90(ForwardVariant(BF16, 64, False, config=cfg))
     assert tma.tma_store_o and tma.separate_o_smem and not tma.o_overwrites_q
     over_q_cfg = AttentionConfig(
         128, 80, pingpong=False, rescale_o_before_pv=True, scheduler="static_persistent"
     )
-    over_q = FlashAttentionForwardSm90(ForwardVariant(BF16, 256, False, over_q_cfg))
+    over_q = FlashAttentionForwardSm90(ForwardVariant(BF16, 256, False, config=over_q_cfg))
     assert over_q.tma_store_o and over_q.o_overwrites_q
     on = cfg.replace(store_o_from_registers=True)
     for flags in ({}, {"varlen_q": True}, {"split": True, "seqused_k": True}):
         config = on.replace(scheduler="single_tile") if "split" in flags else on
-        kernel = FlashAttentionForwardSm90(ForwardVariant(BF16, 64, False, config, **flags))
+        kernel = FlashAttentionForwardSm90(ForwardVariant(BF16, 64, False, config=config, **flags))
         assert not (kernel.tma_store_o or kernel.separate_o_smem or kernel.o_overwrites_q)
 
 
@@ -472,8 +472,12 @@ def test_v_in_k_reads_v_from_k_columns():
     """v_in_k (V = the first head_dim_v columns of K) needs head_dim_v <= head_dim, a multiple
     of 64, and leaves the V ring out of the shared memory model."""
     config = AttentionConfig(64, 64, pingpong=False, o_split=2, store_o_from_registers=True)
-    variant = ForwardVariant("bfloat16", 576, False, config, True, head_dim_v=512, v_in_k=True)
+    variant = ForwardVariant(
+        "bfloat16", 576, False, config=config, writes_lse=True, head_dim_v=512, v_in_k=True
+    )
     assert "v_in_k" in variant.describe()
     assert config.smem_bytes(576, 2, 512, v_in_k=True) == (72 + 2 * 72 + 1) * 1024
     with pytest.raises(ValueError, match="v_in_k reads V from K's columns"):
-        ForwardVariant("bfloat16", 128, False, config, True, head_dim_v=96, v_in_k=True)
+        ForwardVariant(
+            "bfloat16", 128, False, config=config, writes_lse=True, head_dim_v=96, v_in_k=True
+        )

@@ -6,23 +6,14 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import Recorder
 
 import flash_cute
 from flash_cute import AttentionConfig, runtime
+from flash_cute.call import Call
 from flash_cute.compile_cache import FULL, SHORT
+from flash_cute.forward import kernel_call_args
 from flash_cute.plan import ForwardPlan, ForwardVariant
-
-
-@pytest.fixture
-def streams(monkeypatch):
-    """A fake current stream (settable) and capture flag; the caches start empty."""
-    state = {"stream": 7, "capturing": False}
-    monkeypatch.setattr(runtime, "current_raw_stream", lambda index: state["stream"])
-    monkeypatch.setattr(runtime, "stream_capturing", lambda: state["capturing"])
-    flash_cute.empty_cache()
-    yield state
-    flash_cute.empty_cache()
-
 
 CPU = torch.device("cpu")
 BUFFERS = runtime.BUFFERS
@@ -123,21 +114,11 @@ def test_empty_cache_drops_everything(streams):
     assert not BUFFERS.scratch and not BUFFERS.counters
 
 
-class Recorder:
-    """A compiled kernel that records the arguments of each launch."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, *args):
-        self.calls.append(args)
-
-
 SPLIT = ForwardVariant(
     "bfloat16",
     64,
     False,
-    AttentionConfig(64, 64, pingpong=False, store_o_from_registers=True),
+    config=AttentionConfig(64, 64, pingpong=False, store_o_from_registers=True),
     seqused_k=True,
     split=True,
 )
@@ -151,9 +132,14 @@ def split_plan(kernel, num_counters=8, out_shape=(1, 1, 4, 64), lse_shape=(1, 4,
 
 def short_plan(kernel):
     """A launch plan of a variant that takes the short signature (no optional argument)."""
-    variant = ForwardVariant("bfloat16", 64, False, AttentionConfig(64, 64, pingpong=False))
+    variant = ForwardVariant("bfloat16", 64, False, config=AttentionConfig(64, 64, pingpong=False))
     plan = ForwardPlan(variant, num_splits=1, max_ctas=132, num_counters=0)
     return runtime.LaunchPlan(plan, kernel, CPU, torch.float32, (1, 1, 4, 64), (1, 4, 1), 0.5)
+
+
+def call_args(q, **fields):
+    """The kernel call arguments of a call of q with these Call fields."""
+    return kernel_call_args(Call(q, q, q, **fields))
 
 
 def test_launch_passes_arguments_in_the_signature_order(streams):
@@ -161,7 +147,7 @@ def test_launch_passes_arguments_in_the_signature_order(streams):
     point (compile_cache.SHORT / FULL, read off the kernel's methods)."""
     kernel = Recorder()
     q, k, v, out = (torch.zeros(1, 1, 4, 64) for _ in range(4))
-    short_plan(kernel).launch(q, k, v, out, kv_length=9)
+    short_plan(kernel).launch(q, k, v, out, call_args(q, kv_length=9))
     sent = dict(zip(SHORT.args, kernel.calls[-1]))
     assert len(kernel.calls[-1]) == len(SHORT.args)
     assert [sent[n] for n in ("q", "k", "v", "out")] == [q, k, v, out]
@@ -171,10 +157,11 @@ def test_launch_passes_arguments_in_the_signature_order(streams):
     seqused, table, cu_q, cu_k, used_q, idx, pad = (
         torch.zeros(3, dtype=torch.int32) for _ in range(7)
     )
-    out, lse = plan.launch(
-        q, k, v, None, seqused, table, cu_q, cu_k, kv_length=5, seqused_q=used_q,
-        kv_batch_idx=idx, leftpad_k=pad,
+    args = call_args(
+        q, seqused_k=seqused, page_table=table, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        kv_length=5, seqused_q=used_q, kv_batch_idx=idx, leftpad_k=pad,
     )  # fmt: skip
+    out, lse = plan.launch(q, k, v, None, args)
     sent = dict(zip(FULL.args, kernel.calls[-1]))
     assert len(kernel.calls[-1]) == len(FULL.args)
     assert sent["out"] is out and sent["lse"] is lse and lse.shape == (1, 4, 1)
@@ -199,7 +186,7 @@ def test_launch_plans_memo_their_stream_buffers(streams):
     q = torch.zeros(1, 1, 4, 64)
 
     def launch(kv_length=0):
-        plan.launch(q, q, q, None, kv_length=kv_length)
+        plan.launch(q, q, q, None, call_args(q, kv_length=kv_length))
         sent = dict(zip(FULL.args, kernel.calls[-1]))
         return sent["counters"], sent["partials"], sent["kv_length"]
 
@@ -235,7 +222,7 @@ def test_launch_plans_memo_their_stream_buffers(streams):
         runtime.FUNC_PLANS.pop(("test",), None)
     big_plan = split_plan(kernel, out_shape=(1, 1 << 12, 8, 128), lse_shape=(1, 8, 1 << 12))
     assert big_plan.scratch.numel > runtime.SCRATCH_MAX_FLOATS
-    big_plan.launch(q, q, q, None)
+    big_plan.launch(q, q, q, None, call_args(q))
     assert big_plan.buffers is None, "a per-call scratch allocation was kept"
 
 
@@ -254,7 +241,7 @@ def test_combine_launch_merges_after_the_kernel(streams, monkeypatch):
     )  # fmt: skip
     q = torch.zeros(1, 1, 4, 64)
     for _ in range(2):
-        out, lse = plan.launch(q, q, q, None)
+        out, lse = plan.launch(q, q, q, None, call_args(q))
         sent = dict(zip(FULL.args, kernel.calls[-1]))
         assert sent["counters"] is None
         o_part, lse_part, o_view, lse_view, records = merges.calls[-1]
@@ -274,10 +261,10 @@ def test_short_signature_plans_allocate_out_like_q():
     launch = short_plan(kernel)
     launch.out_like_q = True
     q = torch.zeros(1, 1, 4, 64)
-    out = launch.launch(q, q, q, None)
+    out = launch.launch(q, q, q, None, call_args(q))
     assert out.shape == q.shape and out is not q and kernel.calls[-1][3] is out
     given = torch.empty_like(q)
-    assert launch.launch(q, q, q, given) is given and kernel.calls[-1][3] is given
+    assert launch.launch(q, q, q, given, call_args(q)) is given and kernel.calls[-1][3] is given
 
 
 def test_default_stream_skips_the_capture_query(streams, monkeypatch):
@@ -291,25 +278,6 @@ def test_default_stream_skips_the_capture_query(streams, monkeypatch):
     assert stream() == (None, 0) and not asked
     streams["stream"], streams["capturing"] = 5, True
     assert stream() is None and asked
-
-
-@pytest.fixture
-def fake_gpu(monkeypatch, streams):
-    """The API on CPU tensors: the device checks pass, and the compiled kernel is a Recorder
-    per variant (kernels[variant])."""
-    from flash_cute import checks, interface
-
-    kernels = {}
-    monkeypatch.setattr(runtime, "get_forward_kernel", lambda v: kernels.setdefault(v, Recorder()))
-    monkeypatch.setattr(runtime, "raw_function", lambda f: f)
-    monkeypatch.setattr(checks, "check_cuda", lambda named: None)
-    monkeypatch.setattr(checks, "check_hopper", lambda device: None)
-    monkeypatch.setattr(runtime, "num_sms", lambda index: 132)
-    monkeypatch.setattr(interface, "current_device", lambda: None)
-    monkeypatch.setattr(runtime, "current_device", lambda: None)
-    for plans in (runtime.FUNC_PLANS, runtime.KVCACHE_PLANS, runtime.VARLEN_PLANS):
-        plans.clear()
-    return kernels
 
 
 def test_calls_launch_through_the_plans_they_build(fake_gpu, monkeypatch):
@@ -380,14 +348,14 @@ def test_traced_plans_pass_zeroed_records_and_collect_them(streams):
 
     kernel = Recorder()
     config = AttentionConfig(128, 128, trace=True)
-    variant = ForwardVariant("bfloat16", 64, False, config, True)
+    variant = ForwardVariant("bfloat16", 64, False, config=config, writes_lse=True)
     plan = runtime.LaunchPlan(
         ForwardPlan(variant, num_splits=1, max_ctas=132, num_counters=0, trace_slots=6),
         kernel, CPU, torch.float32, (2, 3, 4, 64), (2, 4, 3), 1.0,
     )  # fmt: skip
     runtime.TRACED_LAUNCHES.clear()
     q = torch.zeros(2, 3, 4, 64)
-    plan.launch(q, q, q, None)
+    plan.launch(q, q, q, None, call_args(q))
     sent = dict(zip(FULL.args, kernel.calls[-1]))
     records = sent["trace"]
     assert records.shape == (6, RECORD_WORDS) and records.dtype == torch.int64
@@ -398,7 +366,7 @@ def test_traced_plans_pass_zeroed_records_and_collect_them(streams):
     runtime.TRACED_LAUNCHES.clear()
     streams["capturing"] = True
     with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
-        plan.launch(q, q, q, None)
+        plan.launch(q, q, q, None, call_args(q))
 
 
 def test_untraced_full_signature_plans_pass_no_records(streams):
@@ -408,5 +376,79 @@ def test_untraced_full_signature_plans_pass_no_records(streams):
         kernel, CPU, torch.float32, (2, 3, 4, 64), (2, 4, 3), 1.0,
     )  # fmt: skip
     q = torch.zeros(1, 1, 4, 64)
-    plan.launch(q, q, q, None)
+    plan.launch(q, q, q, None, call_args(q))
     assert dict(zip(FULL.args, kernel.calls[-1]))["trace"] is None
+
+
+def test_threads_capturing_at_once_take_disjoint_counters(graph_counters):
+    """Captures on several threads take pre-zeroed counters from one pool: no two slices may
+    overlap (the pool's offset is advanced under a lock)."""
+    import threading
+    import time
+
+    counters = runtime.GRAPH_COUNTERS
+    counters.CHUNK = 1 << 16  # room for every slice: none falls back to a fresh fill
+    counters.refill(CPU)
+
+    class Yielding(list):
+        """The pool's [tensor, offset], yielding the thread whenever the offset is read: a race
+        between reading and advancing it then shows at once."""
+
+        def __getitem__(self, index):
+            if index == 1:
+                time.sleep(0)
+            return super().__getitem__(index)
+
+    counters.pools[CPU.index] = Yielding(counters.pools[CPU.index])
+    taken, barrier = [], threading.Barrier(8)
+
+    def capture():
+        barrier.wait()
+        taken.extend(counters.take(CPU, 3) for _ in range(300))
+
+    threads = [threading.Thread(target=capture) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    starts = sorted(t.data_ptr() for t in taken)
+    assert len(starts) == 8 * 300 and all(b - a >= 3 * 4 for a, b in zip(starts, starts[1:]))
+    assert all(t._base is not None for t in taken)  # slices of the pool
+
+
+def test_replays_let_errors_other_than_refusals_through(fake_gpu):
+    """A replay whose launch fails for another reason than a refused argument (a CUDA error,
+    out of memory) raises it: it is not retried through the checks as a refusal would be."""
+    bf16 = torch.bfloat16
+    q, k = torch.randn(1, 64, 4, 64, dtype=bf16), torch.randn(1, 64, 4, 64, dtype=bf16)
+    flash_cute.flash_attn_func(q, k, k)
+    (kernel,) = fake_gpu.values()
+
+    def fail(*args):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    kernel.__class__ = type("Failing", (Recorder,), {"__call__": lambda self, *a: fail()})
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        flash_cute.flash_attn_func(q, k, k)
+    assert len(runtime.FUNC_PLANS) == 1  # (no second plan: the checks never ran)
+
+
+def test_refused_replays_take_the_checks(fake_gpu, monkeypatch):
+    """A replay the compiled function refuses (TypeError / ValueError from its argument checks)
+    takes the full checks, which plan the call afresh."""
+    bf16 = torch.bfloat16
+    q, k = torch.randn(1, 64, 4, 64, dtype=bf16), torch.randn(1, 64, 4, 64, dtype=bf16)
+    flash_cute.flash_attn_func(q, k, k)
+    (kernel,) = fake_gpu.values()
+    refused = []
+
+    def refuse_once(self, *args):
+        if not refused:
+            refused.append(1)
+            raise ValueError("Mismatched stride on argument q")
+        self.calls.append(args)
+
+    kernel.__class__ = type("RefusingOnce", (Recorder,), {"__call__": refuse_once})
+    before = len(kernel.calls)
+    flash_cute.flash_attn_func(q, k, k)
+    assert refused and len(kernel.calls) == before + 1

@@ -17,7 +17,9 @@ from kv_cases import (
     reference_per_sequence,
 )
 
+from flash_cute.call import Call
 from flash_cute.config import AttentionConfig
+from flash_cute.forward import kernel_call_args
 from flash_cute.plan import Problem, plan_forward
 from flash_cute.reference import stable_seed
 from flash_cute.runtime import LaunchPlan, num_sms
@@ -45,10 +47,7 @@ def launch(problem, config, q, k, v, num_splits=1, pack_gqa=False, **tensors):
     # (qv: head_dim counts qv's columns and q's, the default scale 1 / sqrt(d + dv).)
     scale_log2 = math.log2(math.e) / math.sqrt(problem.head_dim)
     runner = LaunchPlan.build(plan, q, k, v, out, lse_shape, scale_log2)
-    result = runner.launch(
-        q, k, v, out, tensors.get("seqused_k"), tensors.get("page_table"), None, None, 0, None,
-        None, None, tensors.get("leftpad_k"), tensors.get("qv"),
-    )  # fmt: skip
+    result = runner.launch(q, k, v, out, kernel_call_args(Call(q, k, v, **tensors)))
     return plan.variant, result
 
 

@@ -1,0 +1,270 @@
+"""The forward path every entry point shares once a call is a `Call` (flash_cute.call).
+
+`describe` checks a call's arguments and describes it as a flash_cute.plan.Problem (what the
+plan step decides from); `run` adds the device checks, asks the plan step for the variant,
+builds the launch plan (flash_cute.runtime.LaunchPlan), launches, and keeps the plan under the
+call's replay key when the call can be replayed. Every check names the argument as the entry
+point calls it (`names`: Call field -> parameter name).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import checks, runtime
+from . import config as configs
+from .call import KERNEL_CALL_FIELDS, Call, length_bound
+from .plan import Problem, plan_forward
+from .runtime import LaunchPlan, PlanCache, current_device
+
+
+def describe(call: Call, names: Optional[dict] = None) -> Problem:
+    """The Problem of a call, after checking every argument it reads (no device checks: a call
+    of meta tensors is described too, as get_scheduler_metadata does). An int key count enters
+    as the largest count of its replay class (call.length_bound), capped by the capacity."""
+    names = names or {}
+
+    def name(field: str) -> str:
+        return names.get(field, field)
+
+    q, k, v = call.q, call.k, call.v
+    if isinstance(q, torch.Tensor) and q.dtype in checks.FP8_KV_DTYPES:
+        raise NotImplementedError(
+            f"flash_cute does not serve FP8 queries yet ({name('q')} {q.dtype}, with or without "
+            "q_descale): pass a float16 or bfloat16 q (FP8 caches are served)"
+        )
+    varlen_q = call.cu_seqlens_q is not None
+    if varlen_q:
+        checks.check_tensor(name("q"), q, 3, "(total_q, nheads, headdim) with cu_seqlens_q")
+    else:
+        checks.check_tensor(name("q"), q, 4, "(batch, seqlen_q, nheads, headdim)")
+        for field in ("seqused_q", "cu_seqlens_k"):
+            if getattr(call, field) is not None:
+                raise NotImplementedError(
+                    f"flash_cute serves {name(field)} with packed queries (cu_seqlens_q) only"
+                )
+    for field, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name(field)} must be a torch.Tensor, got {type(t).__name__}")
+    if call.cu_seqlens_k is not None and call.page_table is not None:
+        raise ValueError(
+            f"{name('page_table')} cannot be combined with {name('cu_seqlens_k')} (paged keys use "
+            f"{name('seqused_k')})"
+        )
+    if call.cu_seqlens_k is not None:
+        kv_layout, kv_doc = "packed", f"(total_k, nheads_kv, headdim) with {name('cu_seqlens_k')}"
+    elif call.page_table is not None:
+        kv_layout = "paged"
+        kv_doc = f"(num_pages, page_size, nheads_kv, headdim) with {name('page_table')}"
+    else:
+        kv_layout, kv_doc = "padded", "(batch, seqlen_k, nheads_kv, headdim)"
+    kv_ndim = 3 if kv_layout == "packed" else 4
+    # FP8 K/V (a cache) where the call reads a cache: the padded prefill entry point does not.
+    checks.check_tensor(name("k"), k, kv_ndim, kv_doc, fp8=call.decode_rows)
+    checks.check_tensor(name("v"), v, kv_ndim, kv_doc, fp8=call.decode_rows)
+    kv_dtype = checks.kv_cache_dtype(q, name("k"), k, name("v"), v)
+    checks.check_v_shape(name("v"), v, name("k"), k)
+    _check_qv(call.qv, q, v, kv_dtype)
+    nheads, head_dim = q.shape[-2], q.shape[-1]
+    nheads_kv = k.shape[-2]
+    if k.shape[-1] != head_dim:
+        raise ValueError(
+            f"{name('k')} must have headdim {head_dim} (that of q), got shape {tuple(k.shape)}"
+        )
+    if varlen_q:
+        batch = checks.check_cu_seqlens(name("cu_seqlens_q"), call.cu_seqlens_q, None)
+        total_q = q.shape[0]
+        if call.max_seqlen_q is None:
+            raise ValueError(
+                f"{name('max_seqlen_q')} must be given with {name('cu_seqlens_q')} (the longest "
+                "query length, an int)"
+            )
+        max_seqlen_q = checks.check_host_int(name("max_seqlen_q"), call.max_seqlen_q)
+    else:
+        batch, max_seqlen_q = q.shape[0], q.shape[1]
+        total_q = 0
+        if kv_layout == "padded" and call.kv_batch_idx is None and k.shape[0] != batch:
+            raise ValueError(
+                f"{name('k')} must have batch size {batch} (that of q), got shape {tuple(k.shape)}"
+            )
+    checks.check_descales(call.k_descale, call.v_descale, kv_dtype, batch, nheads_kv)
+    if call.cu_seqlens_k is not None:
+        checks.check_cu_seqlens(name("cu_seqlens_k"), call.cu_seqlens_k, batch)
+    if call.seqused_k is not None:
+        checks.check_seqused(name("seqused_k"), call.seqused_k, batch)
+    if call.seqused_q is not None:
+        checks.check_seqused(name("seqused_q"), call.seqused_q, batch, "queries used per sequence")
+    if kv_layout == "packed" and (call.kv_batch_idx is not None or call.leftpad_k is not None):
+        raise ValueError(
+            f"{name('kv_batch_idx')} and {name('leftpad_k')} index padded or paged caches, not "
+            f"packed keys ({name('cu_seqlens_k')})"
+        )
+    if call.kv_batch_idx is not None:
+        checks.check_seqused(
+            name("kv_batch_idx"), call.kv_batch_idx, batch, "cache row per sequence"
+        )
+    if call.leftpad_k is not None:
+        checks.check_seqused(name("leftpad_k"), call.leftpad_k, batch, "first key per sequence")
+    # The cache's rows: the call's batch, or any number with kv_batch_idx (which picks them).
+    cache_batch = None if call.kv_batch_idx is not None else batch
+    if kv_layout == "paged":
+        capacity = checks.check_page_table(call.page_table, cache_batch, k, name("page_table"))
+    elif kv_layout == "padded":
+        if cache_batch is not None and k.shape[0] != batch:
+            raise ValueError(
+                f"{name('k')} must have batch size {batch} (that of the queries), got shape "
+                f"{tuple(k.shape)}"
+            )
+        if cache_batch is None and k.shape[0] == 0 and batch > 0:
+            raise ValueError(
+                f"{name('kv_batch_idx')} needs a {name('k')} with at least one cache row"
+            )
+        capacity = k.shape[1]
+    else:
+        capacity = k.shape[0]
+    if batch == 0:
+        capacity = 0
+    max_seqlen_k = capacity
+    if call.kv_length is not None:
+        if call.seqused_k is not None:
+            raise ValueError(f"{name('kv_length')} and {name('seqused_k')} exclude each other")
+        length = checks.check_host_int(name("kv_length"), call.kv_length)
+        if length > capacity and batch > 0:
+            raise ValueError(
+                f"{name('kv_length')}={length} exceeds the cache's capacity of {capacity} keys"
+            )
+        # Planned for every length that replays the plan (its class, up to the capacity).
+        max_seqlen_k = min(capacity, length_bound(length))
+    elif call.max_seqlen_k is not None:
+        max_seqlen_k = min(checks.check_host_int(name("max_seqlen_k"), call.max_seqlen_k), capacity)
+    window_left, window_right = checks.check_window_size(call.window_size)
+    return Problem(
+        batch=batch,
+        nheads=nheads,
+        nheads_kv=nheads_kv,
+        head_dim=head_dim + (0 if call.qv is None else v.shape[-1]),
+        head_dim_v=v.shape[-1],
+        v_in_k=_v_in_k(k, v),
+        qv=call.qv is not None,
+        dtype=checks.dtype_name(q.dtype),
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        # An int count: the plan may see its whole class (a window then drops only where it
+        # covers every key at each of them).
+        kv_capacity=max_seqlen_k if call.kv_length is not None else capacity,
+        causal=checks.optional_bool(name("causal"), call.causal),
+        writes_lse=checks.optional_bool(name("return_lse"), call.return_lse),
+        varlen_q=varlen_q,
+        total_q=total_q,
+        kv_layout=kv_layout,
+        page_size=k.shape[1] if kv_layout == "paged" else None,
+        seqused_k=call.seqused_k is not None,
+        # The kernel takes an int length as a scalar (also for a contiguous cache, rather than
+        # a slice of it, which costs two views per call).
+        scalar_kv_length=call.kv_length is not None,
+        seqused_q=call.seqused_q is not None,
+        kv_batch_idx=call.kv_batch_idx is not None,
+        leftpad_k=call.leftpad_k is not None,
+        kv_dtype=kv_dtype,
+        window_left=window_left,
+        window_right=window_right,
+        attention_chunk=checks.check_host_int(name("attention_chunk"), call.attention_chunk),
+        softcap=checks.check_softcap(call.softcap),
+        learnable_sink=checks.check_learnable_sink(call.learnable_sink, nheads),
+    )
+
+
+def run(call: Call, names: dict, plans: PlanCache, key):
+    """Check, plan and launch one call; keep its launch plan in `plans` under `key` when it can
+    be replayed (key None: never). Returns out, or (out, lse) with call.return_lse."""
+    problem = describe(call, names)
+    configs.check_head_dims(problem.head_dim, problem.head_dim_v)
+    checks.check_gqa(problem.nheads, problem.nheads_kv)
+    checks.check_grid(problem.nheads, problem.batch)
+    scale_log2 = checks.softmax_scale_log2(call.softmax_scale, problem.head_dim)
+    config = checks.check_config(
+        call.config, problem.head_dim, problem.dtype, problem.head_dim_v, problem.v_in_k
+    )
+    num_splits = checks.check_num_splits(call.num_splits)
+    pack_gqa = checks.check_optional_bool(names.get("pack_gqa", "pack_gqa"), call.pack_gqa)
+    q, k, v, qv = call.q, call.k, call.v, call.qv
+    checks.check_cuda([(names.get(f, f), t) for f, t in call.tensors() if f != "out"])
+    checks.check_hopper(q.device)
+    out = checks.output_for(call.out, q, k, v)
+    if problem.varlen_q:
+        lse_shape = (problem.nheads, problem.total_q)
+    else:
+        lse_shape = (problem.batch, problem.nheads, problem.max_seqlen_q)
+    plan = None
+    if out.numel() > 0:
+        device_index = q.device.index if q.device.index is not None else current_device()
+        plan = plan_forward(
+            problem, runtime.num_sms(device_index), config, num_splits, pack_gqa, call.decode_rows
+        )
+    if plan is None or plan.variant is None:  # no rows, or no keys anywhere: nothing to launch
+        out.zero_()
+        if not problem.writes_lse:
+            return out
+        return out, torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    launch = LaunchPlan.build(plan, q, k, v, out, lse_shape, scale_log2)
+    # TMA reads strides of 16 bytes: a tensor with others goes in as a copy (and such a call
+    # is not replayed).
+    q_k, k_k, v_k = checks.for_tma(q), checks.for_tma(k), checks.for_tma(v)
+    qv_k = qv if qv is None else checks.for_tma(qv)
+    out_k = checks.for_tma(out) if checks.aligned_16b(out) else None
+    with runtime.on_device(q.device):  # (its buffers follow q's device's current stream)
+        result = launch.launch(q_k, k_k, v_k, out_k, kernel_call_args(call.replace(qv=qv_k)))
+    out_k, lse = result if problem.writes_lse else (result, None)
+    if out_k.data_ptr() != out.data_ptr():
+        out.copy_(out_k)
+    if q_k is q and k_k is k and v_k is v and out_k is out and qv_k is qv:
+        if call.kv_length is not None:
+            launch.int_capacity = problem.kv_capacity  # replays check their length against it
+        plans.remember(key, launch)
+    return (out, lse) if problem.writes_lse else out
+
+
+def kernel_call_args(call: Call) -> tuple:
+    """The kernel's call arguments (call.KERNEL_CALL_FIELDS, ending in kv_length) of a call: its
+    tensors, and its int key count (0 without one)."""
+    values = tuple(getattr(call, f) for f in KERNEL_CALL_FIELDS)
+    return values[:-1] + (0 if call.kv_length is None else call.kv_length,)
+
+
+def _check_qv(qv, q: torch.Tensor, v: torch.Tensor, kv_dtype: Optional[str]) -> None:
+    """qv (FlashAttention-3's absorbed MLA): like q with v's head dim, q's dtype; served with
+    the wide heads, on a 16-bit cache."""
+    if qv is None:
+        return
+    if kv_dtype is not None:
+        raise NotImplementedError(
+            f"qv (absorbed MLA) reads a 16-bit latent cache; got a {kv_dtype} cache"
+        )
+    checks.check_tensor("qv", qv, q.dim(), "q's shape with v's head dim")
+    checks.check_same_dtype("qv", qv, "q", q)
+    if q.shape[-1] + v.shape[-1] not in configs.WIDE_HEAD_DIMS:
+        raise NotImplementedError(
+            f"flash_cute serves qv with q's and v's head dims summing to one of "
+            f"{configs.WIDE_HEAD_DIMS} (absorbed MLA: 64 + 512), got {q.shape[-1]} + "
+            f"{v.shape[-1]}"
+        )
+    if tuple(qv.shape) != (*q.shape[:-1], v.shape[-1]):
+        raise ValueError(
+            f"qv must have shape {(*q.shape[:-1], v.shape[-1])} (q's, with v's head dim), "
+            f"got {tuple(qv.shape)}"
+        )
+
+
+def _v_in_k(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether v is a view of k's leading columns (absorbed MLA's latent cache: v = k[..., :dv]),
+    so the kernel reads V from K's tiles instead of loading it (never for meta tensors, which
+    have no memory to share)."""
+    return (
+        v.shape[-1] > 256
+        and not k.is_meta
+        and v.data_ptr() == k.data_ptr()
+        and v.stride() == k.stride()
+        and v.shape[-1] % 64 == 0
+    )
