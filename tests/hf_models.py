@@ -3,6 +3,9 @@ per architecture, sized so every attention feature the architecture has is exerc
 sliding windows shorter than the test prompts, softcap, sinks)."""
 
 WINDOW = 48  # shorter than the prompts the tests use
+# Llama 4's attention chunk: shorter than the prefill prompts (100), longer than the generate
+# tests' 40 + 12 tokens (past a chunk, transformers' chunk cache drops keys: refused).
+CHUNK = 64
 
 COMMON = dict(
     vocab_size=512,
@@ -49,6 +52,16 @@ MODELS = {
         topk_group=1,
         num_experts_per_tok=2,
         first_k_dense_replace=1,
+    ),
+    # Chunked layers (the even ones) and full layers; MoE on every other layer.
+    "llama4_text": dict(
+        head_dim=64,
+        attention_chunk_size=CHUNK,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        intermediate_size_mlp=512,
+        interleave_moe_layer_step=2,
+        no_rope_layer_interval=2,
     ),
     "gpt_oss": dict(
         head_dim=64,

@@ -23,6 +23,14 @@ def build(model_type, attn, dtype, state=None):
     return model.to(device="cuda", dtype=dtype).eval()
 
 
+def build_low(model_type, state):
+    """bf16 SDPA, the error bar (bf16 eager where the model has no SDPA path: the same math)."""
+    try:
+        return build(model_type, "sdpa", torch.bfloat16, state)
+    except ValueError:  # no SDPA path (gpt-oss's sinks)
+        return build(model_type, "eager", torch.bfloat16, state)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def registered():
     fc_transformers.register()
@@ -47,11 +55,7 @@ def test_prefill_logits_and_generate(model_type):
     reference = build(model_type, "eager", torch.float32)
     state = {k: v.cpu() for k, v in reference.state_dict().items()}
     ours = build(model_type, fc_transformers.NAME, torch.bfloat16, state)
-    try:
-        low = build(model_type, "sdpa", torch.bfloat16, state)
-    except ValueError:  # no SDPA path (gpt-oss's sinks): bf16 eager is the same math in bf16
-        low = build(model_type, "eager", torch.bfloat16, state)
-    models = (reference, ours, low)
+    models = (reference, ours, build_low(model_type, state))
     ids = torch.randint(3, 512, (2, PROMPT), device="cuda")
     err, bar = within_sdpa_error(models, ids)
     assert err <= 2 * bar + 1e-2, f"{model_type}: prefill logit error {err:.3e}, SDPA {bar:.3e}"
@@ -70,3 +74,51 @@ def test_prefill_logits_and_generate(model_type):
     assert ((out >= 0) & (out < 512)).all()
     err, bar = within_sdpa_error(models, out)
     assert err <= 2 * bar + 1e-2, f"{model_type}: generated error {err:.3e}, SDPA {bar:.3e}"
+
+
+# (Not Llama 4: its NoPE layers scale queries by the token's index in the batch row, not its
+# position id, so packing changes its math before attention.)
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "gemma2", "qwen3"])
+@torch.inference_mode()
+def test_packed_prefill_attends_within_each_sequence(model_type):
+    """A batch of one packing three sequences (position_ids restarting, no mask): each
+    sequence's logits are those of the sequence run alone (float32 eager), within twice bf16
+    SDPA's error."""
+    torch.manual_seed(1)
+    reference = build(model_type, "eager", torch.float32)
+    state = {k: v.cpu() for k, v in reference.state_dict().items()}
+    ours = build(model_type, fc_transformers.NAME, torch.bfloat16, state)
+    low = build_low(model_type, state)
+    lengths = [70, 17, 113]
+    ids = torch.randint(3, 512, (1, sum(lengths)), device="cuda")
+    positions = torch.cat([torch.arange(n, device="cuda") for n in lengths]).unsqueeze(0)
+    pieces = torch.split(ids, lengths, dim=1)
+    alone = torch.cat([reference(p).logits for p in pieces], dim=1)
+    alone_low = torch.cat([low(p).logits.float() for p in pieces], dim=1)
+    got = ours(ids, position_ids=positions).logits.float()
+    err, bar = (got - alone).abs().max().item(), (alone_low - alone).abs().max().item()
+    assert err <= 2 * bar + 1e-2, f"{model_type}: packed error {err:.3e}, SDPA {bar:.3e}"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "qwen3"])
+@torch.inference_mode()
+def test_static_cache_generate(model_type):
+    """generate with cache_implementation="static" (its slots outnumber the tokens, no padding
+    mask): each step's logits against float32 eager on the generated sequence."""
+    torch.manual_seed(2)
+    reference = build(model_type, "eager", torch.float32)
+    state = {k: v.cpu() for k, v in reference.state_dict().items()}
+    ours = build(model_type, fc_transformers.NAME, torch.bfloat16, state)
+    low = build_low(model_type, state)
+    prompt, new = 40, 12
+    ids = torch.randint(3, 512, (1, prompt), device="cuda")
+    result = ours.generate(
+        ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, output_logits=True,
+        return_dict_in_generate=True, cache_implementation="static",
+    )  # fmt: skip
+    sequence = result.sequences
+    steps = torch.stack(result.logits, dim=1).float()  # (1, new, vocab)
+    ref = reference(sequence).logits[:, prompt - 1 : prompt - 1 + new]
+    lowp = low(sequence).logits[:, prompt - 1 : prompt - 1 + new].float()
+    err, bar = (steps - ref).abs().max().item(), (lowp - ref).abs().max().item()
+    assert err <= 2 * bar + 1e-2, f"{model_type}: static-cache error {err:.3e}, SDPA {bar:.3e}"

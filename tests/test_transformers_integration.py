@@ -114,3 +114,140 @@ def test_fp8_cache_and_descales_reach_the_kernel_call(monkeypatch):
     )
     assert seen["k"].dtype == torch.float8_e4m3fn and seen["v"].dtype == torch.float8_e4m3fn
     assert seen["k_descale"] is scale and seen["v_descale"] is scale
+
+
+# ----------------------------------------------------------------------------------------
+# Whole models on the CPU: flash_cute's entry points computed by the float32 reference
+# ----------------------------------------------------------------------------------------
+
+
+def _reference_kvcache(q, k, v, cache_seqlens=None, cache_leftpad=None, **options):
+    """flash_attn_with_kvcache as the integration calls it, row by row in float32."""
+    from flash_cute.reference import attention_ref
+
+    options.pop("k_descale", None), options.pop("v_descale", None)
+    end = k.shape[1] if cache_seqlens is None else cache_seqlens
+    rows = []
+    for b in range(q.shape[0]):
+        start = 0 if cache_leftpad is None else int(cache_leftpad[b])
+        out, _ = attention_ref(
+            q[b : b + 1], k[b : b + 1, start:end], v[b : b + 1, start:end], **options
+        )
+        rows.append(out)
+    return torch.cat(rows).to(q.dtype)
+
+
+def _reference_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k=None, **options):
+    """flash_attn_varlen_func as the integration calls it, sequence by sequence."""
+    options.pop("max_seqlen_k", None)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs = [
+        _reference_kvcache(q[None, a:b], k[None, c:d], v[None, c:d], **options)[0]
+        for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])
+    ]
+    return torch.cat(outs)
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    calls = []
+
+    def record(fn, name):
+        def wrapped(*args, **kwargs):
+            calls.append((name, kwargs))
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(
+        fc_transformers.interface, "flash_attn_with_kvcache", record(_reference_kvcache, "kvcache")
+    )
+    monkeypatch.setattr(
+        fc_transformers.interface, "flash_attn_varlen_func", record(_reference_varlen, "varlen")
+    )
+    fc_transformers.register()
+    return calls
+
+
+def _models(config):
+    """(float32 eager, bf16 cute_attention, bf16 eager) of one random init."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    def build(attn):
+        return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn)
+
+    torch.manual_seed(0)
+    reference = build("eager").eval()
+    ours, low = build(fc_transformers.NAME), build("eager")
+    ours.load_state_dict(reference.state_dict())
+    low.load_state_dict(reference.state_dict())
+    return reference, ours.to(torch.bfloat16).eval(), low.to(torch.bfloat16).eval()
+
+
+def _errors(models, **inputs):
+    """Max logit error of cute_attention and of bf16 eager against float32 eager."""
+    reference, ours, low = models
+    with torch.no_grad():
+        ref = reference(**inputs).logits
+        got = ours(**inputs).logits.float()
+        lowp = low(**inputs).logits.float()
+    return (got - ref).abs().max().item(), (lowp - ref).abs().max().item()
+
+
+def test_llama4_chunked_layers_attend_within_their_chunks(reference_kernels):
+    """Llama 4's chunked layers (attention_chunk_size 64, shorter than the prompt) get
+    attention_chunk; its full layers do not."""
+    config = hf_models.tiny_config("llama4_text")
+    models = _models(config)
+    ids = torch.randint(3, 512, (2, 100))
+    err, bar = _errors(models, input_ids=ids)
+    assert err <= 2 * bar + 1e-2, (err, bar)
+    chunks = {kwargs.get("attention_chunk", 0) for _, kwargs in reference_kernels}
+    assert chunks == {0, hf_models.CHUNK}
+
+
+def test_llama4_generation_past_a_chunk_is_refused_by_name(reference_kernels):
+    config = hf_models.tiny_config("llama4_text")
+    _, ours, _ = _models(config)
+    ids = torch.randint(3, 512, (1, hf_models.CHUNK - 2))
+    with pytest.raises(NotImplementedError, match="chunked attention"):
+        ours.generate(ids, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "gemma2", "qwen3"])
+def test_packed_sequences_attend_within_each_sequence(reference_kernels, model_type):
+    """A batch of one holding three sequences (position_ids restarting, no mask), as
+    transformers' padding-free collators pack them (and its FlashAttention path reads them):
+    each sequence's logits are those of the sequence run alone."""
+    config = hf_models.tiny_config(model_type)
+    reference, ours, low = _models(config)
+    lengths = [30, 45, 25]
+    ids = torch.randint(3, 512, (1, sum(lengths)))
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    pieces = torch.split(ids, lengths, dim=1)
+    with torch.no_grad():
+        alone = torch.cat([reference(input_ids=p).logits for p in pieces], dim=1)
+        alone_low = torch.cat([low(input_ids=p).logits.float() for p in pieces], dim=1)
+        got = ours(input_ids=ids, position_ids=positions).logits.float()
+    err, bar = (got - alone).abs().max().item(), (alone_low - alone).abs().max().item()
+    assert err <= 2 * bar + 1e-2, (err, bar)
+    assert {name for name, _ in reference_kernels} == {"varlen"}
+
+
+def test_static_cache_attends_to_the_filled_slots_only(reference_kernels):
+    """generate with a static cache (its slots outnumber the tokens): the same greedy tokens and
+    last-step logits as eager attention."""
+    config = hf_models.tiny_config("llama")
+    reference, ours, low = _models(config)
+    ids = torch.randint(3, 512, (2, 20))
+    kwargs = dict(max_new_tokens=5, do_sample=False, min_new_tokens=5, output_logits=True,
+                  return_dict_in_generate=True, cache_implementation="static")  # fmt: skip
+    with torch.no_grad():
+        got = ours.generate(ids, **kwargs)
+        want = low.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        assert (a.float() - b.float()).abs().max() < 0.1
+    assert any(kwargs.get("cache_seqlens") for _, kwargs in reference_kernels)
