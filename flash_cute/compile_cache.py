@@ -331,8 +331,8 @@ def _source_fingerprint() -> str:
     h.update(versions.encode())
     h.update(TARGET_ARCH.encode())
     for package_dir in (Path(__file__).resolve().parent, Path(kernels.__file__).resolve().parent):
-        for src in sorted(package_dir.glob("*.py")):
-            h.update(src.name.encode())
+        for src in sorted(package_dir.rglob("*.py")):  # (kernels/forward/ too)
+            h.update(str(src.relative_to(package_dir)).encode())
             h.update(src.read_bytes())
     return h.hexdigest()[:24]
 

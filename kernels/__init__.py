@@ -1,6 +1,6 @@
 """Device side of flash_cute: CuTe DSL kernels for Hopper (sm_90a) and the pieces they share."""
 
 from .flash_combine import FlashAttentionCombine
-from .flash_fwd_sm90 import FlashAttentionForwardSm90
+from .forward import FlashAttentionForwardSm90
 
 __all__ = ["FlashAttentionCombine", "FlashAttentionForwardSm90"]

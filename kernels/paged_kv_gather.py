@@ -12,8 +12,8 @@ threads). Rows past the sequence's last key are not loaded: their page-table ent
 be valid, and the consumer masks those keys (and zeroes their V rows).
 
 The MMA warps read a 16-bit stage with WGMMA (the async proxy) after cp.async's generic-proxy
-writes: they fence after each wait (FlashAttentionForwardSm90._wait_full). An FP8 stage's
-readers are the converting warps' generic loads.
+writes: they fence after each wait (kernels/forward/mainloop.py, Mainloop._wait_full). An FP8
+stage's readers are the converting warps' generic loads.
 """
 
 from dataclasses import dataclass

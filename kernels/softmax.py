@@ -307,7 +307,7 @@ class ScoreHalves:
         """values[r] (this warpgroup's, per accumulator row) becomes the max or sum of both
         warpgroups'. The barrier also orders this exchange after the other warpgroup's reads
         of the previous one (each passes at least one more barrier per key block, after P is
-        written, before writing again: kernels/flash_fwd_sm90.py, _scores_to_p)."""
+        written, before writing again: kernels/forward/mainloop.py, _scores_to_p)."""
         which = 0 if const_expr(is_max) else 1
         if self.writer:
             for r in cutlass.range_constexpr(cute.size(values)):

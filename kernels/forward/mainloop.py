@@ -1,0 +1,521 @@
+"""The MMA warpgroups' side of the forward kernel: for each tile, the attention mainloop over
+its key blocks, last first (it alone carries the sequence-length mask): S = Q K^T (WGMMA),
+softcap and masks, the online softmax in fp32, O += P V (P from registers or shared memory),
+with the intra-warpgroup overlap (block n's Q K^T issued before block n+1's P V finishes) and
+ping-pong between warpgroups (one's softmax under another's GEMMs) as the config says.
+"""
+
+import math
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+
+from .. import hopper_mma, trace_records
+from ..kv_dequant import convert_block
+from ..masking import AttentionMask
+from ..named_barriers import NamedBarrier
+from ..softmax import (
+    OnlineSoftmax,
+    ScoreHalves,
+    apply_softcap,
+    rescale_rows,
+    rescale_rows_if_any_changed,
+)
+from ..tile_scheduler import WorkTile
+from ..trace_records import TileTrace
+from .facts import THREADS_PER_WARPGROUP, Piece
+from .records import CtaBuffers, MainloopOperands, MmaSetup, ProblemShapes, QRelease, TileResult
+
+LOG2_E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+class Mainloop(Piece):
+    """One tile's mainloop (`mma`) and the per-key-block steps it is built from."""
+
+    @cute.jit
+    def mma(
+        self,
+        buf: CtaBuffers,
+        setup: MmaSetup,
+        tidx: Int32,
+        warpgroup_idx: Int32,
+        tile: WorkTile,
+        shapes: ProblemShapes,
+        q_state: pipeline.PipelineState,
+        kv_state: pipeline.PipelineState,
+        trace: Optional[TileTrace] = None,
+    ):
+        """Consumer warpgroups, one tile: the attention mainloop over key blocks. Returns the
+        K/V ring state after the tile and the tile's result for the epilogue (O normalized,
+        the LSE). trace (traced variants): the tile's record, stamped when the first K block
+        has landed and when the mainloop ends."""
+        seqlen, block_range, n_block_min, n_block_max = self.tile_problem(tile, shapes)
+        ctx, v_descale = self._operands(
+            buf, setup, tidx, warpgroup_idx, tile, shapes, seqlen, n_block_max
+        )
+        acc_O, softmax = ctx.acc_O, ctx.softmax
+
+        acc_O.fill(0.0)
+        lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
+        lse.fill(-Float32.inf)  # an empty tile or split: out = 0, lse = -inf
+        sink_log2 = None
+        if const_expr(shapes.learnable_sink is not None):
+            sink_log2 = self._row_sinks_log2(shapes.learnable_sink, setup.tiled_mma_pv, tidx, tile)
+            for r in cutlass.range_constexpr(softmax.num_rows):
+                lse[r] = sink_log2[r] * LN2  # a row that sees no key: lse = its sink
+        # Who frees Q when: after the mainloop, except in a persistent kernel whose O
+        # overwrites Q's smem (then the epilogue's storing warp does, after the store).
+        release_q_after_mainloop = const_expr(not self.o_overwrites_q)
+        if const_expr(self.persistent):
+            buf.pipeline_q.consumer_wait(q_state)  # loaded for every tile, empty or not
+            self._convert_q(buf, tidx)
+        if n_block_max > n_block_min:
+            if const_expr(not self.persistent):
+                buf.pipeline_q.consumer_wait(q_state)
+                self._convert_q(buf, tidx)
+            if const_expr(trace is not None):
+                # (a second wait on the same phase returns at once)
+                self._wait_full(buf.pipeline_k, kv_state)
+                trace.stamp(trace_records.KV_READY)
+
+            # The last key block goes first: it alone carries the sequence-length mask.
+            if const_expr(self.config.intra_wg_overlap):
+                self._wait_full(buf.pipeline_k, kv_state)
+                acc_S = self._qk_gemm(ctx, kv_state.index, 0)
+                self._release_k(ctx, kv_state)
+                self._mask_scores(ctx, acc_S, n_block_max - 1, mask_seqlen=True, masked=True)
+                softmax.step(acc_S, is_first=True, halves=ctx.halves)
+                self._scores_to_p(ctx, acc_S)
+                if const_expr(self.config.rescale_o_before_pv):
+                    ctx.pending_scale.fill(1.0)
+            else:
+                self._schedule_wait(warpgroup_idx)
+                kv_state = self._block_no_overlap(
+                    ctx, kv_state, n_block_max - 1, True, is_first=True
+                )
+            kv_state = self._mainloop_rest(ctx, block_range, kv_state, n_block_min, n_block_max - 1)
+            if const_expr(release_q_after_mainloop):
+                buf.pipeline_q.consumer_release(q_state)
+
+            if const_expr(self.config.intra_wg_overlap):
+                # The P V of the first key block is still to do.
+                if const_expr(self.config.rescale_o_before_pv):
+                    self._rescale_o(acc_O, ctx.pending_scale)
+                self._wait_v(ctx, kv_state)
+                if const_expr(self.clears_v_tail):
+                    self._clear_v_tail(ctx, kv_state.index, n_block_min)
+                self._pv_gemm(ctx, kv_state.index, 0)
+                self._release_v(ctx, kv_state)
+                kv_state.advance()
+            else:
+                self._schedule_signal_next(warpgroup_idx)
+
+            # A split's partial O is normalized by its own row sum; the merge (_merge_splits)
+            # weighs it by exp(lse_split - lse).
+            if const_expr(self.split_scores):
+                softmax.combine_halves(ctx.halves)
+            inv_row_sum, row_lse = softmax.finalize(sink_log2)
+            if const_expr(v_descale is not None):
+                for r in cutlass.range_constexpr(cute.size(inv_row_sum)):
+                    inv_row_sum[r] = inv_row_sum[r] * v_descale
+            rescale_rows(acc_O, inv_row_sum)
+            lse.store(row_lse.load())
+        else:
+            if const_expr(self.persistent and not self.o_overwrites_q):
+                buf.pipeline_q.consumer_release(q_state)
+
+        if const_expr(trace is not None):
+            trace.stamp(trace_records.MAINLOOP_END)
+        q_release = None
+        if const_expr(not release_q_after_mainloop):
+            q_release = QRelease(ring=buf.pipeline_q, state=q_state)
+        return kv_state, TileResult(acc_O=acc_O, lse=lse, seqlen=seqlen, q_release=q_release)
+
+    def _operands(
+        self,
+        buf: CtaBuffers,
+        setup: MmaSetup,
+        tidx: Int32,
+        warpgroup_idx: Int32,
+        tile: WorkTile,
+        shapes: ProblemShapes,
+        seqlen,
+        n_block_max: Int32,
+    ):
+        """(MainloopOperands, V's descale or None) of a tile: its mask, the warpgroup's WGMMA
+        fragments, O's accumulator, P's path (registers or smem), the softmax with its scale
+        (K's FP8 descale and softcap folded in)."""
+        softmax_scale_log2 = setup.softmax_scale_log2
+        mask = AttentionMask(
+            self.config.tile_m,
+            self.config.tile_n,
+            self.variant.pack_gqa_ratio,
+            seqlen.seqlen_q,
+            seqlen.seqlen_k,
+            self.window,
+        )
+        m_block = tile.m_block
+        # WGMMA operands are per warpgroup: slice at the warpgroup's first thread. Warpgroups
+        # splitting O share the scores' rows: the Q K^T slices of the first one.
+        own_scores = self.o_split == 1 or self.split_scores
+        qk_tidx = tidx if const_expr(own_scores) else tidx % THREADS_PER_WARPGROUP
+        qk_warpgroup = warpgroup_idx if const_expr(own_scores) else 0
+        wg_mma_qk = setup.tiled_mma_qk.get_slice(qk_warpgroup * THREADS_PER_WARPGROUP)
+        wg_mma_pv = setup.tiled_mma_pv.get_slice(warpgroup_idx * THREADS_PER_WARPGROUP)
+        acc_O = cute.make_rmem_tensor(
+            wg_mma_pv.partition_shape_C((self.config.tile_m, self.variant.head_dim_v)), Float32
+        )
+        smem_copy_P, tPsP = None, None
+        if const_expr(self.config.pv_from_registers):
+            tOrP = wg_mma_pv.make_fragment_A(
+                wg_mma_pv.partition_shape_A((self.config.tile_m, self.config.tile_n))
+            )
+        else:
+            tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_A(buf.sP))
+            smem_copy_P = cute.make_tiled_copy_C(
+                self.stmatrix_atom(), setup.tiled_mma_qk
+            ).get_slice(tidx)
+            tPsP = smem_copy_P.partition_D(buf.sP)
+        # FP8 K/V: K's descale multiplies every score (folded into the softmax scale), V's
+        # every output row (folded into the final 1 / row sum).
+        v_descale = None
+        if const_expr(shapes.k_descale is not None):
+            softmax_scale_log2 = (
+                softmax_scale_log2 * shapes.k_descale[tile.batch_idx, tile.head_kv_idx]
+            )
+        if const_expr(shapes.v_descale is not None):
+            v_descale = shapes.v_descale[tile.batch_idx, tile.head_kv_idx]
+        # Softcap: the scores become tanh(s * scale / softcap), and the softmax's scale is
+        # softcap * log2(e).
+        softcap_prescale = None
+        if const_expr(self.variant.softcap > 0):
+            softcap_log2 = self.variant.softcap * LOG2_E
+            softcap_prescale = softmax_scale_log2 * (1.0 / softcap_log2)
+            softmax_scale_log2 = Float32(softcap_log2)
+        softmax = OnlineSoftmax.create(
+            softmax_scale_log2,
+            cute.size(hopper_mma.acc_as_rows_cols(acc_O), mode=[0]),
+            self.config.exp2_on_fma,
+            self.config.rescale_threshold,
+        )
+        ctx = MainloopOperands(
+            tiled_mma_qk=setup.tiled_mma_qk,
+            tiled_mma_pv=setup.tiled_mma_pv,
+            thr_mma_qk=setup.tiled_mma_qk.get_slice(qk_tidx),
+            tSrQ=wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(buf.sQ_mma)),
+            tSrK=wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(buf.sK)),
+            tOrVt=wg_mma_pv.make_fragment_B(
+                wg_mma_pv.partition_B(hopper_mma.transpose_smem_view(buf.sV))
+            ),
+            tOrP=tOrP,
+            smem_copy_P=smem_copy_P,
+            tPsP=tPsP,
+            acc_S_shape=wg_mma_qk.partition_shape_C((self.config.tile_m, self.config.tile_n)),
+            acc_O=acc_O,
+            softmax=softmax,
+            softcap_prescale=softcap_prescale,
+            # With rescale_o_before_pv, the O rescale owed by the last softmax step.
+            pending_scale=cute.make_rmem_tensor(softmax.num_rows, Float32)
+            if const_expr(self.config.rescale_o_before_pv)
+            else None,
+            mask=mask,
+            m_block=m_block,
+            pipeline_k=buf.pipeline_k,
+            pipeline_v=buf.pipeline_v,
+            warpgroup_idx=warpgroup_idx,
+            sV=buf.sV,
+            last_block=n_block_max - 1,
+            last_block_keys=seqlen.seqlen_k - (n_block_max - 1) * self.config.tile_n,
+            halves=self._score_halves(buf.sRows, setup.tiled_mma_qk, tidx, warpgroup_idx)
+            if const_expr(self.split_scores)
+            else None,
+        )
+        return ctx, v_descale
+
+    @cute.jit
+    def _mainloop_rest(self, ctx, block_range, kv_state, n_block_min: Int32, n_block_next: Int32):
+        """Key blocks n_block_next - 1 down to n_block_min: those crossing the diagonal (causal)
+        or the window's right edge (local) first, masked, then the unmasked ones, then those
+        crossing the window's left edge, masked."""
+        m_block = ctx.m_block
+        block_step = (
+            self._block_overlap
+            if const_expr(self.config.intra_wg_overlap)
+            else self._block_no_overlap
+        )
+        if const_expr(self.variant.causal):
+            n_block_masked_min = cutlass.max(
+                block_range.first_causal_masked_block(m_block), n_block_min
+            )
+            for i in cutlass.range(n_block_next - n_block_masked_min, unroll=1):
+                kv_state = block_step(ctx, kv_state, n_block_next - 1 - i, True)
+            n_block_next = cutlass.min(n_block_next, n_block_masked_min)
+        n_block_unmasked_min = n_block_min
+        if const_expr(self.variant.local):
+            right_from = cutlass.max(block_range.first_right_masked_block(m_block), n_block_min)
+            for i in cutlass.range(cutlass.max(n_block_next - right_from, 0), unroll=1):
+                kv_state = block_step(ctx, kv_state, n_block_next - 1 - i, True)
+            n_block_next = cutlass.min(n_block_next, right_from)
+            n_block_unmasked_min = cutlass.min(
+                cutlass.max(block_range.left_masked_blocks_end(m_block), n_block_min),
+                n_block_next,
+            )
+        for i in cutlass.range(n_block_next - n_block_unmasked_min, unroll=1):
+            kv_state = block_step(ctx, kv_state, n_block_next - 1 - i, False)
+        if const_expr(self.variant.local):
+            for i in cutlass.range(n_block_unmasked_min - n_block_min, unroll=1):
+                kv_state = block_step(ctx, kv_state, n_block_unmasked_min - 1 - i, True)
+        return kv_state
+
+    def _mask_scores(self, ctx, acc_S, n_block, mask_seqlen: bool, masked: bool):
+        """Scores of key block n_block, softcapped where the variant says so, then masked: keys
+        past seqlen_k where mask_seqlen, and where masked (a block crossing the diagonal or an
+        edge of the window) the variant's causal or local mask."""
+        if const_expr(self.variant.softcap > 0):
+            apply_softcap(acc_S, ctx.softcap_prescale)
+        ctx.mask.apply(
+            acc_S,
+            ctx.thr_mma_qk,
+            ctx.m_block,
+            n_block,
+            mask_seqlen=mask_seqlen,
+            mask_causal=masked and self.variant.causal,
+            mask_local=masked and self.variant.local,
+        )
+
+    @cute.jit
+    def _row_sinks_log2(self, mLearnableSink: cute.Tensor, tiled_mma_pv, tidx: Int32, tile):
+        """Per row of the thread's accumulator, its head's sink logit times log2(e); -inf in
+        splits other than the first, so that a split launch counts each sink once."""
+        coords = hopper_mma.acc_as_rows_cols(
+            tiled_mma_pv.get_slice(tidx).partition_C(
+                cute.make_identity_tensor((self.config.tile_m, self.variant.head_dim_v))
+            )
+        )
+        num_rows = cute.size(coords, mode=[0])
+        sinks = cute.make_rmem_tensor(num_rows, Float32)
+        for r in cutlass.range_constexpr(num_rows):
+            _, head = self.row_of_tile(coords[r, 0][0], tile)
+            sinks[r] = mLearnableSink[head].to(Float32) * LOG2_E
+            if const_expr(self.variant.split):
+                if tile.split_idx != 0:
+                    sinks[r] = -Float32.inf
+        return sinks
+
+    def _qk_gemm(self, ctx, stage, wait_groups):
+        acc_S = cute.make_rmem_tensor(ctx.acc_S_shape, Float32)
+        hopper_mma.warpgroup_gemm(
+            ctx.tiled_mma_qk,
+            acc_S,
+            ctx.tSrQ,
+            ctx.tSrK[None, None, None, stage],
+            zero_init=True,
+            wait_groups=wait_groups,
+        )
+        return acc_S
+
+    def _pv_gemm(self, ctx, stage, wait_groups):
+        hopper_mma.warpgroup_gemm(
+            ctx.tiled_mma_pv,
+            ctx.acc_O,
+            ctx.tOrP,
+            ctx.tOrVt[None, None, None, stage],
+            zero_init=False,
+            wait_groups=wait_groups,
+        )
+
+    def _rescale_o(self, acc_O, row_scale):
+        """O *= the softmax's row scales (with lazy_rescale, only if some row's max moved)."""
+        if const_expr(self.config.lazy_rescale):
+            rescale_rows_if_any_changed(acc_O, row_scale)
+        else:
+            rescale_rows(acc_O, row_scale)
+
+    def _scores_to_p(self, ctx, acc_S):
+        """Round probabilities to the input dtype where the P V GEMM reads them."""
+        p_as_a = hopper_mma.acc_as_operand_a(acc_S)
+        if const_expr(self.config.pv_from_registers):
+            hopper_mma.convert_to_16bit(p_as_a, ctx.tOrP)
+        else:
+            rP = cute.make_rmem_tensor_like(p_as_a, self.mma_dtype)
+            hopper_mma.convert_to_16bit(p_as_a, rP)
+            if const_expr(self.split_scores and self.config.intra_wg_overlap):
+                # Both warpgroups' P V reads all of sP: the other's last one (which it waited
+                # for before arriving) must be done before this half is overwritten. Without
+                # the overlap each waits for its P V before the next block's Q K^T, so the
+                # row-max exchange's barrier has already ordered it.
+                self._split_scores_barrier()
+            cute.copy(ctx.smem_copy_P, ctx.smem_copy_P.retile(rP), ctx.tPsP)
+            cute.arch.fence_view_async_shared()
+            if const_expr(self.split_scores):
+                self._split_scores_barrier()  # both halves written before either P V
+            else:
+                # Each warp reads back only the P rows it wrote, so a warp barrier suffices.
+                cute.arch.sync_warp()
+
+    def _block_overlap(self, ctx, kv_state, n_block, masked: bool):
+        """Issue S = Q K(n), then O += P(n+1) V(n+1); the softmax of S(n) runs under P V."""
+        v_state = kv_state.clone()
+        kv_state.advance()
+        self._wait_full(ctx.pipeline_k, kv_state)
+        self._schedule_wait(ctx.warpgroup_idx)
+        acc_S = self._qk_gemm(ctx, kv_state.index, -1)
+        if const_expr(self.config.rescale_o_before_pv):
+            self._rescale_o(ctx.acc_O, ctx.pending_scale)
+        self._wait_v(ctx, v_state)
+        if const_expr(self.clears_v_tail):
+            self._clear_v_tail(ctx, v_state.index, n_block + 1)
+        self._pv_gemm(ctx, v_state.index, -1)
+        self._schedule_signal_next(ctx.warpgroup_idx)
+        warpgroup.wait_group(1)
+        self._release_k(ctx, kv_state)
+        self._mask_scores(ctx, acc_S, n_block, mask_seqlen=False, masked=masked)
+        row_scale = ctx.softmax.step(acc_S, is_first=False, halves=ctx.halves)
+        warpgroup.wait_group(0)
+        self._release_v(ctx, v_state)
+        self._scores_to_p(ctx, acc_S)
+        if const_expr(self.config.rescale_o_before_pv):
+            ctx.pending_scale.store(row_scale.load())
+        else:
+            self._rescale_o(ctx.acc_O, row_scale)
+        return kv_state
+
+    def _block_no_overlap(self, ctx, kv_state, n_block, masked: bool, is_first: bool = False):
+        """S = Q K(n); softmax; O += P V(n). A warpgroup's ping-pong turn spans this block's
+        P V and the next block's Q K^T: the caller waits before the first block and signals
+        after the last."""
+        self._wait_full(ctx.pipeline_k, kv_state)
+        acc_S = self._qk_gemm(ctx, kv_state.index, -1)
+        self._schedule_signal_next(ctx.warpgroup_idx)
+        warpgroup.wait_group(0)
+        self._release_k(ctx, kv_state)
+        self._mask_scores(ctx, acc_S, n_block, mask_seqlen=is_first, masked=masked)
+        row_scale = ctx.softmax.step(acc_S, is_first=is_first, halves=ctx.halves)
+        self._scores_to_p(ctx, acc_S)
+        self._rescale_o(ctx.acc_O, row_scale)
+        self._wait_v(ctx, kv_state)
+        if const_expr(is_first and self.clears_v_tail):
+            self._clear_v_tail(ctx, kv_state.index, n_block)
+        self._schedule_wait(ctx.warpgroup_idx)
+        self._pv_gemm(ctx, kv_state.index, 0)
+        self._release_v(ctx, kv_state)
+        kv_state.advance()
+        return kv_state
+
+    def _convert_q(self, buf: CtaBuffers, tidx: Int32):
+        """FP8 cache, bf16 q: Q's tile to fp16 in place (buf.sQ_mma), saturating, by the MMA
+        warps (tidx: this one's thread), which then sync."""
+        if const_expr(self.converts_q):
+            convert_block(
+                buf.sQ, buf.sQ_mma, tidx, self.num_mma_threads, self.config.tile_m, saturate=True
+            )
+            cute.arch.barrier(
+                barrier_id=int(NamedBarrier.Q_CONVERT), number_of_threads=self.num_mma_threads
+            )
+
+    def _split_scores_barrier(self):
+        cute.arch.barrier(
+            barrier_id=int(NamedBarrier.SPLIT_SCORES), number_of_threads=self.num_mma_threads
+        )
+
+    def _score_halves(self, sRows, tiled_mma_qk, tidx, warpgroup_idx) -> ScoreHalves:
+        """split_scores: the row exchange of this thread (its accumulator rows' tile rows)."""
+        coords = hopper_mma.acc_as_rows_cols(
+            tiled_mma_qk.get_slice(tidx).partition_C(
+                cute.make_identity_tensor((self.config.tile_m, self.config.tile_n))
+            )
+        )
+        rows = cute.make_rmem_tensor(cute.size(coords, mode=[0]), Int32)
+        for r in range(cute.size(rows)):  # (a plain Python loop: this is not a jit function)
+            rows[r] = coords[r, 0][0]
+        return ScoreHalves(
+            smem=sRows,
+            rows=rows,
+            warpgroup=warpgroup_idx,
+            writer=tidx % 4 == 0,
+            barrier_id=int(NamedBarrier.SPLIT_SCORES),
+            num_threads=self.num_mma_threads,
+        )
+
+    @cute.jit
+    def _clear_v_tail(self, ctx, stage, v_block: Int32):
+        """Before the P V of key block v_block (V in stage `stage`): if that block is the
+        tile's last and partial, zero its V rows past the sequence's last key. P is 0 there,
+        but the rows hold whatever follows the sequence in memory (a cache's unused slots,
+        another sequence's keys), and 0 * NaN or 0 * inf would reach O; only padded K/V
+        without seqused_k end where the tensor (and TMA's zero fill) does. Each MMA warpgroup
+        zeroes the whole tail before its own P V (they write the same zeros), in 16-byte
+        pieces, then makes the stores visible to its WGMMA. Runs while Q K^T is in flight."""
+        valid = ctx.last_block_keys
+        if v_block == ctx.last_block and valid < self.config.tile_n:
+            pieces_per_row = self.variant.head_dim_v // 8
+            pieces = cute.zipped_divide(
+                ctx.sV[None, None, stage], (1, 8)
+            )  # ((1, 8), (rows, d / 8))
+            zeros = cute.make_rmem_tensor((1, 8), self.dtype)
+            zeros.fill(0.0)
+            wg_thread = cute.arch.thread_idx()[0] % THREADS_PER_WARPGROUP
+            first = cutlass.max(valid, 0) * pieces_per_row
+            for j in cutlass.range(
+                first + wg_thread,
+                self.config.tile_n * pieces_per_row,
+                THREADS_PER_WARPGROUP,
+                unroll=1,
+            ):
+                row = j // pieces_per_row
+                cute.autovec_copy(zeros, pieces[None, (row, j - row * pieces_per_row)])
+            cute.arch.fence_view_async_shared()  # generic-proxy stores -> the WGMMA's reads
+            cute.arch.barrier(
+                barrier_id=int(NamedBarrier.V_TAIL_1) + ctx.warpgroup_idx,
+                number_of_threads=THREADS_PER_WARPGROUP,
+            )
+
+    # With v_in_k, V is part of K's stage: the stage stays held from its Q K^T (whose wait
+    # covers V) until its P V is done, and is released once, then.
+    def _release_k(self, ctx, state):
+        if const_expr(not self.variant.v_in_k):
+            ctx.pipeline_k.consumer_release(state)
+
+    def _wait_v(self, ctx, state):
+        if const_expr(not self.variant.v_in_k):
+            self._wait_full(ctx.pipeline_v, state)
+
+    def _release_v(self, ctx, state):
+        if const_expr(self.variant.v_in_k):
+            ctx.pipeline_k.consumer_release(state)
+        else:
+            ctx.pipeline_v.consumer_release(state)
+
+    def _wait_full(self, ring, state):
+        """Wait for a K/V stage. With mbarrier_probe, poll the barrier once first and take
+        the blocking wait (with its suspend hint) only if the stage is not yet full."""
+        if const_expr(self.config.mbarrier_probe):
+            ring.consumer_wait(state, ring.consumer_try_wait(state))
+        else:
+            ring.consumer_wait(state)
+        if const_expr(self.gathers_16bit):  # cp.async's writes -> WGMMA's reads
+            cute.arch.fence_view_async_shared()
+
+    def _schedule_wait(self, warpgroup_idx):
+        if const_expr(self.config.pingpong):
+            cute.arch.barrier(
+                barrier_id=int(NamedBarrier.WG_SCHEDULE_1) + warpgroup_idx,
+                number_of_threads=2 * THREADS_PER_WARPGROUP,
+            )
+
+    def _schedule_signal_next(self, warpgroup_idx):
+        if const_expr(self.config.pingpong):
+            next_wg = warpgroup_idx + 1
+            if const_expr(self.num_mma_warpgroups == 2):
+                next_wg = 1 - warpgroup_idx
+            else:
+                next_wg = next_wg % self.num_mma_warpgroups
+            cute.arch.barrier_arrive(
+                barrier_id=int(NamedBarrier.WG_SCHEDULE_1) + next_wg,
+                number_of_threads=2 * THREADS_PER_WARPGROUP,
+            )

@@ -1,0 +1,249 @@
+"""The producer warpgroup's side of the forward kernel: for each tile, Q's tile and the K and
+V key blocks into their shared-memory rings, by TMA boxes (whole blocks, or page by page),
+rows gathered with cp.async (pages no TMA box follows), or FP8 blocks that spare warps
+convert to fp16 (kernels/kv_dequant.py); with qv (FlashAttention-3's absorbed MLA) Q's and K's
+stages are filled from two tensors each, side by side.
+"""
+
+import functools
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+from .. import hopper_mma
+from ..kv_dequant import ConvertingBlockLoader
+from ..paged_kv_gather import GatherPagedBlockLoader
+from ..tile_scheduler import WorkTile
+from ..tma_loads import PairedBlockLoader, TmaBlockLoader, TmaPagedBlockLoader
+from .facts import Piece
+from .records import CtaBuffers, GmemLoads, ProblemShapes, QLoad, TmaAtoms
+
+
+class Producer(Piece):
+    """The loads of one tile (`load`, by the loading warps) and, with an FP8 cache, its
+    conversion (`convert_tile`, by the others)."""
+
+    @cute.jit
+    def load(
+        self,
+        loads: GmemLoads,
+        atoms: TmaAtoms,
+        buf: CtaBuffers,
+        tile: WorkTile,
+        shapes: ProblemShapes,
+        q_state: pipeline.PipelineState,
+        kv_state: pipeline.PipelineState,
+    ):
+        """Producer warp, one tile: Q once, then K and V blocks from the last to the first;
+        returns the K/V ring state after them.
+
+        With intra-warpgroup overlap the consumer needs K(n) one step before V(n), so V runs
+        one block behind K: K(n_max-1), Q, [K(n-1), V(n)]..., V(n_min).
+        An empty tile (no rows, no keys, or an empty split) loads no K/V, and Q only in a
+        persistent kernel (whose consumers wait for Q on every tile).
+        """
+        seqlen, _, n_block_min, n_block_max = self.tile_problem(tile, shapes)
+        d, dv = self.variant.head_dim, self.variant.head_dim_v
+        q_head = tile.head_idx  # (packed GQA: the group of q heads in the packed view)
+        # (atom, gmem, smem) of Q's tile: q, or with qv its columns 0..dv and then q's.
+        q_parts = [(atoms.q, loads.q, buf.sQ, d)]
+        if const_expr(self.variant.qv):
+            q_parts = [
+                (atoms.qv, loads.qv, self._columns(buf.sQ, 0, dv), dv),
+                (atoms.q, loads.q, self._columns(buf.sQ, dv, d - dv), d - dv),
+            ]
+        q_copies = []
+        for atom, mX, sX, width in q_parts:
+            gX = cute.local_tile(
+                self._rows_of(mX, q_head, tile.batch_idx, seqlen.offset_q),
+                (self.config.tile_m, width),
+                (tile.m_block, 0),
+            )
+            dst, src = cpasync.tma_partition(
+                atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
+            )
+            q_copies.append((atom, src, dst))
+        # The cache row of this batch (cache_batch_idx picks it; the lengths stay per batch).
+        kv_batch = tile.batch_idx
+        if const_expr(shapes.kv_batch_idx is not None):  # clamped: a bad index reads a real row
+            rows = (
+                shapes.page_table.shape[0]
+                if const_expr(self.variant.kv_layout == "paged")
+                else shapes.k.shape[3]
+            )
+            kv_batch = cutlass.max(cutlass.min(shapes.kv_batch_idx[tile.batch_idx], rows - 1), 0)
+        # (mX, sX, ring, atom, width) -> this tile's loader of those key blocks
+        block_loader = functools.partial(
+            self._block_loader, tile=tile, kv_batch=kv_batch, seqlen=seqlen,
+            mPageTable=shapes.page_table,
+        )  # fmt: skip
+        if const_expr(self.variant.qv):  # K's stage: v's columns 0..dv, then k's
+            k_loader = PairedBlockLoader(
+                block_loader(loads.v, buf.sV, buf.pipeline_k, atoms.v, dv),
+                block_loader(
+                    loads.k, self._columns(buf.sK, dv, d - dv), buf.pipeline_k,
+                    atoms.k, d - dv,
+                ),
+            )  # fmt: skip
+        else:
+            sK_ring, k_ring = buf.sK, buf.pipeline_k
+            if const_expr(self.kv_fp8):  # (the converting warps fill buf.sK from these)
+                sK_ring, k_ring = buf.sK8, buf.pipeline_k8
+            k_loader = block_loader(loads.k, sK_ring, k_ring, atoms.k, d)
+        v_loader = None  # (v_in_k: V is in K's stages)
+        if const_expr(not self.variant.v_in_k):
+            sV_ring, v_ring = buf.sV, buf.pipeline_v
+            if const_expr(self.kv_fp8):
+                sV_ring, v_ring = buf.sV8, buf.pipeline_v8
+            v_loader = block_loader(loads.v, sV_ring, v_ring, atoms.v, dv)
+        q_load = QLoad(copies=tuple(q_copies), ring=buf.pipeline_q, state=q_state)
+
+        # (Every loading warp runs this; Q is warp 0's.)
+        loads_q = True
+        if const_expr(self.load_warps > 1):
+            loads_q = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
+        if n_block_max > n_block_min:
+            k_loader.load(n_block_max - 1, kv_state)
+            if loads_q:
+                self._load_q(q_load)
+            if const_expr(self.variant.v_in_k):  # V is in K's stages: K blocks only
+                for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                    kv_state.advance()
+                    k_loader.load(n_block_max - 2 - i, kv_state)
+                kv_state.advance()
+            else:
+                kv_state = self._load_kv_blocks(
+                    k_loader, v_loader, kv_state, n_block_min, n_block_max
+                )
+        else:
+            if const_expr(self.persistent):
+                self._load_q(q_load)
+        return kv_state
+
+    @cute.jit
+    def convert_tile(self, buf: CtaBuffers, tile: WorkTile, shapes: ProblemShapes):
+        """Converting warps, one tile: each FP8 K and V block the TMA warp loads, in its order,
+        into the fp16 rings (kernels/kv_dequant.py)."""
+        seqlen, _, n_block_min, n_block_max = self.tile_problem(tile, shapes)
+        if n_block_max > n_block_min:
+            thread = cute.arch.thread_idx()[0] - 32 * self.load_warps
+            state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, self.config.num_stages
+            )
+            k_loader, v_loader = [
+                ConvertingBlockLoader(
+                    src,
+                    dst,
+                    ring8,
+                    ring16,
+                    thread,
+                    self.convert_threads,
+                    self.config.tile_n,
+                    seqlen_k,
+                )  # fmt: skip
+                for src, dst, ring8, ring16, seqlen_k in (
+                    (buf.sK8, buf.sK, buf.pipeline_k8, buf.pipeline_k, None),
+                    (buf.sV8, buf.sV, buf.pipeline_v8, buf.pipeline_v, seqlen.seqlen_k),
+                )
+            ]
+            k_loader.load(n_block_max - 1, state)
+            self._load_kv_blocks(k_loader, v_loader, state, n_block_min, n_block_max)
+
+    @cute.jit
+    def _load_kv_blocks(
+        self,
+        k_loader,
+        v_loader,
+        kv_state: pipeline.PipelineState,
+        n_block_min: Int32,
+        n_block_max: Int32,
+    ):
+        """Everything after the first K block (already issued at kv_state)."""
+        if const_expr(self.config.intra_wg_overlap):
+            for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                n_block_v = n_block_max - 1 - i
+                v_state = kv_state.clone()
+                kv_state.advance()
+                k_loader.load(n_block_v - 1, kv_state)
+                v_loader.load(n_block_v, v_state)
+            v_loader.load(n_block_min, kv_state)
+            kv_state.advance()
+        else:
+            v_loader.load(n_block_max - 1, kv_state)
+            kv_state.advance()
+            for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                n_block = n_block_max - 2 - i
+                k_loader.load(n_block, kv_state)
+                v_loader.load(n_block, kv_state)
+                kv_state.advance()
+        return kv_state
+
+    def _block_loader(self, mX, sX, ring, atom, width, tile, kv_batch, seqlen, mPageTable):
+        """The loader of K or V key blocks (width: d or dv) for one tile: rows gathered with
+        cp.async from pages, TMA boxes following pages, or TMA boxes of whole key blocks."""
+        if const_expr(self.kv_gather):
+            return GatherPagedBlockLoader.create(
+                mX[None, None, tile.head_kv_idx, None],
+                sX,
+                ring,
+                mPageTable[kv_batch, None],
+                seqlen.offset_k,
+                seqlen.seqlen_k,
+                cute.arch.thread_idx()[0],
+                self.variant.gather_page_size,
+                self.config.tile_n,
+                32 * self.load_warps,
+                self.config.gather_lookahead,
+            )
+        if const_expr(self.variant.kv_layout == "paged"):
+            return TmaPagedBlockLoader.create(
+                atom,
+                mX[None, None, tile.head_kv_idx, None],
+                sX,
+                ring,
+                mPageTable[kv_batch, None],
+                self.config.tile_n,
+                self.variant.page_box_rows,
+            )
+        rows = self._rows_of(
+            mX, tile.head_kv_idx, kv_batch, seqlen.offset_k, self.variant.leftpad_k
+        )
+        return TmaBlockLoader.create(
+            atom, cute.local_tile(rows, (self.config.tile_n, width), (None, 0)), sX, ring
+        )
+
+    def _load_q(self, q_load: QLoad):
+        q_load.ring.producer_acquire(q_load.state)
+        for atom, src, dst in q_load.copies:  # (one barrier: its tx_count is Q's whole tile)
+            cute.copy(atom, src, dst, tma_bar_ptr=q_load.ring.producer_get_barrier(q_load.state))
+
+    def _rows_of(
+        self, mX: cute.Tensor, head: Int32, batch: Int32, offset: Int32, padded_offset=False
+    ) -> cute.Tensor:
+        """The (rows, head_dim) slice of a q/k/v-like tensor in kernel mode order for one
+        head and batch; packed (varlen) tensors are offset to the batch's first row, padded
+        ones only with padded_offset (a left-padded cache row)."""
+        if const_expr(cute.rank(mX) == 3):
+            x = mX[None, None, head]
+            row_offset = (0, offset) if const_expr(cute.rank(x.shape[0]) == 2) else offset
+            return cute.domain_offset((row_offset, 0), x)
+        if const_expr(padded_offset):
+            return cute.domain_offset((offset, 0), mX[None, None, head, batch])
+        return mX[None, None, head, batch]
+
+    def _columns(self, t: cute.Tensor, first: int, cols: int) -> cute.Tensor:
+        """Columns first .. first + cols of a (rows, wider[, stages]) smem tile laid out by
+        make_row_major_smem_layout (first and cols multiples of 64: whole swizzle columns,
+        which start rows * 64 elements apart)."""
+        rows = cute.size(t, mode=[0])
+        if const_expr(cute.rank(t) == 2):
+            layout = hopper_mma.make_row_major_smem_layout(self.dtype, rows, cols)
+        else:
+            stages = cute.size(t, mode=[2])
+            layout = hopper_mma.column_block_layout(
+                self.dtype, rows, cols, stages, t.layout.stride[2]
+            )
+        return cute.make_tensor(t.iterator + first * rows, layout.outer)
