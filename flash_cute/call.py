@@ -36,7 +36,8 @@ class Call:
 
     q: (batch, seqlen_q, nheads, d), or (total_q, nheads, d) with cu_seqlens_q; k, v: padded
     (batch, seqlen_k, nheads_kv, d), packed (total_k, nheads_kv, d) with cu_seqlens_k, or
-    paged (num_pages, page_size, nheads_kv, d) with page_table. kv_length: one int key count
+    paged (num_pages, page_size, nheads_kv, d) with page_table. q_descale: FP8 queries'
+    dequantization scales (the forward path folds them into k_descale). kv_length: one int key count
     for every sequence (seqused_k: a (batch,) tensor of them). decode_rows: whether few query
     rows per kv head take the decode table (flash_attn_func's padded calls keep the prefill
     table). The public functions' docstrings say the rest.
@@ -45,6 +46,7 @@ class Call:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
+    q_descale: Optional[torch.Tensor] = None
     out: Optional[torch.Tensor] = None
     cu_seqlens_q: Optional[torch.Tensor] = None
     cu_seqlens_k: Optional[torch.Tensor] = None
@@ -147,6 +149,7 @@ ROLES = {
     "leftpad_k": Role("optional", "leftpad_k"),
     "cache_leftpad": Role("optional", "leftpad_k"),
     "qv": Role("optional", "qv"),
+    "q_descale": Role("optional", "q_descale"),
     "k_descale": Role("optional", "k_descale"),
     "v_descale": Role("optional", "v_descale"),
     "max_seqlen_q": Role("host", "max_seqlen_q"),
@@ -165,7 +168,6 @@ ROLES = {
     "decode_rows": Role("host", "decode_rows"),
     "scheduler_metadata": Role("metadata", "num_splits"),
     # FlashAttention-3's arguments flash_cute does not serve yet, and its backward options.
-    "q_descale": Role("unserved"),
     "rotary_cos": Role("unserved"),
     "rotary_sin": Role("unserved"),
     "cu_seqlens_k_new": Role("unserved"),

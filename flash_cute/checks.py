@@ -14,8 +14,10 @@ import torch
 from .plan import MAX_SPLITS
 
 TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-# K/V cache dtypes other than q's: an FP8 cache, converted to q's dtype in the kernel.
-FP8_KV_DTYPES = {torch.float8_e4m3fn: "float8_e4m3fn"}
+TORCH_DTYPES_BY_NAME = {name: dtype for dtype, name in TORCH_DTYPES.items()}
+# FP8 dtypes: of a K/V cache (converted to q's dtype in the kernel), and of FP8 queries
+# (converted to the output's dtype on the way in: flash_cute.forward).
+FP8_DTYPES = {torch.float8_e4m3fn: "float8_e4m3fn"}
 TMA_ALIGN_BYTES = 16
 MAX_GRID_YZ = 65535
 
@@ -28,12 +30,12 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def check_tensor(name: str, t, ndim: int, layout: str, fp8: bool = False) -> None:
     """A tensor of ndim dims with a contiguous last dim, float16 or bfloat16 (or with fp8 also
-    float8_e4m3fn: a K/V cache)."""
+    float8_e4m3fn)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {tuple(t.shape)}")
-    if t.dtype not in TORCH_DTYPES and not (fp8 and t.dtype in FP8_KV_DTYPES):
+    if t.dtype not in TORCH_DTYPES and not (fp8 and t.dtype in FP8_DTYPES):
         allowed = "float16, bfloat16 or float8_e4m3fn" if fp8 else "float16 or bfloat16"
         raise TypeError(f"{name} must be {allowed}, got {t.dtype}")
     if t.stride(-1) != 1 and t.shape[-1] > 1:
@@ -50,29 +52,46 @@ def check_same_dtype(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tenso
 
 
 def kv_cache_dtype(q, k_name: str, k, v_name: str, v) -> Optional[str]:
-    """K and V in q's dtype (None), or both float8_e4m3fn with q 16-bit: "float8_e4m3fn"."""
-    if k.dtype in FP8_KV_DTYPES or v.dtype in FP8_KV_DTYPES:
+    """K and V in q's dtype (None), or both float8_e4m3fn with q 16-bit or FP8:
+    "float8_e4m3fn"."""
+    if q.dtype in FP8_DTYPES and (k.dtype not in FP8_DTYPES or v.dtype != k.dtype):
+        raise TypeError(
+            f"with FP8 q ({q.dtype}) {k_name} and {v_name} must be {q.dtype} too, got "
+            f"{k.dtype} and {v.dtype}"
+        )
+    if k.dtype in FP8_DTYPES or v.dtype in FP8_DTYPES:
         if k.dtype != v.dtype:
             raise TypeError(
                 f"{k_name} and {v_name} must both be float8_e4m3fn (an FP8 cache) or both "
                 f"q's dtype, got {k.dtype} and {v.dtype}"
             )
-        return FP8_KV_DTYPES[k.dtype]
+        return FP8_DTYPES[k.dtype]
     check_same_dtype(k_name, k, "q", q)
     check_same_dtype(v_name, v, "q", q)
     return None
 
 
-def check_descales(k_descale, v_descale, kv_dtype: Optional[str], batch: int, nheads_kv: int):
-    """FP8 caches' dequantization scales: (batch, nheads_kv) float32 tensors (stride 0
-    allowed: an expanded scalar), or None for 1; only with an FP8 cache."""
-    for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+def fp8_query_out_dtype(out) -> torch.dtype:
+    """The output dtype of a call with FP8 queries: out's where it is a 16-bit tensor, else
+    bfloat16 (FlashAttention-3's). output_for names any other out."""
+    if isinstance(out, torch.Tensor) and out.dtype in TORCH_DTYPES:
+        return out.dtype
+    return torch.bfloat16
+
+
+def check_descales(
+    named, fp8: Optional[str], batch: int, nheads_kv: int, operands: str = "K/V cache"
+):
+    """Dequantization scales of FP8 operands (named: (name, tensor or None) pairs):
+    (batch, nheads_kv) float32 tensors (stride 0 allowed: an expanded scalar), or None for 1;
+    only where those operands are FP8 (fp8: their dtype's name, None when 16-bit)."""
+    for name, t in named:
         if t is None:
             continue
-        if kv_dtype is None:
+        if fp8 is None:
             raise ValueError(
-                f"{name} dequantizes an FP8 (float8_e4m3fn) K/V cache; this call's cache is "
-                "16-bit: pass None"
+                f"{name} dequantizes FP8 (float8_e4m3fn) {operands}; this call's are 16-bit: "
+                "pass None"
             )
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
@@ -162,7 +181,10 @@ def output_for(out, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 
 
 def new_out(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The output a call allocates: q's shape with v's head dim, q's dtype, contiguous."""
+    """The output a call allocates: q's shape with v's head dim, q's dtype (bfloat16 for FP8
+    q), contiguous."""
+    if q.dtype in FP8_DTYPES:
+        return q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=torch.bfloat16)
     if v.shape[-1] == q.shape[-1]:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
     return q.new_empty((*q.shape[:-1], v.shape[-1]))

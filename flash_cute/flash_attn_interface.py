@@ -53,11 +53,7 @@ def _padded_unless_split(call: Call) -> Call:
     return call
 
 
-@entry_point(
-    PlanCache(),
-    overrides={"k_descale": UNSERVED, "v_descale": UNSERVED},
-    adjust=_padded_unless_split,
-)
+@entry_point(PlanCache(), adjust=_padded_unless_split)
 def flash_attn_func(
     q,
     k,
@@ -82,7 +78,9 @@ def flash_attn_func(
     """Attention over padded batches: q (batch, seqlen_q, nheads, headdim), k and v
     (batch, seqlen_k, nheads_kv, headdim). Returns out (batch, seqlen_q, nheads, headdim), and
     with return_attn_probs (out, softmax_lse) with softmax_lse (batch, nheads, seqlen_q) fp32.
-    num_splits: 1 none, 0 the heuristic, n forces n. See flash_cute.flash_attn_func."""
+    num_splits: 1 none, 0 the heuristic, n forces n. FP8 (float8_e4m3fn) q, k and v take
+    q_descale, k_descale, v_descale (batch, nheads_kv) float32 (None: 1); out is then bfloat16.
+    See flash_cute.flash_attn_func."""
 
 
 def flash_attn_qkvpacked_func(
@@ -162,7 +160,7 @@ def flash_attn_varlen_func(
     (batch, seqlen_k, nheads_kv, headdim) with cu_seqlens_k None. seqused_q / seqused_k
     (batch,) int32 shorten each sequence to its first rows. Returns out (total_q, nheads,
     headdim), and with return_attn_probs (out, softmax_lse) with softmax_lse (nheads, total_q).
-    See flash_cute.flash_attn_varlen_func."""
+    FP8 inputs and descales as in flash_attn_func. See flash_cute.flash_attn_varlen_func."""
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
@@ -226,9 +224,9 @@ def flash_attn_with_kvcache(
     cache_batch_idx, cache_leftpad: (batch,) int32. Returns out shaped like q, and with
     return_softmax_lse (out, softmax_lse, out_accum, softmax_lse_accum): softmax_lse
     (batch, nheads, seqlen_q) or (nheads, total_q) fp32, the accumulators empty (flash_cute
-    merges split partials inside the launch). An FP8 cache (float8_e4m3fn k_cache, v_cache
-    with 16-bit q) takes k_descale, v_descale (batch, nheads_kv) float32; q_descale (FP8 q)
-    is not served. rotary_seqlens matters only with rotary_cos,
+    merges split partials inside the launch). An FP8 cache (float8_e4m3fn k_cache, v_cache)
+    takes k_descale, v_descale (batch, nheads_kv) float32; FP8 q (with an FP8 cache) also
+    q_descale, and out is bfloat16 (or out's float16). rotary_seqlens matters only with rotary_cos,
     which flash_cute does not serve yet (refused); alone it is ignored, as FlashAttention-3
     ignores it. See flash_cute.flash_attn_with_kvcache."""
 
@@ -278,7 +276,7 @@ def get_scheduler_metadata(
         raise TypeError(
             f"cache_seqlens must be a (batch,) int32 tensor, got {type(cache_seqlens).__name__}"
         )
-    if qkv_dtype not in checks.TORCH_DTYPES:
+    if qkv_dtype not in checks.TORCH_DTYPES and qkv_dtype not in checks.FP8_DTYPES:
         raise NotImplementedError(f"flash_cute does not serve qkv_dtype={qkv_dtype} yet")
     batch = checks.check_host_int("batch_size", batch_size)
     max_q = checks.check_host_int("max_seqlen_q", max_seqlen_q)

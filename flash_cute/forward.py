@@ -30,21 +30,19 @@ def describe(call: Call, names: Optional[dict] = None) -> Problem:
         return names.get(field, field)
 
     q, k, v = call.q, call.k, call.v
-    if isinstance(q, torch.Tensor) and q.dtype in checks.FP8_KV_DTYPES:
-        raise NotImplementedError(
-            f"flash_cute does not serve FP8 queries yet ({name('q')} {q.dtype}, with or without "
-            "q_descale): pass a float16 or bfloat16 q (FP8 caches are served)"
-        )
     varlen_q = call.cu_seqlens_q is not None
     if varlen_q:
-        checks.check_tensor(name("q"), q, 3, "(total_q, nheads, headdim) with cu_seqlens_q")
+        checks.check_tensor(
+            name("q"), q, 3, "(total_q, nheads, headdim) with cu_seqlens_q", fp8=True
+        )
     else:
-        checks.check_tensor(name("q"), q, 4, "(batch, seqlen_q, nheads, headdim)")
+        checks.check_tensor(name("q"), q, 4, "(batch, seqlen_q, nheads, headdim)", fp8=True)
         for field in ("seqused_q", "cu_seqlens_k"):
             if getattr(call, field) is not None:
                 raise NotImplementedError(
                     f"flash_cute serves {name(field)} with packed queries (cu_seqlens_q) only"
                 )
+    q_fp8 = q.dtype in checks.FP8_DTYPES
     for field, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name(field)} must be a torch.Tensor, got {type(t).__name__}")
@@ -61,9 +59,10 @@ def describe(call: Call, names: Optional[dict] = None) -> Problem:
     else:
         kv_layout, kv_doc = "padded", "(batch, seqlen_k, nheads_kv, headdim)"
     kv_ndim = 3 if kv_layout == "packed" else 4
-    # FP8 K/V (a cache) where the call reads a cache: the padded prefill entry point does not.
-    checks.check_tensor(name("k"), k, kv_ndim, kv_doc, fp8=call.decode_rows)
-    checks.check_tensor(name("v"), v, kv_ndim, kv_doc, fp8=call.decode_rows)
+    # FP8 K/V: a cache where the call reads one (the padded prefill entry point does not), or
+    # beside FP8 queries.
+    checks.check_tensor(name("k"), k, kv_ndim, kv_doc, fp8=call.decode_rows or q_fp8)
+    checks.check_tensor(name("v"), v, kv_ndim, kv_doc, fp8=call.decode_rows or q_fp8)
     kv_dtype = checks.kv_cache_dtype(q, name("k"), k, name("v"), v)
     checks.check_v_shape(name("v"), v, name("k"), k)
     _check_qv(call.qv, q, v, kv_dtype)
@@ -89,7 +88,15 @@ def describe(call: Call, names: Optional[dict] = None) -> Problem:
             raise ValueError(
                 f"{name('k')} must have batch size {batch} (that of q), got shape {tuple(k.shape)}"
             )
-    checks.check_descales(call.k_descale, call.v_descale, kv_dtype, batch, nheads_kv)
+    descales = ((name("k_descale"), call.k_descale), (name("v_descale"), call.v_descale))
+    checks.check_descales(descales, kv_dtype, batch, nheads_kv)
+    checks.check_descales(
+        ((name("q_descale"), call.q_descale),),
+        kv_dtype if q_fp8 else None,
+        batch,
+        nheads_kv,
+        operands="queries",
+    )
     if call.cu_seqlens_k is not None:
         checks.check_cu_seqlens(name("cu_seqlens_k"), call.cu_seqlens_k, batch)
     if call.seqused_k is not None:
@@ -148,7 +155,8 @@ def describe(call: Call, names: Optional[dict] = None) -> Problem:
         head_dim_v=v.shape[-1],
         v_in_k=_v_in_k(k, v),
         qv=call.qv is not None,
-        dtype=checks.dtype_name(q.dtype),
+        # FP8 queries: the output's (the kernels see q converted to it: run).
+        dtype=checks.dtype_name(checks.fp8_query_out_dtype(call.out) if q_fp8 else q.dtype),
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
         # An int count: the plan may see its whole class (a window then drops only where it
@@ -180,6 +188,8 @@ def run(call: Call, names: dict, plans: PlanCache, key):
     """Check, plan and launch one call; keep its launch plan in `plans` under `key` when it can
     be replayed (key None: never). Returns out, or (out, lse) with call.return_lse."""
     problem = describe(call, names)
+    if call.q.dtype in checks.FP8_DTYPES:
+        call, key = with_16bit_queries(call, problem), None
     configs.check_head_dims(problem.head_dim, problem.head_dim_v)
     checks.check_gqa(problem.nheads, problem.nheads_kv)
     checks.check_grid(problem.nheads, problem.batch)
@@ -224,6 +234,18 @@ def run(call: Call, names: dict, plans: PlanCache, key):
             launch.int_capacity = problem.kv_capacity  # replays check their length against it
         plans.remember(key, launch)
     return (out, lse) if problem.writes_lse else out
+
+
+def with_16bit_queries(call: Call, problem: Problem) -> Call:
+    """An FP8-query call as the kernels run it, over its FP8 K/V: q converted to the output's
+    dtype (exactly: every float8_e4m3fn value is a bfloat16 and a float16 value), and
+    q_descale folded into k_descale (both scale the scores of a (batch, kv head) pair). A
+    converted call is not replayed (its launch plan takes 16-bit queries)."""
+    k_descale = call.k_descale
+    if call.q_descale is not None:
+        k_descale = call.q_descale if k_descale is None else call.q_descale * k_descale
+    q = call.q.to(checks.TORCH_DTYPES_BY_NAME[problem.dtype])
+    return call.replace(q=q, q_descale=None, k_descale=k_descale)
 
 
 def kernel_call_args(call: Call) -> tuple:

@@ -54,12 +54,15 @@ def flash_attn_func(
     softcap: float = 0.0,
     learnable_sink: Optional[torch.Tensor] = None,
     qv: Optional[torch.Tensor] = None,
+    q_descale: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
 ):
     """Scaled dot-product attention forward on Hopper.
 
     Args:
-        q: (batch, seqlen_q, nheads, headdim), float16 or bfloat16, on a CUDA device of
-            compute capability 9.0.
+        q: (batch, seqlen_q, nheads, headdim), float16, bfloat16 or float8_e4m3fn (with FP8
+            k and v), on a CUDA device of compute capability 9.0.
         k, v: (batch, seqlen_k, nheads_kv, headdim), same dtype and device as q;
             nheads must be a multiple of nheads_kv (GQA/MQA read the shared K/V head).
             headdim is one of 64, 96, 128, 192, 256, 512 (576 with qv-less absorbed MLA;
@@ -88,9 +91,16 @@ def flash_attn_func(
         qv: FlashAttention-3's absorbed-MLA form: (..., nheads, headdim_v) like q with v's
             head dim; the scores are q k^T + qv v^T (q and k then hold the rope part, e.g.
             64 against v's 512) and the default scale 1/sqrt(headdim + headdim_v).
+        q_descale, k_descale, v_descale: with FP8 (float8_e4m3fn) q, k and v, (batch,
+            nheads_kv) float32 dequantization scales (stride 0 allowed; None: 1), as
+            FlashAttention-3 takes them: the scores are (q k^T) * q_descale * k_descale *
+            softmax_scale and out is scaled by v_descale. Served today by converting q to
+            out's dtype on the way in (exact) and each K/V block in the kernel: 16-bit math
+            (FP8 tensor-core math is not built yet).
 
     Returns:
-        out (batch, seqlen_q, nheads, headdim_v) in q's dtype, and with return_lse also
+        out (batch, seqlen_q, nheads, headdim_v) in q's dtype (FP8 q: bfloat16, or out's
+        float16), and with return_lse also
         lse (batch, nheads, seqlen_q) float32 (natural log; -inf for rows with no keys and no
         sink).
 
@@ -127,6 +137,7 @@ def flash_attn_varlen_func(
     qv: Optional[torch.Tensor] = None,
     k_descale: Optional[torch.Tensor] = None,
     v_descale: Optional[torch.Tensor] = None,
+    q_descale: Optional[torch.Tensor] = None,
 ):
     """Attention over a batch of variable-length sequences packed along one token dimension.
 
@@ -154,6 +165,7 @@ def flash_attn_varlen_func(
         qv: (total_q, nheads, headdim_v), as in flash_attn_func.
         k_descale, v_descale: with float8_e4m3fn k and v (an FP8 cache), (batch, nheads_kv)
             float32 scales, as in flash_attn_with_kvcache.
+        q_descale: with float8_e4m3fn q (and FP8 k, v), as in flash_attn_func.
         page_table: (batch, max_pages_per_seq) int32 page indices.
         num_splits: 1 (default) no split-KV; n forces n; 0 picks with the heuristic.
         pack_gqa: fold the q heads of a kv head into one tile (as in flash_attn_with_kvcache).
@@ -196,6 +208,7 @@ def flash_attn_with_kvcache(
     qv: Optional[torch.Tensor] = None,
     k_descale: Optional[torch.Tensor] = None,
     v_descale: Optional[torch.Tensor] = None,
+    q_descale: Optional[torch.Tensor] = None,
 ):
     """Attention of new queries over a KV cache (decoding, and prefill against a cache).
 
@@ -227,10 +240,12 @@ def flash_attn_with_kvcache(
             cache_seqlens[b] - 1 (of its cache row, or of its pages in table order).
         qv: (batch, seqlen_q, nheads, headdim_v), as in flash_attn_func: absorbed MLA decode
             with k_cache the rope part and v_cache the latent.
-        k_descale, v_descale: with an FP8 cache (k_cache and v_cache float8_e4m3fn, q 16-bit),
+        k_descale, v_descale: with an FP8 cache (k_cache and v_cache float8_e4m3fn),
             (batch, nheads_kv) float32 dequantization scales (stride 0 allowed; None: 1): the
             keys are k_cache * k_descale[b, h], the values v_cache * v_descale[b, h]. The
             kernel converts each block to q's dtype exactly and does the math in 16 bits.
+        q_descale: with float8_e4m3fn q (SGLang's and vLLM's FP8 attention; an FP8 cache),
+            as in flash_attn_func; out is then bfloat16 (or out's float16).
         Other arguments as in flash_attn_func.
 
     Returns:

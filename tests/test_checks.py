@@ -21,7 +21,11 @@ def qkv(b=2, sq=8, sk=8, h=4, hk=2, d=64, dtype=torch.bfloat16):
         (lambda q, k, v: (q.tolist(), k, v), TypeError, "q must be a torch.Tensor"),
         (lambda q, k, v: (q[0], k, v), ValueError, "q must have 4 dimensions"),
         (lambda q, k, v: (q, k[0], v), ValueError, "k must have 4 dimensions"),
-        (lambda q, k, v: (q.float(), k, v), TypeError, "q must be float16 or bfloat16"),
+        (
+            lambda q, k, v: (q.float(), k, v),
+            TypeError,
+            "q must be float16, bfloat16 or float8_e4m3fn",
+        ),
         (lambda q, k, v: (q, k.half(), v), TypeError, "k must have the same dtype as q"),
         (lambda q, k, v: (q, k, v.half()), TypeError, "v must have the same dtype as q"),
         (lambda q, k, v: (q.transpose(1, 3), k, v), ValueError, "contiguous last dimension"),

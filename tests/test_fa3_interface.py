@@ -297,15 +297,7 @@ def _q_k():
 @pytest.mark.parametrize(
     "call, names",
     [
-        (
-            lambda q, k: fa3.flash_attn_func(q, k, k, q_descale=1, v_descale=1),
-            ["q_descale", "v_descale"],
-        ),
         (lambda q, k: fa3.flash_attn_func(q, k, k, sm_margin=4), ["sm_margin"]),
-        (
-            lambda q, k: fa3.flash_attn_qkvpacked_func(torch.stack([q, k, k], 2), k_descale=1),
-            ["k_descale"],
-        ),  # noqa: E501
         (lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, k=k, v=k), ["k", "v"]),
         (
             lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, rotary_cos=q, rotary_sin=q),
@@ -315,7 +307,6 @@ def _q_k():
             lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, cu_seqlens_k_new=int32(0, 1)),
             ["cu_seqlens_k_new"],
         ),  # noqa: E501
-        (lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, q_descale=1), ["q_descale"]),
         (lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, sm_margin=2), ["sm_margin"]),
     ],
 )
@@ -350,17 +341,46 @@ def test_scheduler_metadata_fixes_split_count(natives, monkeypatch):
         fa3.flash_attn_with_kvcache(q, cache, cache, scheduler_metadata=meta.float())
 
 
-def test_fp8_queries_are_refused_by_name(natives):
+def test_fp8_queries_are_served(natives):
     """FP8 q (as SGLang calls FlashAttention-3: float8_e4m3fn q, k_cache, v_cache, descales
-    left at None) is not served yet: NotImplementedError, never TypeError."""
+    left at None; or with FlashAttention-3's FP8 descales) reaches the shared path in every
+    function, descales included."""
     q8 = tensors(2, 1, 8, 64).to(torch.float8_e4m3fn)
     k8 = tensors(2, 64, 2, 64).to(torch.float8_e4m3fn)
+    d = torch.rand(2, 2)
     for call in (
         lambda: fa3.flash_attn_with_kvcache(q8, k8, k8, cache_seqlens=int32(5, 9)),
-        lambda: fa3.flash_attn_func(q8, k8, k8),
+        lambda: fa3.flash_attn_with_kvcache(q8, k8, k8, q_descale=d, k_descale=d, v_descale=d),
+        lambda: fa3.flash_attn_func(q8, k8, k8, q_descale=d, k_descale=d, v_descale=d),
+        lambda: fa3.flash_attn_qkvpacked_func(
+            torch.stack([q8, q8, q8], 2), q_descale=torch.rand(2, 8)
+        ),
         lambda: fa3.flash_attn_varlen_func(
-            q8[:, 0], k8[0], k8[0], int32(0, 1, 2), int32(0, 30, 64), 1, 34
+            q8[:, 0], k8[0], k8[0], int32(0, 1, 2), int32(0, 30, 64), 1, 34, q_descale=d
         ),
     ):
-        with pytest.raises(NotImplementedError, match="FP8 queries"):
-            call()
+        call()
+        assert natives[-1].q.dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (lambda q, k: fa3.flash_attn_func(q, k, k, q_descale=torch.ones(1, 2)), "q_descale"),
+        (lambda q, k: fa3.flash_attn_func(q, k, k, v_descale=torch.ones(1, 2)), "v_descale"),
+        (
+            lambda q, k: fa3.flash_attn_qkvpacked_func(
+                torch.stack([q, k, k], 2), k_descale=torch.ones(1, 2)
+            ),
+            "k_descale",
+        ),
+        (
+            lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, q_descale=torch.ones(1, 2)),
+            "q_descale",
+        ),
+    ],
+)
+def test_descales_of_16bit_inputs_raise_by_name(natives, call, name):
+    with pytest.raises(ValueError, match=f"{name} dequantizes FP8"):
+        call(*_q_k())
+    assert not natives

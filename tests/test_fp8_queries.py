@@ -1,0 +1,172 @@
+"""FP8 (float8_e4m3fn) queries on the CPU: every entry point hands the kernels q converted to
+the output's dtype (exactly) with q_descale folded into k_descale, over the FP8 K/V path; the
+checks name what is wrong. The kernels are recorders (the conftest's fake_gpu)."""
+
+import pytest
+import torch
+
+import flash_cute
+from flash_cute import entry, ops
+from flash_cute import flash_attn_interface as fa3
+from flash_cute.call import KERNEL_CALL_FIELDS
+
+FP8 = torch.float8_e4m3fn
+BATCH, SEQLEN_Q, SEQLEN_K, HEADS, HEADS_KV, D = 2, 3, 40, 8, 2, 64
+
+
+def fp8(*shape):
+    """Random FP8 values, normals and subnormals (|x| up to ~8)."""
+    return (torch.randn(*shape) * 2).to(FP8)
+
+
+@pytest.fixture
+def launches(fake_gpu, monkeypatch):
+    """The kernel arguments of every launch: {call field: value}, with q and out."""
+    from flash_cute import runtime
+
+    seen = []
+    real = runtime.LaunchPlan.launch
+
+    def launch(self, q, k, v, out, call_args):
+        seen.append(dict(zip(KERNEL_CALL_FIELDS, call_args), q=q, k=k, v=v, out=out))
+        return real(self, q, k, v, out, call_args)
+
+    monkeypatch.setattr(runtime.LaunchPlan, "launch", launch)
+    return seen
+
+
+def calls(q8, k8, v8, qd, kd, vd, out=None):
+    """One FP8 call through each entry point that takes FP8 q (padded and packed keys, a
+    paged cache), as (name, thunk)."""
+    cu_q = torch.arange(0, (BATCH + 1) * SEQLEN_Q, SEQLEN_Q, dtype=torch.int32)
+    cu_k = torch.arange(0, (BATCH + 1) * SEQLEN_K, SEQLEN_K, dtype=torch.int32)
+    packed = [t.flatten(0, 1) for t in (q8, k8, v8)]
+    out_packed = None if out is None else out.flatten(0, 1)
+    pages = k8.view(BATCH * SEQLEN_K // 8, 8, HEADS_KV, D), v8.view(-1, 8, HEADS_KV, D)
+    table = torch.arange(BATCH * SEQLEN_K // 8, dtype=torch.int32).view(BATCH, -1)
+    lens = torch.full((BATCH,), SEQLEN_K, dtype=torch.int32)
+    ds = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    return [
+        ("func", lambda: flash_cute.flash_attn_func(q8, k8, v8, out=out, **ds)),
+        (
+            "varlen",
+            lambda: flash_cute.flash_attn_varlen_func(
+                *packed, cu_q, SEQLEN_Q, cu_k, max_seqlen_k=SEQLEN_K, out=out_packed, **ds
+            ),
+        ),
+        (
+            "kvcache paged",
+            lambda: flash_cute.flash_attn_with_kvcache(
+                q8, *pages, cache_seqlens=lens, page_table=table, out=out, **ds
+            ),
+        ),
+        ("fa3 func", lambda: fa3.flash_attn_func(q8, k8, v8, **ds)),
+        (
+            "fa3 varlen",
+            lambda: fa3.flash_attn_varlen_func(*packed, cu_q, cu_k, SEQLEN_Q, SEQLEN_K, **ds),
+        ),
+        ("fa3 kvcache", lambda: fa3.flash_attn_with_kvcache(q8, k8, v8, cache_seqlens=7, **ds)),
+    ]
+
+
+@pytest.mark.parametrize("descales", ["none", "q only", "all"])
+@pytest.mark.parametrize("out_dtype", [None, torch.float16])
+def test_kernels_get_16bit_queries_and_folded_descales(launches, descales, out_dtype):
+    q8 = fp8(BATCH, SEQLEN_Q, HEADS, D)
+    k8, v8 = fp8(BATCH, SEQLEN_K, HEADS_KV, D), fp8(BATCH, SEQLEN_K, HEADS_KV, D)
+    qd = None if descales == "none" else torch.rand(BATCH, HEADS_KV) + 0.5
+    kd, vd = (torch.rand(BATCH, HEADS_KV) + 0.5 for _ in range(2))
+    if descales != "all":
+        kd = vd = None
+    out = None if out_dtype is None else torch.empty(BATCH, SEQLEN_Q, HEADS, D, dtype=out_dtype)
+    expected_dtype = out_dtype or torch.bfloat16
+    for name, call in calls(q8, k8, v8, qd, kd, vd, out):
+        if out is not None and name.startswith("fa3"):
+            continue  # (FlashAttention-3's padded functions take no out)
+        before = len(launches)
+        result = call()
+        result = result[0] if isinstance(result, tuple) else result
+        (seen,) = launches[before:]
+        assert result.dtype == expected_dtype, name
+        assert seen["q"].dtype == expected_dtype and seen["out"].dtype == expected_dtype, name
+        assert torch.equal(seen["q"].float().flatten(), q8.float().flatten()), name  # exact
+        assert seen["k"].dtype == FP8 and seen["v"].dtype == FP8, name
+        if qd is None:
+            assert seen["k_descale"] is kd, name
+        else:
+            folded = qd if kd is None else qd * kd
+            assert torch.equal(seen["k_descale"], folded), name
+        assert seen["v_descale"] is vd, name
+
+
+def test_fp8_query_calls_are_not_replayed(launches):
+    """A converted call's launch plan takes 16-bit q: none is kept under the FP8 call's key, so
+    every call takes the checked path and converts again."""
+    q8, k8 = fp8(BATCH, SEQLEN_Q, HEADS, D), fp8(BATCH, SEQLEN_K, HEADS_KV, D)
+    for _ in range(3):
+        flash_cute.flash_attn_func(q8, k8, k8)
+    assert len(launches) == 3 and all(not point.plans for point in entry.ENTRY_POINTS)
+    assert len({id(seen["q"]) for seen in launches}) == 3
+
+
+@pytest.mark.parametrize(
+    "mutate, error, message",
+    [
+        (lambda q, k, v: dict(q=q, k=k.bfloat16(), v=v.bfloat16()), TypeError, "with FP8 q"),
+        (lambda q, k, v: dict(q=q.to(torch.float8_e5m2)), TypeError, "q must be float16, bfloat16"),
+        (
+            lambda q, k, v: dict(q_descale=torch.ones(BATCH, HEADS)),
+            ValueError,
+            r"q_descale must have shape \(batch, nheads_kv\)",
+        ),
+        (
+            lambda q, k, v: dict(q_descale=torch.ones(BATCH, HEADS_KV).double()),
+            TypeError,
+            "float32",
+        ),
+        (
+            lambda q, k, v: dict(
+                q=q.bfloat16(),
+                k=k.bfloat16(),
+                v=v.bfloat16(),
+                q_descale=torch.ones(BATCH, HEADS_KV),
+            ),  # fmt: skip
+            ValueError,
+            "q_descale dequantizes FP8",
+        ),
+        (
+            lambda q, k, v: dict(out=torch.empty(BATCH, SEQLEN_Q, HEADS, D)),
+            TypeError,
+            "out must have dtype torch.bfloat16",
+        ),
+    ],
+)
+def test_bad_fp8_query_calls_raise_by_name(fake_gpu, mutate, error, message):
+    q8 = fp8(BATCH, SEQLEN_Q, HEADS, D)
+    k8, v8 = fp8(BATCH, SEQLEN_K, HEADS_KV, D), fp8(BATCH, SEQLEN_K, HEADS_KV, D)
+    args = dict(q=q8, k=k8, v=v8)
+    args.update(mutate(q8, k8, v8))
+    with pytest.raises(error, match=message):
+        flash_cute.flash_attn_func(**args)
+
+
+def test_fp8_queries_with_qv_are_refused_by_name(fake_gpu):
+    q8 = fp8(BATCH, 1, 16, 64)
+    cache = fp8(BATCH, SEQLEN_K, 1, 576)
+    with pytest.raises(NotImplementedError, match="qv"):
+        flash_cute.flash_attn_with_kvcache(
+            q8, cache[..., :64], cache[..., 64:], qv=fp8(BATCH, 1, 16, 512)
+        )
+
+
+def test_traced_output_is_bfloat16():
+    """The custom op's caller allocates a bfloat16 out for FP8 q (FlashAttention-3's)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flash_cute.call import Call
+
+    with FakeTensorMode():
+        q8 = torch.empty(BATCH, SEQLEN_Q, HEADS, D, dtype=FP8)
+        k8 = torch.empty(BATCH, SEQLEN_K, HEADS_KV, D, dtype=FP8)
+        out = ops.traced_forward(Call(q=q8, k=k8, v=k8))
+    assert out.dtype == torch.bfloat16 and tuple(out.shape) == (BATCH, SEQLEN_Q, HEADS, D)

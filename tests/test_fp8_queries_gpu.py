@@ -1,0 +1,170 @@
+"""FP8 (float8_e4m3fn) queries on a Hopper GPU through every entry point: against the float32
+reference on the dequantized inputs (q * q_descale, k * k_descale, v * v_descale, each
+(batch, kv head) scale over its heads), within the bar of 16-bit attention. q_descale scales
+the scores as k_descale does, so the reference takes q exactly (FP8 values are bf16 values)
+and k_descale * q_descale. Outputs are poisoned (NaN) before each call; cache slots past each
+sequence hold NaN."""
+
+import pytest
+import torch
+from kv_cases import captured, cu_seqlens
+from test_fp8_kv_gpu import FP8, check_against_dequantized, fp8_cache, padded, poison_past
+
+import flash_cute
+from flash_cute import flash_attn_interface as fa3
+from flash_cute.reference import stable_seed
+
+pytestmark = pytest.mark.gpu
+
+
+def scales(batch, nheads_kv, gen):
+    """q, k and v descales, (batch, nheads_kv) in [0.25, 2)."""
+    return tuple(
+        torch.rand(batch, nheads_kv, device="cuda", generator=gen) * 1.75 + 0.25 for _ in range(3)
+    )
+
+
+def fp8_randn(*shape, gen):
+    return torch.randn(*shape, device="cuda", generator=gen).to(FP8)
+
+
+def reference_scales(qd, kd, vd, batch, nheads_kv):
+    """The (k, v) descales the reference applies: q's folded into k's; None as 1."""
+    ones = torch.ones(batch, nheads_kv, device="cuda")
+    qd, kd, vd = (ones if d is None else d for d in (qd, kd, vd))
+    return qd * kd, vd
+
+
+PREFILL_CASES = [
+    # (head_dim, causal, (nheads, nheads_kv), seqlen_q, seqlen_k)
+    (64, False, (8, 8), 113, 1000),
+    (128, True, (16, 4), 1000, 1000),
+    (256, True, (8, 2), 17, 4097),
+]
+
+
+@pytest.mark.parametrize("api", ["native", "fa3"])
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"d{c[0]}-{c[1]}-{c[3]}x{c[4]}")
+def test_fp8_prefill(case, api):
+    head_dim, causal, (nheads, nheads_kv), seqlen_q, seqlen_k = case
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 q prefill", case, api))
+    batch = 2
+    q8 = fp8_randn(batch, seqlen_q, nheads, head_dim, gen=gen)
+    k8 = fp8_randn(batch, seqlen_k, nheads_kv, head_dim, gen=gen)
+    v8 = fp8_randn(batch, seqlen_k, nheads_kv, head_dim, gen=gen)
+    qd, kd, vd = scales(batch, nheads_kv, gen)
+    if api == "native":
+        out = torch.full(q8.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+        flash_cute.flash_attn_func(
+            q8, k8, v8, causal=causal, out=out, q_descale=qd, k_descale=kd, v_descale=vd
+        )
+    else:
+        out = fa3.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
+                                  v_descale=vd)  # fmt: skip
+    assert out.dtype == torch.bfloat16
+    lengths = [seqlen_k] * batch
+    ks, vs = reference_scales(qd, kd, vd, batch, nheads_kv)
+    check_against_dequantized(q8.bfloat16(), out, k8.float(), v8.float(), ks, vs, lengths, causal)
+
+
+@pytest.mark.parametrize("api", ["native", "fa3"])
+def test_fp8_varlen_packed_keys(api):
+    """Packed FP8 keys (cu_seqlens_k): FlashAttention-3's varlen FP8 call."""
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 q varlen", api))
+    seqlens_q, seqlens_k = [1, 17, 113, 64], [1000, 17, 500, 1]
+    nheads, nheads_kv, head_dim = 16, 4, 128
+    q8 = fp8_randn(sum(seqlens_q), nheads, head_dim, gen=gen)
+    k8 = fp8_randn(sum(seqlens_k), nheads_kv, head_dim, gen=gen)
+    v8 = fp8_randn(sum(seqlens_k), nheads_kv, head_dim, gen=gen)
+    qd, kd, vd = scales(len(seqlens_q), nheads_kv, gen)
+    cu_q, cu_k = cu_seqlens(seqlens_q), cu_seqlens(seqlens_k)
+    if api == "native":
+        out = torch.full(q8.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+        flash_cute.flash_attn_varlen_func(
+            q8, k8, v8, cu_q, max(seqlens_q), cu_seqlens_k=cu_k, max_seqlen_k=max(seqlens_k),
+            causal=True, out=out, q_descale=qd, k_descale=kd, v_descale=vd,
+        )  # fmt: skip
+    else:
+        out = fa3.flash_attn_varlen_func(
+            q8, k8, v8, cu_q, cu_k, max(seqlens_q), max(seqlens_k), causal=True,
+            q_descale=qd, k_descale=kd, v_descale=vd,
+        )  # fmt: skip
+    ks, vs = reference_scales(qd, kd, vd, len(seqlens_q), nheads_kv)
+    for b, (sq, sk) in enumerate(zip(seqlens_q, seqlens_k)):
+        q0, k0 = sum(seqlens_q[:b]), sum(seqlens_k[:b])
+        check_against_dequantized(
+            q8[None, q0 : q0 + sq].bfloat16(), out[None, q0 : q0 + sq],
+            k8[None, k0 : k0 + sk].float(), v8[None, k0 : k0 + sk].float(),
+            ks[b : b + 1], vs[b : b + 1], [sk], True,
+        )  # fmt: skip
+
+
+DECODE_CASES = [
+    # (page_size, num_splits, (nheads, nheads_kv), descales)
+    (None, 0, (32, 8), "all"),
+    (16, 0, (32, 8), None),  # SGLang's FA3 call: FP8 q and cache, descales left at None
+    (1, 0, (16, 2), "all"),  # SGLang's page 1: gathered rows
+    (64, 3, (8, 8), "q"),
+]
+
+
+@pytest.mark.parametrize("api", ["native", "fa3"])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"p{c[0]}-s{c[1]}-{c[2]}-{c[3]}")
+def test_fp8_decode(case, api):
+    page_size, num_splits, (nheads, nheads_kv), descales = case
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 q decode", case, api))
+    batch, capacity, head_dim = 4, 1100, 128
+    lengths = [1, 17, 1000, 1100]
+    k_cache, v_cache, table = fp8_cache(batch, capacity, nheads_kv, head_dim, page_size, gen)
+    k_pad, v_pad = padded(k_cache, table, capacity), padded(v_cache, table, capacity)
+    poison_past(k_cache, table, lengths, capacity)
+    poison_past(v_cache, table, lengths, capacity)
+    q8 = fp8_randn(batch, 1, nheads, head_dim, gen=gen)
+    qd, kd, vd = scales(batch, nheads_kv, gen)
+    if descales is None:
+        qd = kd = vd = None
+    elif descales == "q":
+        kd = vd = None
+    seqlens = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+    function = (
+        flash_cute.flash_attn_with_kvcache if api == "native" else fa3.flash_attn_with_kvcache
+    )
+    out = function(
+        q8, k_cache, v_cache, cache_seqlens=seqlens, page_table=table, causal=True,
+        num_splits=num_splits, q_descale=qd, k_descale=kd, v_descale=vd,
+    )  # fmt: skip
+    ks, vs = reference_scales(qd, kd, vd, batch, nheads_kv)
+    check_against_dequantized(q8.bfloat16(), out, k_pad, v_pad, ks, vs, lengths, True)
+
+
+def test_fp8_decode_graph_replay():
+    """A captured FP8 decode step replayed with new queries, lengths and page-table contents
+    equals the reference each time (the conversion is captured with the launch)."""
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 q graph"))
+    batch, capacity, nheads, nheads_kv, head_dim, page = 3, 2048, 32, 8, 128, 64
+    k_cache, v_cache, table = fp8_cache(batch, capacity, nheads_kv, head_dim, page, gen)
+    q8 = fp8_randn(batch, 1, nheads, head_dim, gen=gen)
+    qd, kd, vd = scales(batch, nheads_kv, gen)
+    seqlens = torch.tensor([5, 700, 2048], device="cuda", dtype=torch.int32)
+    graph, out = captured(
+        lambda: flash_cute.flash_attn_with_kvcache(
+            q8,
+            k_cache,
+            v_cache,
+            cache_seqlens=seqlens,
+            page_table=table,
+            causal=True,
+            q_descale=qd,
+            k_descale=kd,
+            v_descale=vd,
+        )  # fmt: skip
+    )
+    for lengths in ([1, 2048, 333], [2000, 64, 1]):
+        q8.copy_(fp8_randn(batch, 1, nheads, head_dim, gen=gen))
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        table.copy_(table[torch.randperm(batch, device="cuda", generator=gen)])
+        out.fill_(float("nan"))
+        graph.replay()
+        k_pad, v_pad = padded(k_cache, table, capacity), padded(v_cache, table, capacity)
+        ks, vs = reference_scales(qd, kd, vd, batch, nheads_kv)
+        check_against_dequantized(q8.bfloat16(), out, k_pad, v_pad, ks, vs, lengths, True)
