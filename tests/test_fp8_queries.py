@@ -170,3 +170,19 @@ def test_traced_output_is_bfloat16():
         k8 = torch.empty(BATCH, SEQLEN_K, HEADS_KV, D, dtype=FP8)
         out = ops.traced_forward(Call(q=q8, k=k8, v=k8))
     assert out.dtype == torch.bfloat16 and tuple(out.shape) == (BATCH, SEQLEN_Q, HEADS, D)
+
+
+@pytest.mark.parametrize("head_dim", list(range(64, 257, 16)))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(1, 1000), (1000, 1000)])
+@pytest.mark.parametrize("splits, pack_gqa", [(1, None), (3, True)])
+def test_every_fa3_fp8_shape_plans(fake_gpu, head_dim, causal, seqlens, splits, pack_gqa):
+    """FlashAttention-3's FP8 forward test calls (its head dims, masks, splits, packed GQA) get a
+    plan and a launch: none is refused by the FP8 form of a table row (shared memory)."""
+    seqlen_q, seqlen_k = seqlens
+    q8 = fp8(2, seqlen_q, 6, head_dim)
+    k8 = fp8(2, seqlen_k, 2, head_dim)
+    window = (100, 0) if causal else (-1, -1)
+    fa3.flash_attn_func(
+        q8, k8, k8, causal=causal, window_size=window, num_splits=splits, pack_gqa=pack_gqa
+    )
