@@ -21,14 +21,15 @@ def fp8(*shape):
 
 @pytest.fixture
 def launches(fake_gpu, monkeypatch):
-    """The kernel arguments of every launch: {call field: value}, with q and out."""
+    """The kernel arguments of every launch: {call field: value}, with q, k, v, out and the
+    launch plan."""
     from flash_cute import runtime
 
     seen = []
     real = runtime.LaunchPlan.launch
 
     def launch(self, q, k, v, out, call_args):
-        seen.append(dict(zip(KERNEL_CALL_FIELDS, call_args), q=q, k=k, v=v, out=out))
+        seen.append(dict(zip(KERNEL_CALL_FIELDS, call_args), q=q, k=k, v=v, out=out, plan=self))
         return real(self, q, k, v, out, call_args)
 
     monkeypatch.setattr(runtime.LaunchPlan, "launch", launch)
@@ -186,3 +187,17 @@ def test_every_fa3_fp8_shape_plans(fake_gpu, head_dim, causal, seqlens, splits, 
     fa3.flash_attn_func(
         q8, k8, k8, causal=causal, window_size=window, num_splits=splits, pack_gqa=pack_gqa
     )
+
+
+def test_scheduler_metadata_of_fp8_calls(fake_gpu, launches, monkeypatch):
+    """get_scheduler_metadata(qkv_dtype=float8_e4m3fn) gives the split count an FP8 kvcache call
+    of those sizes launches with."""
+    monkeypatch.setattr(fa3, "num_sms", lambda index: 132)
+    monkeypatch.setattr(fa3, "current_device", lambda: 0)
+    lens = torch.full((BATCH,), 30000, dtype=torch.int32)
+    meta = fa3.get_scheduler_metadata(BATCH, 1, 32768, 32, 8, 128, lens, qkv_dtype=FP8, causal=True)
+    q8, cache = fp8(BATCH, 1, 32, 128), fp8(BATCH, 32768, 8, 128)
+    fa3.flash_attn_with_kvcache(q8, cache, cache, cache_seqlens=lens, causal=True)
+    assert launches[-1]["q"].dtype == torch.bfloat16
+    assert meta.flash_cute_num_splits > 1
+    assert launches[-1]["plan"].num_splits == meta.flash_cute_num_splits
