@@ -188,8 +188,6 @@ def run(call: Call, names: dict, plans: PlanCache, key):
     """Check, plan and launch one call; keep its launch plan in `plans` under `key` when it can
     be replayed (key None: never). Returns out, or (out, lse) with call.return_lse."""
     problem = describe(call, names)
-    if call.q.dtype in checks.FP8_DTYPES:
-        call, key = with_16bit_queries(call, problem), None
     configs.check_head_dims(problem.head_dim, problem.head_dim_v)
     checks.check_gqa(problem.nheads, problem.nheads_kv)
     checks.check_grid(problem.nheads, problem.batch)
@@ -199,9 +197,11 @@ def run(call: Call, names: dict, plans: PlanCache, key):
     )
     num_splits = checks.check_num_splits(call.num_splits)
     pack_gqa = checks.check_optional_bool(names.get("pack_gqa", "pack_gqa"), call.pack_gqa)
-    q, k, v, qv = call.q, call.k, call.v, call.qv
     checks.check_cuda([(names.get(f, f), t) for f, t in call.tensors() if f != "out"])
-    checks.check_hopper(q.device)
+    checks.check_hopper(call.q.device)
+    if call.q.dtype in checks.FP8_DTYPES:
+        call, key = with_16bit_queries(call, problem), None
+    q, k, v, qv = call.q, call.k, call.v, call.qv
     out = checks.output_for(call.out, q, k, v)
     if problem.varlen_q:
         lse_shape = (problem.nheads, problem.total_q)

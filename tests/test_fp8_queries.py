@@ -201,3 +201,17 @@ def test_scheduler_metadata_of_fp8_calls(fake_gpu, launches, monkeypatch):
     assert launches[-1]["q"].dtype == torch.bfloat16
     assert meta.flash_cute_num_splits > 1
     assert launches[-1]["plan"].num_splits == meta.flash_cute_num_splits
+
+
+def test_device_checks_see_the_callers_tensors(fake_gpu, monkeypatch):
+    """The device checks run on the call as given (FP8 q, q_descale among its tensors), before
+    the conversion: a q_descale on another device is named, not met in the fold."""
+    from flash_cute import checks
+
+    seen = []
+    monkeypatch.setattr(checks, "check_cuda", lambda named: seen.extend(named))
+    q8, k8 = fp8(BATCH, SEQLEN_Q, HEADS, D), fp8(BATCH, SEQLEN_K, HEADS_KV, D)
+    qd = torch.rand(BATCH, HEADS_KV)
+    flash_cute.flash_attn_func(q8, k8, k8, q_descale=qd)
+    named = dict(seen)
+    assert named["q"] is q8 and named["q_descale"] is qd
