@@ -46,8 +46,10 @@ class Call:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    q_descale: Optional[torch.Tensor] = None
     out: Optional[torch.Tensor] = None
+    # The rest by name only: a field added among them cannot shift a positional argument.
+    _: dataclasses.KW_ONLY
+    q_descale: Optional[torch.Tensor] = None
     cu_seqlens_q: Optional[torch.Tensor] = None
     cu_seqlens_k: Optional[torch.Tensor] = None
     seqused_k: Optional[torch.Tensor] = None

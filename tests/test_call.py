@@ -92,3 +92,13 @@ def test_op_arguments_round_trip():
         or getattr(back, f.name) == getattr(call, f.name)
         for f in dataclasses.fields(Call)
     )
+
+
+def test_call_takes_q_k_v_out_by_position_only():
+    """Call(q, k, v, out) keeps out in its place whatever fields are added (a q_descale declared
+    before out once took it); every other field is keyword-only."""
+    q, out = torch.zeros(1, 2, 4, 64), torch.zeros(1, 2, 4, 64)
+    call = Call(q, q, q, out)
+    assert call.out is out and call.q_descale is None
+    with pytest.raises(TypeError, match="positional"):
+        Call(q, q, q, out, q)
