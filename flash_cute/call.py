@@ -120,6 +120,10 @@ class Role:
     value: a hashable option compared by value (config; window_size, lists and tensors of two
         ints first made a tuple);
     metadata: FlashAttention-3's scheduler_metadata (its split count fills num_splits);
+    fp8_descale: FlashAttention-3's descales: a tensor or None, read only where the operand it
+        dequantizes (DESCALED_OPERAND) is FP8 and dropped otherwise, as FlashAttention-3 drops
+        it (vLLM passes all three on every call); flash_cute's own functions take them as
+        optional (a descale of a 16-bit operand then raises);
     unserved: refused by name unless left at its default (None, or 0 / False);
     ignored: accepted and without effect (FlashAttention-3's backward options).
     """
@@ -180,6 +184,9 @@ ROLES = {
     "rotary_seqlens": Role("ignored"),
 }
 UNSERVED = Role("unserved")
+# The Call field each descale dequantizes; FlashAttention-3's module takes them as FA3_DESCALES.
+DESCALED_OPERAND = {"q_descale": "q", "k_descale": "k", "v_descale": "k"}
+FA3_DESCALES = {name: Role("fp8_descale", name) for name in DESCALED_OPERAND}
 
 
 def window_pair(window_size):

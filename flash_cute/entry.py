@@ -34,7 +34,16 @@ from typing import Callable, Optional
 import torch
 
 from . import forward, ops
-from .call import KERNEL_CALL_FIELDS, ROLES, Call, Role, metadata_splits, window_pair
+from .call import (
+    DESCALED_OPERAND,
+    KERNEL_CALL_FIELDS,
+    ROLES,
+    Call,
+    Role,
+    metadata_splits,
+    window_pair,
+)
+from .checks import FP8_DTYPES
 from .runtime import PlanCache, current_device
 
 # What the compiled function raises for an argument its fake tensors do not admit (TVM-FFI's
@@ -102,7 +111,7 @@ class EntryPoint:
     def call_of(self, values: tuple) -> Call:
         """The Call of one call's arguments (in signature order); refuses unserved arguments
         and missing required ones by name."""
-        fields, unserved, metadata = {}, [], None
+        fields, unserved, metadata, fp8_descales = {}, [], None, []
         for name, value in zip(self.params, values):
             role = self.roles[name]
             kind = role.kind
@@ -118,6 +127,8 @@ class EntryPoint:
                     fields["kv_length"] = value
             elif kind == "metadata":
                 metadata = value
+            elif kind == "fp8_descale":
+                fp8_descales.append((role.field, value))
             elif kind == "value" and role.field == "window_size":
                 fields["window_size"] = window_pair(value)
             else:
@@ -130,6 +141,10 @@ class EntryPoint:
         for name in self.required:
             if values[self.params.index(name)] is None:
                 raise TypeError(f"{self.name} needs {name} (got None)")
+        for field, value in fp8_descales:
+            operand = fields.get(DESCALED_OPERAND[field])
+            if getattr(operand, "dtype", None) in FP8_DTYPES:
+                fields[field] = value
         if metadata is not None and not fields.get("num_splits"):
             fields["num_splits"] = metadata_splits(metadata)
         call = Call(**fields)
@@ -173,6 +188,9 @@ class EntryPoint:
             elif kind == "optional":
                 key.append(f"None if {name} is None else ({name}.shape, {name}.dtype)")
                 slots[role.field] = name
+            elif kind == "fp8_descale":  # (replayed only where q is 16-bit: K's dtype decides)
+                key.append(f"None if {name} is None else ({name}.shape, {name}.dtype)")
+                slots[role.field] = f"{name} if {k}.dtype is _FP8 else None"
             elif kind == "lengths":
                 # A tensor fills seqused_k; an int, kv_length (its class in the key, its range
                 # checked against the plan's capacity); anything else the checks refuse.
@@ -254,6 +272,7 @@ class EntryPoint:
         namespace = {
             "_is_compiling": torch.compiler.is_compiling,
             "_Tensor": torch.Tensor,
+            "_FP8": torch.float8_e4m3fn,
             "_window_pair": window_pair,
             "_metadata_splits": metadata_splits,
             "_current_device": current_device,

@@ -9,9 +9,10 @@ Each is an entry point of its own, generated from its signature like the native 
 (flash_cute.entry): its arguments' roles (flash_cute.call.ROLES) give its replay key and the
 Call its first pass runs through the shared forward path, so a replay costs what a native
 one does. An argument flash_cute does not serve yet raises NotImplementedError naming it;
-nothing falls back to other math. Extensions, keyword-only: `learnable_sink` (per-head sink
-logits, gpt-oss's `s_aux`). There is no backward pass: `deterministic` (a backward option) is
-accepted and has no effect.
+nothing falls back to other math. Descales are read where their operands are FP8 and ignored
+otherwise, as FlashAttention-3 ignores them (vLLM passes all three on every call).
+Extensions, keyword-only: `learnable_sink` (per-head sink logits, gpt-oss's `s_aux`). There
+is no backward pass: `deterministic` (a backward option) is accepted and has no effect.
 
 Split counts: flash_cute chooses a call's split count on the host from shapes alone, so every
 call can be captured in a CUDA graph and replayed with new lengths and page tables.
@@ -29,7 +30,7 @@ from typing import Optional, Union
 import torch
 
 from . import checks, interface
-from .call import UNSERVED, Call, window_pair
+from .call import FA3_DESCALES, UNSERVED, Call, window_pair
 from .entry import entry_point
 from .forward import describe
 from .plan import plan_forward
@@ -53,7 +54,7 @@ def _padded_unless_split(call: Call) -> Call:
     return call
 
 
-@entry_point(PlanCache(), adjust=_padded_unless_split)
+@entry_point(PlanCache(), overrides=FA3_DESCALES, adjust=_padded_unless_split)
 def flash_attn_func(
     q,
     k,
@@ -127,7 +128,7 @@ def flash_attn_qkvpacked_func(
     return flash_attn_func(q, k, v, **options)
 
 
-@entry_point(PlanCache())
+@entry_point(PlanCache(), overrides=FA3_DESCALES)
 def flash_attn_varlen_func(
     q,
     k,
@@ -182,7 +183,11 @@ def _with_accumulators(result):
     return out, lse, empty, empty
 
 
-@entry_point(PlanCache(), overrides={"k": UNSERVED, "v": UNSERVED}, finish=_with_accumulators)
+@entry_point(
+    PlanCache(),
+    overrides={"k": UNSERVED, "v": UNSERVED, **FA3_DESCALES},
+    finish=_with_accumulators,
+)
 def flash_attn_with_kvcache(
     q,
     k_cache,

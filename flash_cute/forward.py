@@ -61,8 +61,20 @@ def describe(call: Call, names: Optional[dict] = None) -> Problem:
     kv_ndim = 3 if kv_layout == "packed" else 4
     # FP8 K/V: a cache where the call reads one (the padded prefill entry point does not), or
     # beside FP8 queries.
-    checks.check_tensor(name("k"), k, kv_ndim, kv_doc, fp8=call.decode_rows or q_fp8)
-    checks.check_tensor(name("v"), v, kv_ndim, kv_doc, fp8=call.decode_rows or q_fp8)
+    fp8_kv = call.decode_rows or q_fp8
+    if not fp8_kv and (k.dtype in checks.FP8_DTYPES or v.dtype in checks.FP8_DTYPES):
+        raise TypeError(
+            f"{name('k')} and {name('v')} in float8_e4m3fn need float8_e4m3fn {name('q')} here "
+            f"(got {q.dtype}); 16-bit queries read FP8 keys as a cache: flash_attn_with_kvcache "
+            "or flash_attn_varlen_func"
+        )
+    checks.check_tensor(name("k"), k, kv_ndim, kv_doc, fp8=fp8_kv)
+    checks.check_tensor(name("v"), v, kv_ndim, kv_doc, fp8=fp8_kv)
+    if q_fp8 and isinstance(call.out, torch.Tensor) and call.out.dtype not in checks.TORCH_DTYPES:
+        raise TypeError(
+            f"{name('out')} must be bfloat16 or float16 with float8_e4m3fn {name('q')}, got "
+            f"{call.out.dtype}"
+        )
     kv_dtype = checks.kv_cache_dtype(q, name("k"), k, name("v"), v)
     checks.check_v_shape(name("v"), v, name("k"), k)
     _check_qv(call.qv, q, v, kv_dtype)

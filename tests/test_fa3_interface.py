@@ -6,6 +6,7 @@ import inspect
 import pytest
 import torch
 
+import flash_cute
 from flash_cute import flash_attn_interface as fa3
 
 # FlashAttention-3's public functions (Dao-AILab/flash-attention hopper/flash_attn_interface.py):
@@ -363,24 +364,28 @@ def test_fp8_queries_are_served(natives):
         assert natives[-1].q.dtype == torch.float8_e4m3fn
 
 
-@pytest.mark.parametrize(
-    "call, name",
-    [
-        (lambda q, k: fa3.flash_attn_func(q, k, k, q_descale=torch.ones(1, 2)), "q_descale"),
-        (lambda q, k: fa3.flash_attn_func(q, k, k, v_descale=torch.ones(1, 2)), "v_descale"),
-        (
-            lambda q, k: fa3.flash_attn_qkvpacked_func(
-                torch.stack([q, k, k], 2), k_descale=torch.ones(1, 2)
-            ),
-            "k_descale",
-        ),
-        (
-            lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, q_descale=torch.ones(1, 2)),
-            "q_descale",
-        ),
-    ],
-)
-def test_descales_of_16bit_inputs_raise_by_name(natives, call, name):
-    with pytest.raises(ValueError, match=f"{name} dequantizes FP8"):
-        call(*_q_k())
-    assert not natives
+def test_descales_of_16bit_operands_are_ignored(natives):
+    """FlashAttention-3 reads descales only with FP8 operands (vLLM passes all three on every
+    call, bf16 models included): q_descale drops with 16-bit q, k_descale and v_descale with a
+    16-bit cache; with an FP8 cache and 16-bit q (a flash_cute extension) those two are read."""
+    q, k = _q_k()
+    d = torch.ones(1, 2)
+    fa3.flash_attn_func(q, k, k, q_descale=d, k_descale=d, v_descale=d)
+    fa3.flash_attn_varlen_func(
+        q[0], k[0], k[0], int32(0, 4), int32(0, 4), 4, 4, q_descale=d, k_descale=d, v_descale=d
+    )
+    fa3.flash_attn_with_kvcache(q, k, k, q_descale=d, k_descale=d, v_descale=d)
+    fa3.flash_attn_qkvpacked_func(torch.stack([q, k, k], 2), k_descale=d)
+    for call in natives:
+        assert call.q_descale is call.k_descale is call.v_descale is None
+    k8 = k.to(torch.float8_e4m3fn)
+    fa3.flash_attn_with_kvcache(q, k8, k8, q_descale=d, k_descale=d, v_descale=d)
+    assert natives[-1].q_descale is None
+    assert natives[-1].k_descale is d and natives[-1].v_descale is d
+
+
+def test_native_functions_refuse_descales_of_16bit_operands(natives):
+    q, k = _q_k()
+    for name in ("q_descale", "k_descale", "v_descale"):
+        with pytest.raises(ValueError, match=f"{name} dequantizes FP8"):
+            flash_cute.flash_attn_func(q, k, k, **{name: torch.ones(1, 2)})

@@ -162,5 +162,5 @@ def test_fa3_interface_passes_descales(monkeypatch):
     assert seen[-1].k_descale is kd and seen[-1].v_descale is vd
     fa3.flash_attn_varlen_func(q, k, v, cu, None, 3, 32, k_descale=kd, v_descale=vd)
     assert seen[-1].k_descale is kd and seen[-1].v_descale is vd and seen[-1].cu_seqlens_q is cu
-    fa3.flash_attn_with_kvcache(q_of(), k, v, q_descale=kd)  # (refused with 16-bit q later)
-    assert seen[-1].q_descale is kd
+    fa3.flash_attn_with_kvcache(q_of(), k, v, q_descale=kd)  # (16-bit q: ignored, as in FA3)
+    assert seen[-1].q_descale is None

@@ -138,7 +138,12 @@ def test_fp8_query_calls_are_not_replayed(launches):
         (
             lambda q, k, v: dict(out=torch.empty(BATCH, SEQLEN_Q, HEADS, D)),
             TypeError,
-            "out must have dtype torch.bfloat16",
+            "out must be bfloat16 or float16 with float8_e4m3fn q",
+        ),
+        (
+            lambda q, k, v: dict(q=q.bfloat16()),
+            TypeError,
+            "k and v in float8_e4m3fn need float8_e4m3fn q here",
         ),
     ],
 )
@@ -215,3 +220,22 @@ def test_device_checks_see_the_callers_tensors(fake_gpu, monkeypatch):
     flash_cute.flash_attn_func(q8, k8, k8, q_descale=qd)
     named = dict(seen)
     assert named["q"] is q8 and named["q_descale"] is qd
+
+
+def test_vllm_descales_on_a_bf16_model_replay_without_them(launches):
+    """vLLM passes (num_seqs, nheads_kv) expanded descales on every call, bf16 models included:
+    FlashAttention-3's module ignores them there, first call and replays alike."""
+    q = torch.randn(BATCH * SEQLEN_Q, HEADS, D, dtype=torch.bfloat16)
+    cache = torch.randn(BATCH * 2, 16, HEADS_KV, D, dtype=torch.bfloat16)
+    table = torch.arange(BATCH * 2, dtype=torch.int32).view(BATCH, 2)
+    cu_q = torch.arange(0, (BATCH + 1) * SEQLEN_Q, SEQLEN_Q, dtype=torch.int32)
+    lens = torch.full((BATCH,), 20, dtype=torch.int32)
+    scale = torch.ones(1).expand(BATCH, HEADS_KV)
+    for _ in range(3):
+        fa3.flash_attn_with_kvcache(
+            q, cache, cache, cache_seqlens=lens, page_table=table, cu_seqlens_q=cu_q,
+            max_seqlen_q=SEQLEN_Q, q_descale=scale, k_descale=scale, v_descale=scale,
+        )  # fmt: skip
+    assert len(launches) == 3 and all(seen["k_descale"] is None for seen in launches)
+    assert fa3.flash_attn_with_kvcache.entry_point.plans  # replayed
+    assert launches[1]["plan"] is launches[0]["plan"] is launches[2]["plan"]
