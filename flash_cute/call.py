@@ -117,8 +117,9 @@ class Role:
         seqused_k, or an int, filling kv_length); int_length: an int key count or None;
     out: the output (its strides in the key, with q's, k's and v's; none without it);
     host: a Python scalar (its value and type in the key: True == 1 == 1.0);
-    value: a hashable option compared by value (config; window_size, lists and tensors of two
-        ints first made a tuple);
+    value: a hashable option compared by value (config);
+    window: window_size, compared by value once lists and tensors of two ints are a tuple
+        (window_pair);
     metadata: FlashAttention-3's scheduler_metadata (its split count fills num_splits);
     fp8_descale: FlashAttention-3's descales: a tensor or None, read only where the operand it
         dequantizes (DESCALED_OPERAND) is FP8 and dropped otherwise, as FlashAttention-3 drops
@@ -166,7 +167,7 @@ ROLES = {
     "return_softmax_lse": Role("host", "return_lse"),
     "return_attn_probs": Role("host", "return_lse"),
     "config": Role("value", "config"),
-    "window_size": Role("value", "window_size"),
+    "window_size": Role("window", "window_size"),
     "attention_chunk": Role("host", "attention_chunk"),
     "softcap": Role("host", "softcap"),
     "num_splits": Role("host", "num_splits"),
@@ -184,6 +185,19 @@ ROLES = {
     "rotary_seqlens": Role("ignored"),
 }
 UNSERVED = Role("unserved")
+
+
+def refuse_unserved(named) -> None:
+    """NotImplementedError naming every (name, value) of an unserved argument that is not left
+    at its default (None, or 0 / False)."""
+    given = [n for n, v in named if v is not None and not (type(v) in (int, bool) and not v)]
+    if given:
+        raise NotImplementedError(
+            f"flash_cute does not serve {', '.join(given)} yet (FlashAttention-3 arguments "
+            "outside its feature set); leave them at their defaults"
+        )
+
+
 # The Call field each descale dequantizes; FlashAttention-3's module takes them as FA3_DESCALES.
 DESCALED_OPERAND = {"q_descale": "q", "k_descale": "k", "v_descale": "k"}
 FA3_DESCALES = {name: Role("fp8_descale", name) for name in DESCALED_OPERAND}

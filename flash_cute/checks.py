@@ -14,7 +14,6 @@ import torch
 from .plan import MAX_SPLITS
 
 TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-TORCH_DTYPES_BY_NAME = {name: dtype for dtype, name in TORCH_DTYPES.items()}
 # FP8 dtypes: of a K/V cache (converted to q's dtype in the kernel), and of FP8 queries
 # (converted to the output's dtype on the way in: flash_cute.forward).
 FP8_DTYPES = {torch.float8_e4m3fn: "float8_e4m3fn"}

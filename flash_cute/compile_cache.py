@@ -330,8 +330,10 @@ def _source_fingerprint() -> str:
     )
     h.update(versions.encode())
     h.update(TARGET_ARCH.encode())
-    for package_dir in (Path(__file__).resolve().parent, Path(kernels.__file__).resolve().parent):
-        for src in sorted(package_dir.rglob("*.py")):  # (kernels/forward/ too)
+    # The host package's own modules (not its integrations) and every kernel module.
+    host, device = Path(__file__).resolve().parent, Path(kernels.__file__).resolve().parent
+    for package_dir, sources in ((host, host.glob("*.py")), (device, device.rglob("*.py"))):
+        for src in sorted(sources):
             h.update(str(src.relative_to(package_dir)).encode())
             h.update(src.read_bytes())
     return h.hexdigest()[:24]

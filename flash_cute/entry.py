@@ -41,6 +41,7 @@ from .call import (
     Call,
     Role,
     metadata_splits,
+    refuse_unserved,
     window_pair,
 )
 from .checks import FP8_DTYPES
@@ -118,8 +119,7 @@ class EntryPoint:
             if kind == "ignored":
                 continue
             if kind == "unserved":
-                if value is not None and not (type(value) in (int, bool) and not value):
-                    unserved.append(name)
+                unserved.append((name, value))
             elif kind == "lengths":
                 if value is None or isinstance(value, torch.Tensor):
                     fields["seqused_k"] = value
@@ -129,15 +129,11 @@ class EntryPoint:
                 metadata = value
             elif kind == "fp8_descale":
                 fp8_descales.append((role.field, value))
-            elif kind == "value" and role.field == "window_size":
-                fields["window_size"] = window_pair(value)
+            elif kind == "window":
+                fields[role.field] = window_pair(value)
             else:
                 fields[role.field] = value
-        if unserved:
-            raise NotImplementedError(
-                f"flash_cute does not serve {', '.join(unserved)} yet (FlashAttention-3 "
-                "arguments outside its feature set); leave them at their defaults"
-            )
+        refuse_unserved(unserved)
         for name in self.required:
             if values[self.params.index(name)] is None:
                 raise TypeError(f"{self.name} needs {name} (got None)")
@@ -212,10 +208,11 @@ class EntryPoint:
             elif kind == "host":
                 key.append(f"{name}, type({name})")  # (True == 1 == 1.0 as keys)
             elif kind == "value":
-                if role.field == "window_size":
-                    prologue.append(
-                        f"if type({name}) is not tuple:\n        {name} = _window_pair({name})"
-                    )
+                key.append(name)
+            elif kind == "window":
+                prologue.append(
+                    f"if type({name}) is not tuple:\n        {name} = _window_pair({name})"
+                )
                 key.append(name)
             elif kind == "metadata":
                 key.append(f"None if {name} is None else _metadata_splits({name})")

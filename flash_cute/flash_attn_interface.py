@@ -30,7 +30,7 @@ from typing import Optional, Union
 import torch
 
 from . import checks, interface
-from .call import FA3_DESCALES, UNSERVED, Call, window_pair
+from .call import FA3_DESCALES, UNSERVED, Call, refuse_unserved, window_pair
 from .entry import entry_point
 from .forward import describe
 from .plan import plan_forward
@@ -264,14 +264,7 @@ def get_scheduler_metadata(
     device that also carries the count on the host. Pass it as scheduler_metadata to fix that
     count for the call, and for every replay of a CUDA graph that captured it. The call is
     described as flash_attn_with_kvcache describes its own (on meta tensors of these sizes)."""
-    if cu_seqlens_k_new is not None or sm_margin:
-        names = ["cu_seqlens_k_new"] * (cu_seqlens_k_new is not None) + ["sm_margin"] * bool(
-            sm_margin
-        )
-        raise NotImplementedError(
-            f"flash_cute does not serve {', '.join(names)} yet (FlashAttention-3 arguments "
-            "outside its feature set); leave them at their defaults"
-        )
+    refuse_unserved((("cu_seqlens_k_new", cu_seqlens_k_new), ("sm_margin", sm_margin)))
     # max_seqlen_k_new only describes the call (FA3's tests pass it without new keys); a call
     # that appends keys is refused by flash_attn_with_kvcache itself.
     checks.check_host_int("max_seqlen_k_new", max_seqlen_k_new)

@@ -96,10 +96,6 @@ def describe(call: Call, names: Optional[dict] = None) -> Problem:
     else:
         batch, max_seqlen_q = q.shape[0], q.shape[1]
         total_q = 0
-        if kv_layout == "padded" and call.kv_batch_idx is None and k.shape[0] != batch:
-            raise ValueError(
-                f"{name('k')} must have batch size {batch} (that of q), got shape {tuple(k.shape)}"
-            )
     descales = ((name("k_descale"), call.k_descale), (name("v_descale"), call.v_descale))
     checks.check_descales(descales, kv_dtype, batch, nheads_kv)
     checks.check_descales(
@@ -212,7 +208,7 @@ def run(call: Call, names: dict, plans: PlanCache, key):
     checks.check_cuda([(names.get(f, f), t) for f, t in call.tensors() if f != "out"])
     checks.check_hopper(call.q.device)
     if call.q.dtype in checks.FP8_DTYPES:
-        call, key = with_16bit_queries(call, problem), None
+        call, key = with_16bit_queries(call), None
     q, k, v, qv = call.q, call.k, call.v, call.qv
     out = checks.output_for(call.out, q, k, v)
     if problem.varlen_q:
@@ -248,7 +244,7 @@ def run(call: Call, names: dict, plans: PlanCache, key):
     return (out, lse) if problem.writes_lse else out
 
 
-def with_16bit_queries(call: Call, problem: Problem) -> Call:
+def with_16bit_queries(call: Call) -> Call:
     """An FP8-query call as the kernels run it, over its FP8 K/V: q converted to the output's
     dtype (exactly: every float8_e4m3fn value is a bfloat16 and a float16 value), and
     q_descale folded into k_descale (both scale the scores of a (batch, kv head) pair). A
@@ -256,7 +252,7 @@ def with_16bit_queries(call: Call, problem: Problem) -> Call:
     k_descale = call.k_descale
     if call.q_descale is not None:
         k_descale = call.q_descale if k_descale is None else call.q_descale * k_descale
-    q = call.q.to(checks.TORCH_DTYPES_BY_NAME[problem.dtype])
+    q = call.q.to(checks.fp8_query_out_dtype(call.out))
     return call.replace(q=q, q_descale=None, k_descale=k_descale)
 
 

@@ -319,10 +319,13 @@ def flash_attn_combine(
 _FORWARD_CALL = EntryPoint.of_call().function
 
 
+_RETURN_LSE = CALL_FIELDS.index("return_lse")
+
+
 def _forward_kernel(*values):
-    call = ops.call_from_op(values)
-    result = _FORWARD_CALL(*(getattr(call, f) for f in CALL_FIELDS))
-    return ops.lse_or_empty(result, call.return_lse, call.q)
+    fields = ops.fields_from_op(values)  # (in CALL_FIELDS order: _FORWARD_CALL's parameters)
+    result = _FORWARD_CALL(*fields)
+    return ops.lse_or_empty(result, fields[_RETURN_LSE], fields[0])
 
 
 def _combine_kernel(out_partial, lse_partial, out, return_lse):

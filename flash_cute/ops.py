@@ -17,6 +17,7 @@ An AttentionConfig travels through an op as JSON (ops take no Python objects).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Optional
 
@@ -61,6 +62,7 @@ def config_to_str(config: Optional[AttentionConfig]) -> Optional[str]:
     return json.dumps(dataclasses.asdict(config))
 
 
+@functools.lru_cache(maxsize=256)  # (an op call in a compiled graph parses it every call)
 def config_from_str(text: Optional[str]) -> Optional[AttentionConfig]:
     return None if text is None else AttentionConfig(**json.loads(text))
 
@@ -78,12 +80,20 @@ def op_arguments(call: Call) -> tuple:
     return tuple(values)
 
 
+_CONFIG, _WINDOW = CALL_FIELDS.index("config"), CALL_FIELDS.index("window_size")
+
+
+def fields_from_op(values: tuple) -> list:
+    """An op's arguments as Call's field values, in CALL_FIELDS order (op_arguments undone)."""
+    fields = list(values)
+    fields[_CONFIG] = config_from_str(fields[_CONFIG])
+    fields[_WINDOW] = tuple(fields[_WINDOW])
+    return fields
+
+
 def call_from_op(values: tuple) -> Call:
-    """The Call of an op's arguments (op_arguments undone)."""
-    fields = dict(zip(CALL_FIELDS, values))
-    fields["config"] = config_from_str(fields["config"])
-    fields["window_size"] = tuple(fields["window_size"])
-    return Call(**fields)
+    """The Call of an op's arguments."""
+    return Call(**dict(zip(CALL_FIELDS, fields_from_op(values))))
 
 
 def lse_or_empty(result, wants_lse: bool, like: torch.Tensor) -> torch.Tensor:

@@ -358,7 +358,8 @@ def traced_records(label: str, config, slots: int, device) -> torch.Tensor:
 
 
 # The positions of k_descale and v_descale among the kernel's call arguments.
-_DESCALES = (KERNEL_CALL_FIELDS.index("k_descale"), KERNEL_CALL_FIELDS.index("v_descale"))
+_K_DESCALE, _V_DESCALE = (KERNEL_CALL_FIELDS.index(f) for f in ("k_descale", "v_descale"))
+assert _V_DESCALE == _K_DESCALE + 1  # (replaced together: LaunchPlan.launch)
 
 FUNC_PLANS = PlanCache()
 KVCACHE_PLANS = PlanCache()
@@ -428,8 +429,8 @@ class LaunchPlan:
             plan.num_splits,
         )
         self.num_counters = plan.num_counters
-        # Traced variants: (records per launch, the variant), else None.
-        self.trace = (plan.trace_slots, plan.variant) if plan.trace_slots else None
+        # Traced variants: the records per launch, else None.
+        self.trace = plan.trace_slots or None
         # Replays check that v still aliases k (qv's V is a tensor of its own).
         self.v_in_k = plan.variant.v_in_k and not plan.variant.qv
         # FP8 K/V: the descale a call leaves out is 1 (a one-element tensor read at every
@@ -541,14 +542,17 @@ class LaunchPlan:
                     self.buffers = (raw, BUFFERS.version, (partials, counters))
         if self.unit_descale is not None:
             # FP8 K/V: a descale the call leaves out is 1.
-            call_args = tuple(
-                self.unit_descale if a is None and i in _DESCALES else a
-                for i, a in enumerate(call_args)
-            )
+            kd, vd = call_args[_K_DESCALE], call_args[_V_DESCALE]
+            if kd is None or vd is None:
+                unit = self.unit_descale
+                call_args = (
+                    *call_args[:_K_DESCALE], unit if kd is None else kd, unit if vd is None else vd,
+                    *call_args[_V_DESCALE + 1 :],
+                )  # fmt: skip
         records = None
         if self.trace is not None:
-            slots, variant = self.trace
-            records = traced_records(variant.describe(), variant.config, slots, q.device)
+            variant = self.variant
+            records = traced_records(variant.describe(), variant.config, self.trace, q.device)
         self.kernel(
             q, k, v, out, lse, *call_args, partials, counters, self.scale_log2, self.max_ctas,
             self.num_splits, records,

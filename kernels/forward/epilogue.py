@@ -31,7 +31,6 @@ class Epilogue(Piece):
         mLSE: Optional[cute.Tensor],
         sO: cute.Tensor,
         setup: MmaSetup,
-        tidx: Int32,
         tile: WorkTile,
     ):
         """O and LSE out. Padded, unsplit (unless the config stores O from registers): O
@@ -43,7 +42,7 @@ class Epilogue(Piece):
         holding column 0 writes. result.q_release: where O overwrites Q's tile, Q's ring and
         state, released once the store has read it."""
         acc_O, lse, seqlen, q_release = result.acc_O, result.lse, result.seqlen, result.q_release
-        tma_atom_O, tiled_mma_pv = setup.tma_atom_O, setup.tiled_mma_pv
+        tma_atom_O, tiled_mma_pv, tidx = setup.tma_atom_O, setup.tiled_mma_pv, setup.tidx
         thr_mma = tiled_mma_pv.get_slice(tidx)
         coords = hopper_mma.acc_as_rows_cols(
             thr_mma.partition_C(

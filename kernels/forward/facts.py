@@ -247,8 +247,8 @@ class ForwardFacts:
 
 
 class Piece:
-    """A part of the kernel (the producer, the mainloop, the epilogue): it holds the variant's
-    facts and reads them as its own attributes (self.config, self.variant, ...)."""
+    """The kernel or a part of it (the producer, the mainloop, the epilogue): it holds the
+    variant's facts and reads them as its own attributes (self.config, self.variant, ...)."""
 
     def __init__(self, facts: ForwardFacts):
         self.facts = facts

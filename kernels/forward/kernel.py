@@ -67,7 +67,7 @@ from .. import trace_records
 from ..named_barriers import NamedBarrier
 from ..trace_records import TileTrace, linear_block_idx
 from .epilogue import Epilogue
-from .facts import THREADS_PER_WARPGROUP, ForwardFacts
+from .facts import THREADS_PER_WARPGROUP, ForwardFacts, Piece
 from .host import HostSetup, _row_major_wide
 from .mainloop import Mainloop
 from .producer import Producer
@@ -85,7 +85,7 @@ from .records import (
 )
 
 
-class FlashAttentionForwardSm90:
+class FlashAttentionForwardSm90(Piece):
     """One compiled variant of the forward kernel: the host launch and the device kernel.
 
     Constructed from a flash_cute.plan.ForwardVariant, taken whole: its effective config (tile
@@ -128,15 +128,11 @@ class FlashAttentionForwardSm90:
     """
 
     def __init__(self, variant):
-        self.variant = variant
-        self.facts = ForwardFacts(variant)
+        super().__init__(ForwardFacts(variant))  # (the facts read as attributes: self.config)
         self.host = HostSetup(self.facts)
         self.producer = Producer(self.facts)
         self.mainloop = Mainloop(self.facts)
         self.epilogue = Epilogue(self.facts)
-
-    def __getattr__(self, name):  # the facts, as the pieces read them (self.config, ...)
-        return getattr(self.__dict__["facts"], name)
 
     def _kv_ring(self, barriers, tx_count: int, tma_warp, consumer_threads: int):
         """The K or V ring (or an FP8 cache's K8 or V8 ring) read by consumer_threads: TMA
@@ -465,7 +461,7 @@ class FlashAttentionForwardSm90:
             )
             setup = MmaSetup(
                 tiled_mma_qk=mmas.qk, tiled_mma_pv=mmas.pv, tma_atom_O=atoms.o,
-                softmax_scale_log2=softmax_scale_log2,
+                softmax_scale_log2=softmax_scale_log2, tidx=tidx, warpgroup_idx=warpgroup_idx,
             )  # fmt: skip
             tile_idx, handoff = scheduler.first_tile(), scheduler.consumer_handoff()
             while scheduler.is_valid(tile_idx):
@@ -475,9 +471,9 @@ class FlashAttentionForwardSm90:
                     coords = (tile.m_block, tile.head_idx, tile.batch_idx, tile.split_idx)
                     trace.begin(trace_records.FORWARD_TILE, linear_block_idx(), coords)
                 kv_state, result = self.mainloop.mma(
-                    buffers, setup, tidx, warpgroup_idx, tile, shapes, q_state, kv_state, trace
+                    buffers, setup, tile, shapes, q_state, kv_state, trace
                 )
-                self.epilogue.store(result, tile_out, tile_lse, buffers.sO, setup, tidx, tile)
+                self.epilogue.store(result, tile_out, tile_lse, buffers.sO, setup, tile)
                 q_state.advance()
                 if const_expr(self.variant.split and not self.variant.combine_launch):
                     split_last = storage.split_last.get_tensor(cute.make_layout(1))

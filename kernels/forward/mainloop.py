@@ -42,8 +42,6 @@ class Mainloop(Piece):
         self,
         buf: CtaBuffers,
         setup: MmaSetup,
-        tidx: Int32,
-        warpgroup_idx: Int32,
         tile: WorkTile,
         shapes: ProblemShapes,
         q_state: pipeline.PipelineState,
@@ -54,10 +52,9 @@ class Mainloop(Piece):
         K/V ring state after the tile and the tile's result for the epilogue (O normalized,
         the LSE). trace (traced variants): the tile's record, stamped when the first K block
         has landed and when the mainloop ends."""
+        tidx, warpgroup_idx = setup.tidx, setup.warpgroup_idx
         seqlen, block_range, n_block_min, n_block_max = self.tile_problem(tile, shapes)
-        ctx, v_descale = self._operands(
-            buf, setup, tidx, warpgroup_idx, tile, shapes, seqlen, n_block_max
-        )
+        ctx, v_descale = self._operands(buf, setup, tile, shapes, seqlen, n_block_max)
         acc_O, softmax = ctx.acc_O, ctx.softmax
 
         acc_O.fill(0.0)
@@ -140,8 +137,6 @@ class Mainloop(Piece):
         self,
         buf: CtaBuffers,
         setup: MmaSetup,
-        tidx: Int32,
-        warpgroup_idx: Int32,
         tile: WorkTile,
         shapes: ProblemShapes,
         seqlen,
@@ -150,7 +145,11 @@ class Mainloop(Piece):
         """(MainloopOperands, V's descale or None) of a tile: its mask, the warpgroup's WGMMA
         fragments, O's accumulator, P's path (registers or smem), the softmax with its scale
         (K's FP8 descale and softcap folded in)."""
-        softmax_scale_log2 = setup.softmax_scale_log2
+        softmax_scale_log2, tidx, warpgroup_idx = (
+            setup.softmax_scale_log2,
+            setup.tidx,
+            setup.warpgroup_idx,
+        )
         mask = AttentionMask(
             self.config.tile_m,
             self.config.tile_n,

@@ -165,13 +165,16 @@ class CtaBuffers:
 
 @dataclass(frozen=True)
 class MmaSetup:
-    """The consumers' per-launch constants: the two GEMMs' tiled MMAs, O's TMA store atom
-    (None where O goes from registers), and the softmax scale in log2 units."""
+    """A consumer thread's constants for the launch: the two GEMMs' tiled MMAs, O's TMA store
+    atom (None where O goes from registers), the softmax scale in log2 units, and the thread's
+    index among the MMA threads and its warpgroup's."""
 
     tiled_mma_qk: cute.TiledMma
     tiled_mma_pv: cute.TiledMma
     tma_atom_O: Optional[cute.CopyAtom]
     softmax_scale_log2: Float32
+    tidx: Int32
+    warpgroup_idx: Int32
 
 
 @dataclass(frozen=True)
