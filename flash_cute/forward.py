@@ -155,7 +155,7 @@ def describe(call: Call, names: Optional[dict] = None) -> Problem:
     elif call.max_seqlen_k is not None:
         max_seqlen_k = min(checks.check_host_int(name("max_seqlen_k"), call.max_seqlen_k), capacity)
     window_left, window_right = checks.check_window_size(call.window_size)
-    return Problem(
+    problem = Problem(
         batch=batch,
         nheads=nheads,
         nheads_kv=nheads_kv,
@@ -190,14 +190,16 @@ def describe(call: Call, names: Optional[dict] = None) -> Problem:
         softcap=checks.check_softcap(call.softcap),
         learnable_sink=checks.check_learnable_sink(call.learnable_sink, nheads),
     )
+    # (get_scheduler_metadata describes calls too: these hold for every described call)
+    configs.check_head_dims(problem.head_dim, problem.head_dim_v)
+    checks.check_gqa(problem.nheads, problem.nheads_kv)
+    return problem
 
 
 def run(call: Call, names: dict, plans: PlanCache, key):
     """Check, plan and launch one call; keep its launch plan in `plans` under `key` when it can
     be replayed (key None: never). Returns out, or (out, lse) with call.return_lse."""
     problem = describe(call, names)
-    configs.check_head_dims(problem.head_dim, problem.head_dim_v)
-    checks.check_gqa(problem.nheads, problem.nheads_kv)
     checks.check_grid(problem.nheads, problem.batch)
     scale_log2 = checks.softmax_scale_log2(call.softmax_scale, problem.head_dim)
     config = checks.check_config(

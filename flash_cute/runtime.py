@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import threading
 import warnings
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
@@ -317,9 +318,19 @@ GRAPH_COUNTERS = GraphCounters()
 
 
 class PlanCache(dict):
-    """Launch plans of one entry point by call key, bounded (cleared when full)."""
+    """Launch plans of one entry point by call key, bounded (cleared when full). Every cache
+    made is reachable from PlanCache.every() (empty_cache, flash_cute.trace.record)."""
 
     MAX_PLANS = 4096
+    _every = weakref.WeakValueDictionary()
+
+    def __init__(self):
+        super().__init__()
+        PlanCache._every[id(self)] = self
+
+    @staticmethod
+    def every() -> list:
+        return list(PlanCache._every.values())
 
     def remember(self, key, plan) -> None:
         if key is None or plan is None:
@@ -569,7 +580,7 @@ def empty_cache() -> None:
     already queued are unaffected, since the allocator reuses a block only in stream order.
     CUDA graphs keep the buffers they captured."""
     BUFFERS.clear()
-    for plans in (FUNC_PLANS, KVCACHE_PLANS, VARLEN_PLANS):
+    for plans in PlanCache.every():  # (their memos hold the buffers too)
         for plan in plans.values():
             plan.buffers = None
 

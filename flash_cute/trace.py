@@ -181,7 +181,7 @@ def record() -> Iterator[Recording]:
     every thread of the process: the switch is process-wide."""
     import torch
 
-    caches = (runtime.FUNC_PLANS, runtime.KVCACHE_PLANS, runtime.VARLEN_PLANS)
+    caches = runtime.PlanCache.every()  # (every entry point's, FlashAttention-3's and the op's)
     saved = [dict(cache) for cache in caches]
     for cache in caches:
         cache.clear()

@@ -389,3 +389,15 @@ def test_native_functions_refuse_descales_of_16bit_operands(natives):
     for name in ("q_descale", "k_descale", "v_descale"):
         with pytest.raises(ValueError, match=f"{name} dequantizes FP8"):
             flash_cute.flash_attn_func(q, k, k, **{name: torch.ones(1, 2)})
+
+
+@pytest.mark.parametrize(
+    "sizes, message",
+    [((32, 8, 40), "head_dim must be a multiple of 16"), ((6, 4, 128), "multiple of nheads")],
+)
+def test_scheduler_metadata_checks_head_dims_and_gqa(sizes, message):
+    """Described calls are checked as run calls are: a head dim or head ratio no kernel
+    serves is named, not met as a plan error."""
+    nheads, nheads_kv, head_dim = sizes
+    with pytest.raises(ValueError, match=message):
+        fa3.get_scheduler_metadata(2, 1, 4096, nheads, nheads_kv, head_dim, int32(100, 200))

@@ -214,12 +214,20 @@ def test_launch_plans_memo_their_stream_buffers(streams):
         assert launch()[0] == grown.data_ptr(), "the memo outlived the buffer it names"
         assert launch(kv_length=7)[2] == 7 and launch()[2] == 0, "an int length goes as is"
         runtime.FUNC_PLANS[("test",)] = plan
+        fa3_plans = flash_cute.flash_attn_interface.flash_attn_with_kvcache.entry_point.plans
+        fa3_plan = split_plan(kernel)
+        fa3_plan.buffers = plan.buffers
+        fa3_plans[("test",)] = fa3_plan
         flash_cute.empty_cache()
         assert plan.buffers is None
+        assert fa3_plan.buffers is None  # (every entry point's memos hold buffers)
         assert launch()[0] == BUFFERS.counters[stream()].data_ptr()
     finally:
         del BUFFERS.zeroed_counters
         runtime.FUNC_PLANS.pop(("test",), None)
+        flash_cute.flash_attn_interface.flash_attn_with_kvcache.entry_point.plans.pop(
+            ("test",), None
+        )
     big_plan = split_plan(kernel, out_shape=(1, 1 << 12, 8, 128), lse_shape=(1, 8, 1 << 12))
     assert big_plan.scratch.numel > runtime.SCRATCH_MAX_FLOATS
     big_plan.launch(q, q, q, None, call_args(q))

@@ -164,3 +164,21 @@ def test_record_sets_the_untraced_plans_aside_and_restores_them():
         assert rec.launches == []
     finally:
         runtime.FUNC_PLANS.pop("key", None)
+
+
+def test_record_sets_every_entry_points_plans_aside():
+    """FlashAttention-3's functions and the custom op keep plan caches of their own: record()
+    sets those aside too (their untraced plans would replay inside the block)."""
+    from flash_cute import entry
+
+    caches = [point.plans for point in entry.ENTRY_POINTS]
+    assert len(caches) > 3
+    for cache in caches:
+        cache["key"] = "untraced plan"
+    try:
+        with trace.record():
+            assert all("key" not in cache for cache in caches)
+        assert all(cache.get("key") == "untraced plan" for cache in caches)
+    finally:
+        for cache in caches:
+            cache.pop("key", None)
