@@ -103,13 +103,6 @@ def check_descales(
             )
 
 
-def check_same_shape(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
-    if tuple(t.shape) != tuple(ref.shape):
-        raise ValueError(
-            f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, got {tuple(t.shape)}"
-        )
-
-
 def check_cuda(named_tensors) -> None:
     """All tensors on one CUDA device (the first one's)."""
     (ref_name, ref), *rest = list(named_tensors)

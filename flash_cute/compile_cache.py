@@ -443,7 +443,3 @@ def _load_or_compile(key, compile_fn) -> Callable:
             stacklevel=2,
         )
         return compile_fn(key)
-
-
-def clear_cache() -> None:
-    _cache.clear()
