@@ -10,6 +10,7 @@ from conftest import Recorder
 
 import flash_cute
 from flash_cute import AttentionConfig, runtime
+from flash_cute import flash_attn_interface as fa3
 from flash_cute.call import Call
 from flash_cute.compile_cache import FULL, SHORT
 from flash_cute.forward import kernel_call_args
@@ -214,7 +215,7 @@ def test_launch_plans_memo_their_stream_buffers(streams):
         assert launch()[0] == grown.data_ptr(), "the memo outlived the buffer it names"
         assert launch(kv_length=7)[2] == 7 and launch()[2] == 0, "an int length goes as is"
         runtime.FUNC_PLANS[("test",)] = plan
-        fa3_plans = flash_cute.flash_attn_interface.flash_attn_with_kvcache.entry_point.plans
+        fa3_plans = fa3.flash_attn_with_kvcache.entry_point.plans
         fa3_plan = split_plan(kernel)
         fa3_plan.buffers = plan.buffers
         fa3_plans[("test",)] = fa3_plan
@@ -225,9 +226,7 @@ def test_launch_plans_memo_their_stream_buffers(streams):
     finally:
         del BUFFERS.zeroed_counters
         runtime.FUNC_PLANS.pop(("test",), None)
-        flash_cute.flash_attn_interface.flash_attn_with_kvcache.entry_point.plans.pop(
-            ("test",), None
-        )
+        fa3.flash_attn_with_kvcache.entry_point.plans.pop(("test",), None)
     big_plan = split_plan(kernel, out_shape=(1, 1 << 12, 8, 128), lse_shape=(1, 8, 1 << 12))
     assert big_plan.scratch.numel > runtime.SCRATCH_MAX_FLOATS
     big_plan.launch(q, q, q, None, call_args(q))
