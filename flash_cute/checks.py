@@ -14,8 +14,8 @@ import torch
 from .plan import MAX_SPLITS
 
 TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-# FP8 dtypes: of a K/V cache (converted to q's dtype in the kernel), and of FP8 queries
-# (converted to the output's dtype on the way in: flash_cute.forward).
+# FP8 dtypes: of a K/V cache (converted to q's dtype in the kernel), and of FP8 queries (taken
+# by the FP8 GEMMs, or converted to the output's dtype on the way in: flash_cute.forward).
 FP8_DTYPES = {torch.float8_e4m3fn: "float8_e4m3fn"}
 TMA_ALIGN_BYTES = 16
 MAX_GRID_YZ = 65535
@@ -164,11 +164,13 @@ def softmax_scale_log2(softmax_scale, head_dim: int) -> float:
 
 def output_for(out, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The output of an attention call: out checked (q's shape with v's head dim, q's dtype
-    and device, and the checks of check_out_like against q, k, v), or new_out(q, v)."""
+    (FP8 q: fp8_query_out_dtype) and device, and the checks of check_out_like against q, k,
+    v), or new_out(q, v)."""
     if out is None:
         return new_out(q, v)
     shape = (*q.shape[:-1], v.shape[-1])
-    check_out_like(out, shape, q.dtype, q.device, (("q", q), ("k", k), ("v", v)))
+    dtype = fp8_query_out_dtype(out) if q.dtype in FP8_DTYPES else q.dtype
+    check_out_like(out, shape, dtype, q.device, (("q", q), ("k", k), ("v", v)))
     return out
 
 

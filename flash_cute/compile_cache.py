@@ -118,6 +118,7 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
 
     dtype = _cutlass_dtype(variant.dtype)
     kv_dtype = dtype if variant.kv_dtype is None else _cutlass_dtype(variant.kv_dtype)
+    q_dtype = dtype if variant.q_dtype is None else _cutlass_dtype(variant.q_dtype)
     sym = cute.sym_int
     batch, seqlen_q, nheads, seqlen_k, nheads_kv = (sym() for _ in range(5))
     d, dv = variant.head_dim, variant.head_dim_v
@@ -142,7 +143,7 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
     lse_shape = (nheads, seqlen_q) if variant.varlen_q else (batch, nheads, seqlen_q)
     gmem = cute.AddressSpace.gmem
     return {
-        "q": tensor(dtype, (*q_rows, nheads, d_qk)),
+        "q": tensor(q_dtype, (*q_rows, nheads, d_qk)),
         "k": tensor(kv_dtype, (*kv_rows, d_qk)),
         "v": tensor(kv_dtype, (*kv_rows, dv)),
         "out": tensor(dtype, (*q_rows, nheads, dv)),

@@ -306,17 +306,22 @@ class AttentionConfig:
         head_dim_v: Optional[int] = None,
         v_in_k: bool = False,
         kv_fp8: bool = False,
+        fp8_math: bool = False,
     ) -> int:
         aligned = _aligned_1k
         head_dim_v = 0 if v_in_k else head_dim if head_dim_v is None else head_dim_v
         # Q, K, V rings' mbarriers (FP8 K/V: twice, its FP8 rings), the tile handoff's 4
         # mbarriers and 2 int32 slots.
-        mbarriers = aligned(8 * (2 + 4 * self.num_stages * (2 if kv_fp8 else 1) + 4) + 8)
-        q = aligned(self.tile_m * head_dim * element_bytes)
-        # FP8 K/V: the fp16 rings the GEMMs read and the FP8 rings the loads fill.
-        ring_bytes = element_bytes + (1 if kv_fp8 else 0)
-        k = aligned(self.num_stages * self.tile_n * head_dim * ring_bytes)
-        v = aligned(self.num_stages * self.tile_n * head_dim_v * ring_bytes)
+        fp8_rings = kv_fp8 or fp8_math
+        mbarriers = aligned(8 * (2 + 4 * self.num_stages * (2 if fp8_rings else 1) + 4) + 8)
+        # FP8 K/V: the fp16 rings the GEMMs read and the FP8 rings the loads fill. FP8 math:
+        # FP8 Q and K, and V's FP8 ring and its transpose.
+        q_bytes, k_bytes, v_bytes = (1, 1, 2) if fp8_math else (element_bytes,) * 3
+        if kv_fp8 and not fp8_math:
+            k_bytes = v_bytes = element_bytes + 1
+        q = aligned(self.tile_m * head_dim * q_bytes)
+        k = aligned(self.num_stages * self.tile_n * head_dim * k_bytes)
+        v = aligned(self.num_stages * self.tile_n * head_dim_v * v_bytes)
         p = 0 if self.pv_from_registers else aligned(self.tile_m * self.tile_n * element_bytes)
         # split_scores: the row maxima and sums the two warpgroups exchange (fp32).
         rows = aligned(2 * 2 * self.tile_m * 4) if self.split_scores else 0
@@ -349,17 +354,21 @@ class AttentionConfig:
         head_dim_v: Optional[int] = None,
         v_in_k: bool = False,
         kv_fp8: bool = False,
+        fp8_math: bool = False,
     ) -> int:
         """Dynamic shared memory of the kernel: Q (reused for a TMA-stored O unless
         separate_o_smem), O's own tile when separate_o_smem, the K and V rings (no V ring
         with v_in_k: V is read from K's stages), P when it goes through shared memory, and
         the mbarriers; each buffer 1024-byte aligned. head_dim_v: V's and O's head dim
-        (default head_dim)."""
+        (default head_dim). kv_fp8: an FP8 cache's blocks converted to fp16; fp8_math: FP8
+        q, k and v in e4m3 GEMMs (kernels/v_transpose.py)."""
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         o = 0
         if self.separate_o_smem(head_dim, element_bytes, head_dim_v, v_in_k):
             o = _aligned_1k(self.tile_m * head_dim_v * element_bytes)
-        return self._smem_bytes_without_o(head_dim, element_bytes, head_dim_v, v_in_k, kv_fp8) + o
+        return o + self._smem_bytes_without_o(
+            head_dim, element_bytes, head_dim_v, v_in_k, kv_fp8, fp8_math
+        )
 
     def accumulator_registers(self, head_dim: int, head_dim_v: Optional[int] = None) -> int:
         """fp32 registers per MMA thread held by accumulators at the busiest point:
@@ -678,6 +687,34 @@ def fp8_kv_config(config: AttentionConfig, head_dim: int, head_dim_v: int) -> At
     if config.smem_bytes(head_dim, 2, head_dim_v, kv_fp8=True) > config.smem_limit():
         config = config.replace(tile_n=64)
     return config
+
+
+def fp8_math_config(config: AttentionConfig, head_dim: int, head_dim_v: int) -> AttentionConfig:
+    """The form of a prefill table row for FP8 queries, keys and values in e4m3 GEMMs
+    (kernels/v_transpose.py): one CTA per tile (the producer warpgroup's transposing warps
+    follow its one tile), two MMA warpgroups of 64 rows, P from registers, 128 keys per
+    block (whole 128-byte rows of V^T; 64 above head dim 128, where O's registers leave too
+    few for 128 scores: ptxas spills or serializes the WGMMAs), two stages of K, of V and of
+    V^T, O from registers (Q's FP8 tile cannot hold it), and no lagging row max (P must stay
+    within e4m3's range: 2^8 at most)."""
+    return config.replace(
+        tile_m=128,
+        tile_n=128 if max(head_dim, head_dim_v) <= 128 else 64,
+        num_stages=2,
+        pv_from_registers=True,
+        o_split=1,
+        split_scores=False,
+        scheduler="single_tile",
+        store_o_from_registers=True,
+        rescale_threshold=0,
+        rescale_o_before_pv=config.rescale_o_before_pv and config.intra_wg_overlap,
+        exp2_on_fma=0,
+        # The transposing warps hold BATCH ldmatrix results (kernels/v_transpose.py) and the
+        # loading warp a varlen tile's bounds: 24 registers spill, 56 too with packed keys,
+        # sinks and a window; the MMA warps keep 216.
+        producer_registers=72,
+        mma_registers=216,
+    )
 
 
 def default_config(

@@ -184,6 +184,7 @@ def describe(call: Call, names: Optional[dict] = None) -> Problem:
         kv_batch_idx=call.kv_batch_idx is not None,
         leftpad_k=call.leftpad_k is not None,
         kv_dtype=kv_dtype,
+        q_dtype=checks.FP8_DTYPES[q.dtype] if q_fp8 else None,
         window_left=window_left,
         window_right=window_right,
         attention_chunk=checks.check_host_int(name("attention_chunk"), call.attention_chunk),
@@ -209,8 +210,6 @@ def run(call: Call, names: dict, plans: PlanCache, key):
     pack_gqa = checks.check_optional_bool(names.get("pack_gqa", "pack_gqa"), call.pack_gqa)
     checks.check_cuda([(names.get(f, f), t) for f, t in call.tensors() if f != "out"])
     checks.check_hopper(call.q.device)
-    if call.q.dtype in checks.FP8_DTYPES:
-        call, key = with_16bit_queries(call), None
     q, k, v, qv = call.q, call.k, call.v, call.qv
     out = checks.output_for(call.out, q, k, v)
     if problem.varlen_q:
@@ -223,6 +222,10 @@ def run(call: Call, names: dict, plans: PlanCache, key):
         plan = plan_forward(
             problem, runtime.num_sms(device_index), config, num_splits, pack_gqa, call.decode_rows
         )
+    if problem.q_dtype is not None:  # (FP8 queries: never replayed)
+        fp8_math = plan is not None and plan.variant is not None and plan.variant.q_dtype
+        call, key = with_descales_folded(call, convert_q=not fp8_math), None
+        q = call.q
     if plan is None or plan.variant is None:  # no rows, or no keys anywhere: nothing to launch
         out.zero_()
         if not problem.writes_lse:
@@ -246,15 +249,16 @@ def run(call: Call, names: dict, plans: PlanCache, key):
     return (out, lse) if problem.writes_lse else out
 
 
-def with_16bit_queries(call: Call) -> Call:
-    """An FP8-query call as the kernels run it, over its FP8 K/V: q converted to the output's
-    dtype (exactly: every float8_e4m3fn value is a bfloat16 and a float16 value), and
-    q_descale folded into k_descale (both scale the scores of a (batch, kv head) pair). A
-    converted call is not replayed (its launch plan takes 16-bit queries)."""
+def with_descales_folded(call: Call, convert_q: bool) -> Call:
+    """An FP8-query call as the kernels run it, over its FP8 K/V: q_descale folded into
+    k_descale (both scale the scores of a (batch, kv head) pair), and with convert_q (the plan
+    runs it on the FP8-cache kernels, in 16-bit math) q converted to the output's dtype
+    (exactly: every float8_e4m3fn value is a bfloat16 and a float16 value). Such calls are
+    not replayed (their launch plans take the folded descale)."""
     k_descale = call.k_descale
     if call.q_descale is not None:
         k_descale = call.q_descale if k_descale is None else call.q_descale * k_descale
-    q = call.q.to(checks.fp8_query_out_dtype(call.out))
+    q = call.q.to(checks.fp8_query_out_dtype(call.out)) if convert_q else call.q
     return call.replace(q=q, q_descale=None, k_descale=k_descale)
 
 

@@ -31,7 +31,14 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
-from .config import DECODE_ROWS, AttentionConfig, decode_config, default_config, fp8_kv_config
+from .config import (
+    DECODE_ROWS,
+    AttentionConfig,
+    decode_config,
+    default_config,
+    fp8_kv_config,
+    fp8_math_config,
+)
 
 MAX_SPLITS = 128
 # Paged caches whose TMA boxes would carry fewer bytes gather rows with cp.async instead: an
@@ -95,6 +102,10 @@ class CallShape:
     # The K/V cache's dtype where it differs from q's: "float8_e4m3fn" (an FP8 cache, its
     # blocks converted to q's dtype before each GEMM: kernels/kv_dequant.py), else None.
     kv_dtype: Optional[str] = None
+    # FP8 queries ("float8_e4m3fn", with an FP8 kv_dtype): a Problem's says the caller's q is
+    # FP8; a variant's that the kernel takes it as it is and runs both GEMMs in e4m3
+    # (kernels/v_transpose.py). A variant without it takes q converted to dtype.
+    q_dtype: Optional[str] = None
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -189,13 +200,28 @@ class ForwardVariant(CallShape):
                 "an FP8 (float8_e4m3fn) K/V cache runs one CTA per tile (scheduler "
                 "'single_tile') on separate K and V stages (no v_in_k)"
             )
-        elif self.kv_dtype is not None and (
-            c.smem_bytes(self.head_dim, 2, self.head_dim_v, kv_fp8=True) > c.smem_limit()
+        elif self.q_dtype is not None and not (
+            self.q_dtype == self.kv_dtype
+            and c.pv_from_registers
+            and c.store_o_from_registers
+            and c.rescale_threshold == 0
+            and c.o_split == 1
+            and c.tile_n % 32 == 0
+            and self.head_dim % 32 == 0
+            and self.head_dim_v % 16 == 0
+            and self.kv_layout != "paged"
+            and not self.qv
         ):
             problems.append(
-                f"with an FP8 cache (FP8 and fp16 rings) the config needs "
-                f"{c.smem_bytes(self.head_dim, 2, self.head_dim_v, kv_fp8=True)} bytes of "
-                f"shared memory, more than {c.smem_limit()}: fewer stages or a smaller tile_n"
+                "FP8 math (q_dtype) takes FP8 q, k and v (not paged, no qv), P from registers "
+                "never above 2^8 (rescale_threshold 0), O from registers, one warpgroup per 64 "
+                "rows, tile_n and head_dim multiples of 32, head_dim_v of 16"
+            )
+        elif self.kv_dtype is not None and self._fp8_smem_bytes() > c.smem_limit():
+            problems.append(
+                f"with an FP8 cache (FP8 rings, and fp16 or V^T rings) the config needs "
+                f"{self._fp8_smem_bytes()} bytes of shared memory, more than "
+                f"{c.smem_limit()}: fewer stages or a smaller tile_n"
             )
         if self.seqused_k and self.scalar_kv_length:
             problems.append("seqused_k and scalar_kv_length exclude each other")
@@ -239,6 +265,11 @@ class ForwardVariant(CallShape):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_hash", hash(tuple(state[f] for f in _VARIANT_FIELDS)))
 
+    def _fp8_smem_bytes(self) -> int:
+        return self.config.smem_bytes(
+            self.head_dim, 2, self.head_dim_v, kv_fp8=True, fp8_math=self.q_dtype is not None
+        )
+
     @property
     def local(self) -> bool:
         """A sliding window or chunked local attention (not plain causal)."""
@@ -271,6 +302,7 @@ class ForwardVariant(CallShape):
         ]
         flags += ["kv_length"] if self.scalar_kv_length else []
         flags += [f"kv-{self.kv_dtype}"] if self.kv_dtype is not None else []
+        flags += ["fp8-math"] if self.q_dtype is not None else []
         flags += (
             []
             if self.kv_layout == "padded"
@@ -390,7 +422,10 @@ def plan_forward(
                 problem.head_dim_v,
                 problem.v_in_k or problem.qv,
             )
-    if problem.kv_dtype is not None and caller_config is None:
+    fp8_math = caller_config is None and serves_fp8_math(problem, decode_rows)
+    if fp8_math:
+        config = fp8_math_config(config, problem.head_dim, problem.head_dim_v)
+    elif problem.kv_dtype is not None and caller_config is None:
         config = fp8_kv_config(config, problem.head_dim, problem.head_dim_v)
     if _tracing and not config.trace:
         config = config.replace(trace=True)
@@ -441,6 +476,7 @@ def plan_forward(
         attention_chunk=chunk,
         softcap=float(problem.softcap),
         v_in_k=problem.v_in_k or problem.qv,
+        q_dtype=problem.q_dtype if fp8_math else None,
     )
     variant = ForwardVariant(
         **{**shape_fields(problem), **decided},
@@ -463,6 +499,22 @@ def plan_forward(
     if config.trace:  # one record per work tile
         trace_slots = split_tiles(problem, config.tile_m, pack_ratio) * num_splits
     return ForwardPlan(variant, num_splits, max_ctas, num_counters, trace_slots)
+
+
+def serves_fp8_math(problem: Problem, decode_rows: bool) -> bool:
+    """Whether FP8 queries run with both GEMMs in e4m3 (kernels/v_transpose.py) rather than
+    converted to the output's dtype on the host (the FP8-cache kernels then run in 16-bit):
+    prefill-shaped calls (not decode-like rows of a cache) on padded or packed K/V whose head
+    dims the e4m3 WGMMA takes (q/k's a multiple of 32) and equal."""
+    if problem.q_dtype is None or problem.qv or problem.kv_layout == "paged":
+        return False
+    decode_like = decode_rows and problem.max_seqlen_q * problem.qheads_per_kvhead <= DECODE_ROWS
+    return (
+        not decode_like
+        and problem.head_dim == problem.head_dim_v
+        and problem.head_dim % 32 == 0
+        and problem.head_dim <= 256
+    )
 
 
 def attention_mask(problem: Problem) -> tuple:

@@ -58,12 +58,16 @@ def attention_ref(
     attention_chunk: int = 0,
     softcap: float = 0.0,
     learnable_sink: Optional[torch.Tensor] = None,
+    p_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention over q (batch, seqlen_q, nheads, d) and k, v (batch, seqlen_k, nheads_kv, d),
     with FlashAttention-3's semantics: causal bottom-right aligned (with a window: its right
     side 0), local windows and chunks (`local_mask`), softcap (scores become softcap *
     tanh(s * scale / softcap) before masking), and learnable sinks ((nheads,) logits, one more
     term exp(sink) in each row's denominator with no value row, in the LSE too).
+
+    p_dtype: the normalized probabilities rounded to it before P V (float8_e4m3fn with upcast:
+    a naive FP8 attention, the yardstick of FP8 math).
 
     Returns out (batch, seqlen_q, nheads, d), float32 when upcast else q's dtype, and lse
     (batch, nheads, seqlen_q) in float32 (natural log). A row with no keys gets out = 0 and
@@ -97,6 +101,8 @@ def attention_ref(
     probs = torch.nan_to_num(probs, nan=0.0)  # rows with no keys
     if learnable_sink is not None:
         probs = probs[..., :-1]
+    if p_dtype is not None:
+        probs = probs.to(p_dtype)
     out = torch.einsum("bhts,bshd->bthd", probs.to(v.dtype), v)
     return (out if upcast else out.to(dtype)), lse
 

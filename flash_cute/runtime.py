@@ -484,7 +484,7 @@ class LaunchPlan:
             plan,
             kernel,
             q.device,
-            q.dtype,
+            out.dtype,
             tuple(out.shape),
             lse_shape,
             scale_log2,

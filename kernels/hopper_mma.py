@@ -171,3 +171,42 @@ def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor):
     dst_pairs = cute.recast_tensor(dst, Int32)
     for i in cutlass.range_constexpr(cute.size(dst_pairs)):
         dst_pairs[i] = pack_f32x2_to_16bit(src[2 * i], src[2 * i + 1], dst.element_type)
+
+
+@dsl_user_op
+def pack_f32x4_to_e4m3(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None):
+    """Round four fp32 values to e4m3 (saturating to +-448) in one register, a in the lowest
+    byte."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+            "{\n.reg .b16 lo, hi;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+            "mov.b32 $0, {lo, hi};\n}",
+            "=r,f,f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@cute.jit
+def pack_p_e4m3(acc: cute.Tensor, frag: cute.Tensor):
+    """A score accumulator ((2, 2, N/8), 1, 1) fp32 as the e4m3 A operand ((4, 2, 2), 1, N/32)
+    of an FP8 P V WGMMA, keys permuted within each 32 as kernels/v_transpose.py lays out V^T:
+    register (row half rh, half h, k-block kb) holds column groups 4 kb + 2h and 4 kb + 2h + 1,
+    two columns each, in that order."""
+    regs = cute.recast_tensor(frag, Int32)  # ((1, 2, 2), 1, N/32): rh + 2h + 4 kb
+    for kb in cutlass.range_constexpr(cute.size(regs) // 4):
+        for h in cutlass.range_constexpr(2):
+            group = 4 * kb + 2 * h
+            for rh in cutlass.range_constexpr(2):
+                regs[rh + 2 * h + 4 * kb] = pack_f32x4_to_e4m3(
+                    acc[2 * rh + 4 * group],
+                    acc[1 + 2 * rh + 4 * group],
+                    acc[2 * rh + 4 * (group + 1)],
+                    acc[1 + 2 * rh + 4 * (group + 1)],
+                )

@@ -89,7 +89,8 @@ class ConvertingBlockLoader:
     same stage of the fp16 ring, committed there, and its FP8 stage freed. Both rings have the
     same stages; `state` is the fp16 ring's producer state (the FP8 ring's consumer phase is
     its complement). seqlen_k: V's loader zeroes rows past it (None: K's, whose rows past the
-    sequence are masked out of the scores)."""
+    sequence are masked out of the scores). `fill` is the work on each block (here the
+    conversion; kernels/v_transpose.py's loader transposes instead)."""
 
     src: cute.Tensor  # (tile_n, width, stages) FP8
     dst: cute.Tensor  # (tile_n, width, stages) fp16
@@ -108,13 +109,18 @@ class ConvertingBlockLoader:
         valid = Int32(self.tile_n)
         if cutlass.const_expr(self.seqlen_k is not None):
             valid = self.seqlen_k - n_block * self.tile_n
+        self.fill(state.index, valid)
+        self.ring16.producer_commit(state)
+        cute.arch.sync_warp()  # every lane's reads of the FP8 stage are done
+        self.ring8.consumer_release(state8)
+
+    @cute.jit
+    def fill(self, stage: Int32, valid: Int32):
+        """The work on one block: stage `stage` of dst from src's, rows from valid on zero."""
         convert_block(
-            self.src[None, None, state.index],
-            self.dst[None, None, state.index],
+            self.src[None, None, stage],
+            self.dst[None, None, stage],
             self.thread,
             self.num_threads,
             valid,
         )
-        self.ring16.producer_commit(state)
-        cute.arch.sync_warp()  # every lane's reads of the FP8 stage are done
-        self.ring8.consumer_release(state8)

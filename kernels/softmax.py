@@ -136,10 +136,17 @@ class OnlineSoftmax:
     # A row keeps its max while a new one exceeds it by at most this (log2 units; 0: any
     # growth moves it), so P reaches 2^threshold and O is rescaled less often.
     rescale_threshold: cutlass.Constexpr[int] = 0
+    # Probabilities are computed as 2^max_offset times their value (an FP8 P's range): the row
+    # sums carry the same factor, so O / row sum does not change, and the LSE drops it.
+    max_offset: cutlass.Constexpr[int] = 0
 
     @staticmethod
     def create(
-        scale_log2: Float32, num_rows: int, fma_exp2_per_16: int = 0, rescale_threshold: int = 0
+        scale_log2: Float32,
+        num_rows: int,
+        fma_exp2_per_16: int = 0,
+        rescale_threshold: int = 0,
+        max_offset: int = 0,
     ) -> "OnlineSoftmax":
         max_lag = (
             Float32(rescale_threshold) / scale_log2
@@ -154,6 +161,7 @@ class OnlineSoftmax:
             max_lag,
             fma_exp2_per_16,
             rescale_threshold,
+            max_offset,
         )
 
     @cute.jit
@@ -215,6 +223,8 @@ class OnlineSoftmax:
         # A row masked out so far has max -inf: use 0 so exp2 gives 0, not NaN.
         row_max_safe = Float32(0.0) if row_max == -Float32.inf else row_max
         max_scaled = row_max_safe * self.scale_log2
+        if const_expr(self.max_offset):
+            max_scaled = max_scaled - Float32(self.max_offset)
         on_fma = fma_exp2_columns(ncols, self.fma_exp2_per_16)
         for c in cutlass.range_constexpr(ncols):
             if const_expr(c in on_fma):
@@ -262,13 +272,10 @@ class OnlineSoftmax:
                 lse[r] = (
                     -Float32.inf
                     if empty
-                    else (
-                        self.row_max[r] * self.scale_log2 + cute.math.log2(row_sum, fastmath=True)
-                    )
-                    * LN2
+                    else (self._sum_reference(r) + cute.math.log2(row_sum, fastmath=True)) * LN2
                 )
             else:
-                row_max = -Float32.inf if empty else self.row_max[r] * self.scale_log2
+                row_max = -Float32.inf if empty else self._sum_reference(r)
                 sink = sink_log2[r]
                 top = cute.arch.fmax(row_max, sink)
                 if top == -Float32.inf:  # no key and no sink
@@ -283,6 +290,13 @@ class OnlineSoftmax:
                     inv_sum[r] = scores_weight * cute.arch.rcp_approx(denom)
                     lse[r] = (top + cute.math.log2(denom, fastmath=True)) * LN2
         return inv_sum, lse
+
+    def _sum_reference(self, r: int) -> Float32:
+        """Row r's sum is of exp2 against this (log2 units): its max, less max_offset."""
+        ref = self.row_max[r] * self.scale_log2
+        if const_expr(self.max_offset):
+            ref = ref - Float32(self.max_offset)
+        return ref
 
 
 @dataclass(frozen=True)

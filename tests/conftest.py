@@ -73,7 +73,7 @@ class CheckingRecorder(Recorder):
         kv_dtype = getattr(torch, variant.kv_dtype or variant.dtype)
         d = variant.head_dim - variant.head_dim_v if variant.qv else variant.head_dim
         problems = [
-            q.dtype != getattr(torch, variant.dtype),
+            q.dtype != getattr(torch, variant.q_dtype or variant.dtype),
             k.dtype != kv_dtype or v.dtype != kv_dtype,
             q.shape[-1] != d or k.shape[-1] != d or v.shape[-1] != variant.head_dim_v,
             tuple(v.shape[:-1]) != tuple(k.shape[:-1]),

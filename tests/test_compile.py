@@ -654,6 +654,27 @@ FP8_KEYS = [
 ]  # fmt: skip
 
 
+# FP8 math (FP8 q, k and v in e4m3 GEMMs, V transposed in smem: kernels/v_transpose.py), as
+# the plan step picks it: each key block width (128, and 64 above head dim 192), masks,
+# sinks and softcap over packed keys, a forced split, GQA packing.
+_FP8 = dict(kv_dtype="float8_e4m3fn", q_dtype="float8_e4m3fn")
+FP8_MATH_KEYS = [
+    _planned(128, seqlen_q=8192, keys=8192, writes_lse=True, **_FP8),
+    _planned(64, "float16", seqlen_q=1000, keys=1000, causal=True, **_FP8),
+    _planned(256, nheads=16, nheads_kv=4, seqlen_q=4096, keys=4096, causal=True, **_FP8),
+    _planned(96, nheads=16, nheads_kv=2, seqlen_q=300, varlen_q=True, total_q=600,
+             kv_layout="packed", softcap=30.0, window_left=100, learnable_sink="bfloat16",
+             writes_lse=True, **_FP8),
+    _planned(192, nheads=8, nheads_kv=8, seqlen_q=256, keys=16384, causal=True, **_FP8),
+]  # fmt: skip
+
+
+def test_fp8_math_keys_are_fp8_math():
+    """(The plan gives each of these shapes the FP8-math kernel, and a split to the long one.)"""
+    assert all(key.q_dtype == "float8_e4m3fn" for key in FP8_MATH_KEYS)
+    assert FP8_MATH_KEYS[-1].split
+
+
 @pytest.mark.parametrize(
     "key",
     TABLE_KEYS
@@ -664,7 +685,8 @@ FP8_KEYS = [
     + O_SPLIT_KEYS
     + ODD_HEAD_DIM_KEYS
     + TRACE_KEYS
-    + FP8_KEYS,
+    + FP8_KEYS
+    + FP8_MATH_KEYS,
     ids=_id,
 )
 def test_variant_compiles_clean(key):

@@ -1,6 +1,7 @@
-"""FP8 (float8_e4m3fn) queries on the CPU: every entry point hands the kernels q converted to
-the output's dtype (exactly) with q_descale folded into k_descale, over the FP8 K/V path; the
-checks name what is wrong. The kernels are recorders (the conftest's fake_gpu)."""
+"""FP8 (float8_e4m3fn) queries on the CPU: every entry point hands the kernels q as it is (the
+FP8-math kernels: prefill shapes) or converted to the output's dtype (exactly: the FP8 K/V
+path's 16-bit math), with q_descale folded into k_descale; the checks name what is wrong. The
+kernels are recorders (the conftest's fake_gpu)."""
 
 import pytest
 import torch
@@ -72,7 +73,7 @@ def calls(q8, k8, v8, qd, kd, vd, out=None):
 
 @pytest.mark.parametrize("descales", ["none", "q only", "all"])
 @pytest.mark.parametrize("out_dtype", [None, torch.float16])
-def test_kernels_get_16bit_queries_and_folded_descales(launches, descales, out_dtype):
+def test_kernels_get_fp8_or_exact_queries_and_folded_descales(launches, descales, out_dtype):
     q8 = fp8(BATCH, SEQLEN_Q, HEADS, D)
     k8, v8 = fp8(BATCH, SEQLEN_K, HEADS_KV, D), fp8(BATCH, SEQLEN_K, HEADS_KV, D)
     qd = None if descales == "none" else torch.rand(BATCH, HEADS_KV) + 0.5
@@ -89,7 +90,12 @@ def test_kernels_get_16bit_queries_and_folded_descales(launches, descales, out_d
         result = result[0] if isinstance(result, tuple) else result
         (seen,) = launches[before:]
         assert result.dtype == expected_dtype, name
-        assert seen["q"].dtype == expected_dtype and seen["out"].dtype == expected_dtype, name
+        variant = seen["plan"].variant
+        # FP8 math for prefill shapes (flash_attn_func), the FP8-cache kernels for decode-like
+        # rows (these varlen calls' 3 rows of 4 heads a kv head among them).
+        assert (variant.q_dtype is not None) == name.endswith("func"), name
+        q_dtype = FP8 if variant.q_dtype else expected_dtype
+        assert seen["q"].dtype == q_dtype and seen["out"].dtype == expected_dtype, name
         assert torch.equal(seen["q"].float().flatten(), q8.float().flatten()), name  # exact
         assert seen["k"].dtype == FP8 and seen["v"].dtype == FP8, name
         if qd is None:
@@ -101,13 +107,15 @@ def test_kernels_get_16bit_queries_and_folded_descales(launches, descales, out_d
 
 
 def test_fp8_query_calls_are_not_replayed(launches):
-    """A converted call's launch plan takes 16-bit q: none is kept under the FP8 call's key, so
-    every call takes the checked path and converts again."""
+    """An FP8 call's launch plan takes its descales folded (and a converted call's 16-bit q):
+    none is kept under the FP8 call's key, so every call takes the checked path and folds (and
+    converts) again."""
     q8, k8 = fp8(BATCH, SEQLEN_Q, HEADS, D), fp8(BATCH, SEQLEN_K, HEADS_KV, D)
+    qd, kd = torch.rand(BATCH, HEADS_KV) + 0.5, torch.rand(BATCH, HEADS_KV) + 0.5
     for _ in range(3):
-        flash_cute.flash_attn_func(q8, k8, k8)
+        flash_cute.flash_attn_func(q8, k8, k8, q_descale=qd, k_descale=kd)
     assert len(launches) == 3 and all(not point.plans for point in entry.ENTRY_POINTS)
-    assert len({id(seen["q"]) for seen in launches}) == 3
+    assert len({id(seen["k_descale"]) for seen in launches}) == 3
 
 
 @pytest.mark.parametrize(

@@ -41,8 +41,17 @@ class ForwardFacts:
 
     @cached_property
     def dtype(self) -> type:
-        """q's and O's."""
+        """O's, and q's unless fp8_math."""
         return {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[self.variant.dtype]
+
+    @cached_property
+    def fp8_math(self) -> bool:
+        """FP8 q, K and V, and both GEMMs in e4m3 (kernels/v_transpose.py)."""
+        return self.variant.q_dtype is not None
+
+    @cached_property
+    def q_dtype(self) -> type:
+        return cutlass.Float8E4M3FN if self.fp8_math else self.dtype
 
     @cached_property
     def kv_fp8(self) -> bool:
@@ -55,14 +64,23 @@ class ForwardFacts:
 
     @cached_property
     def mma_dtype(self) -> type:
-        """The GEMMs'. FP8 blocks are converted before each GEMM to fp16 (one conversion
-        instruction per two values, where bf16 would take four): with an FP8 cache the GEMMs
-        run in fp16, and a bf16 Q tile is converted to fp16 once it lands (converts_q)."""
+        """The GEMMs'. With fp8_math e4m3. Otherwise FP8 blocks are converted before each GEMM
+        to fp16 (one conversion instruction per two values, where bf16 would take four): with
+        an FP8 cache the GEMMs run in fp16, and a bf16 Q tile is converted to fp16 once it
+        lands (converts_q)."""
+        if self.fp8_math:
+            return cutlass.Float8E4M3FN
         return cutlass.Float16 if self.kv_fp8 else self.dtype
 
     @cached_property
     def converts_q(self) -> bool:
-        return self.mma_dtype is not self.dtype
+        return self.mma_dtype is not self.q_dtype
+
+    @cached_property
+    def converts_kv(self) -> bool:
+        """FP8 K and V blocks converted to fp16 by the producer's spare warps (with fp8_math
+        K goes to the GEMMs as it lands, and V is transposed instead)."""
+        return self.kv_fp8 and not self.fp8_math
 
     @cached_property
     def num_mma_warpgroups(self) -> int:

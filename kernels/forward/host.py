@@ -102,7 +102,7 @@ class HostSetup(Piece):
             self.mma_dtype,
             self.num_mma_warpgroups // self.o_split,
             dv,
-            b_mn_major=True,
+            b_mn_major=not self.fp8_math,  # (FP8: V transposed in smem, K-major)
             a_from_registers=self.config.pv_from_registers,
             split_n=self.o_split,
         )
@@ -110,25 +110,25 @@ class HostSetup(Piece):
 
     def smem_layouts(self) -> SmemLayouts:
         """Q's tile, the K and V rings (FP8 K/V: the GEMMs read fp16 rings that converting warps
-        fill from FP8 rings, the same stage count, that the loads fill; v_in_k: V is the first
-        dv columns of each K stage), O's own tile, and P's where P goes through smem."""
+        fill from FP8 rings, the same stage count, that the loads fill; with fp8_math K's ring
+        is the loads' and V's is V^T (dv, tile_n), which transposing warps fill from an FP8
+        ring; v_in_k: V is the first dv columns of each K stage), O's own tile, and P's where
+        P goes through smem."""
         d, dv = self.variant.head_dim, self.variant.head_dim_v
-        sQ_layout = hopper_mma.make_row_major_smem_layout(self.dtype, self.config.tile_m, d)
+        tile_n, stages = self.config.tile_n, self.config.num_stages
+        sQ_layout = hopper_mma.make_row_major_smem_layout(self.q_dtype, self.config.tile_m, d)
         sO_layout = hopper_mma.make_row_major_smem_layout(self.dtype, self.config.tile_m, dv)
         sK_layout, sV_layout = [
-            hopper_mma.make_row_major_smem_layout(
-                self.mma_dtype, self.config.tile_n, width, self.config.num_stages
-            )
+            hopper_mma.make_row_major_smem_layout(self.mma_dtype, tile_n, width, stages)
             for width in (d, dv)
         ]
+        if const_expr(self.fp8_math):
+            sV_layout = hopper_mma.make_row_major_smem_layout(self.mma_dtype, dv, tile_n, stages)
         sK8_layout, sV8_layout = None, None
+        if const_expr(self.converts_kv):
+            sK8_layout = hopper_mma.make_row_major_smem_layout(self.kv_dtype, tile_n, d, stages)
         if const_expr(self.kv_fp8):
-            sK8_layout, sV8_layout = [
-                hopper_mma.make_row_major_smem_layout(
-                    self.kv_dtype, self.config.tile_n, width, self.config.num_stages
-                )
-                for width in (d, dv)
-            ]
+            sV8_layout = hopper_mma.make_row_major_smem_layout(self.kv_dtype, tile_n, dv, stages)
         if const_expr(self.variant.v_in_k):  # V: the first dv columns of each K stage
             sV_layout = hopper_mma.column_block_layout(
                 self.dtype,
@@ -147,10 +147,10 @@ class HostSetup(Piece):
         )
 
     def rings(self, layouts: SmemLayouts):
-        """(K's, V's) layouts of the rings the loads fill: the FP8 rings of an FP8 cache, the
-        GEMMs' rings otherwise."""
+        """(K's, V's) layouts of the rings the loads fill: the FP8 rings of an FP8 cache (K's
+        is the GEMMs' with fp8_math), the GEMMs' rings otherwise."""
         if const_expr(self.kv_fp8):
-            return layouts.k8, layouts.v8
+            return (layouts.k if const_expr(self.fp8_math) else layouts.k8), layouts.v8
         return layouts.k, layouts.v
 
     def tma(self, views: KernelViews, layouts: SmemLayouts):
@@ -209,7 +209,7 @@ class HostSetup(Piece):
     def stage_bytes(self, layouts: SmemLayouts) -> Tuple[int, int, int]:
         """Bytes TMA brings into Q's tile and into one stage of the K and V rings."""
         ring_K_layout, ring_V_layout = self.rings(layouts)
-        bytes_q = cute.size_in_bytes(self.dtype, layouts.q)
+        bytes_q = cute.size_in_bytes(self.q_dtype, layouts.q)
         bytes_k, bytes_v = [
             cute.size_in_bytes(self.kv_dtype, cute.select(layout, mode=[0, 1]))
             for layout in (ring_K_layout, ring_V_layout)
@@ -226,12 +226,14 @@ class HostSetup(Piece):
         sV_size = 0 if const_expr(self.variant.v_in_k) else cute.cosize(layouts.v)
 
         num_stages = self.config.num_stages
-        fp8_rings = 1 if const_expr(self.kv_fp8) else 0
+        k8_ring = 1 if const_expr(self.converts_kv) else 0
+        v8_ring = 1 if const_expr(self.kv_fp8) else 0
         sP_size = cute.cosize(layouts.p) if const_expr(layouts.p is not None) else 0
         sO_size = cute.cosize(layouts.o) if const_expr(self.separate_o_smem) else 0
         score_rows_size = 4 * self.config.tile_m if const_expr(self.split_scores) else 0
         sQ_size, sK_size = cute.cosize(layouts.q), cute.cosize(layouts.k)
-        dtype, mma_dtype, align = self.dtype, self.mma_dtype, self.smem_align
+        dtype, q_dtype, mma_dtype = self.dtype, self.q_dtype, self.mma_dtype
+        align = self.smem_align
 
         @cute.struct
         class SharedStorage:
@@ -239,12 +241,12 @@ class HostSetup(Piece):
             mbar_k: cute.struct.MemRange[cutlass.Int64, num_stages * 2]
             mbar_v: cute.struct.MemRange[cutlass.Int64, num_stages * 2]
             # FP8 K/V: the FP8 rings' barriers (mbar_k / mbar_v guard the fp16 rings).
-            mbar_k8: cute.struct.MemRange[cutlass.Int64, num_stages * 2 * fp8_rings]
-            mbar_v8: cute.struct.MemRange[cutlass.Int64, num_stages * 2 * fp8_rings]
+            mbar_k8: cute.struct.MemRange[cutlass.Int64, num_stages * 2 * k8_ring]
+            mbar_v8: cute.struct.MemRange[cutlass.Int64, num_stages * 2 * v8_ring]
             mbar_sched: cute.struct.MemRange[cutlass.Int64, 2 * 2]
             next_tile: cute.struct.MemRange[Int32, 2]
             split_last: cute.struct.MemRange[Int32, 1]  # split kernels: this CTA merges the tile
-            sQ: cute.struct.Align[cute.struct.MemRange[dtype, sQ_size], align]
+            sQ: cute.struct.Align[cute.struct.MemRange[q_dtype, sQ_size], align]
             sK: cute.struct.Align[cute.struct.MemRange[mma_dtype, sK_size], align]
             sV: cute.struct.Align[cute.struct.MemRange[mma_dtype, sV_size], align]
             sP: cute.struct.Align[cute.struct.MemRange[dtype, sP_size], align]
@@ -258,7 +260,7 @@ class HostSetup(Piece):
 
     def _q_tma_atom(self, op, mX, width: int):
         """TMA atom of Q's tile (or of its columns from one tensor, width wide)."""
-        layout = hopper_mma.make_row_major_smem_layout(self.dtype, self.config.tile_m, width)
+        layout = hopper_mma.make_row_major_smem_layout(self.q_dtype, self.config.tile_m, width)
         if const_expr(self.variant.pack_gqa_ratio > 1):
             return _make_packed_gqa_tma_atom(
                 op, mX, layout, self.config.tile_m, width, self.variant.pack_gqa_ratio

@@ -177,19 +177,18 @@ class FlashAttentionForwardSm90(Piece):
             tx_count=self.tma_bytes_q,
             defer_sync=True,
         )
-        pipeline_k8 = pipeline_v8 = None
-        if const_expr(self.kv_fp8):
-            # TMA -> FP8 rings -> converting warps -> fp16 rings -> MMA warps.
-            pipeline_k8, pipeline_v8 = [
-                self._kv_ring(bar, tx_count, tma_warp, self.convert_threads)
-                for bar, tx_count in (
-                    (storage.mbar_k8, self.tma_bytes_k),
-                    (storage.mbar_v8, self.tma_bytes_v),
-                )
-            ]
-            pipeline_k, pipeline_v = [
-                pipeline.PipelineAsync.create(
-                    barrier_storage=bar.data_ptr(),
+        # TMA -> (FP8 rings -> converting or transposing warps ->) the MMA warps' rings.
+        loaded = [(storage.mbar_k, self.tma_bytes_k), (storage.mbar_v, self.tma_bytes_v)]
+        converted = (self.converts_kv, self.kv_fp8)  # K's, V's
+        fp8_rings = [None, None]  # the FP8 rings between TMA and the converting warps
+        for i, fp8_bar in enumerate((storage.mbar_k8, storage.mbar_v8)):
+            if const_expr(converted[i]):
+                fp8_rings[i] = self._kv_ring(fp8_bar, loaded[i][1], tma_warp, self.convert_threads)
+        rings = [None, None]  # the MMA warps'
+        for i in range(2):
+            if const_expr(converted[i]):
+                rings[i] = pipeline.PipelineAsync.create(
+                    barrier_storage=loaded[i][0].data_ptr(),
                     num_stages=self.config.num_stages,
                     producer_group=pipeline.CooperativeGroup(
                         pipeline.Agent.Thread, self.convert_threads
@@ -199,17 +198,9 @@ class FlashAttentionForwardSm90(Piece):
                     ),
                     defer_sync=True,
                 )
-                for bar in (storage.mbar_k, storage.mbar_v)
-            ]
-        else:
-            pipeline_k, pipeline_v = [
-                self._kv_ring(bar, tx_count, tma_warp, self.num_mma_threads)
-                for bar, tx_count in (
-                    (storage.mbar_k, self.tma_bytes_k),
-                    (storage.mbar_v, self.tma_bytes_v),
-                )
-            ]
-        return pipeline_q, pipeline_k, pipeline_v, pipeline_k8, pipeline_v8
+            else:
+                rings[i] = self._kv_ring(*loaded[i], tma_warp, self.num_mma_threads)
+        return pipeline_q, rings[0], rings[1], fp8_rings[0], fp8_rings[1]
 
     def _cta_buffers(self, storage, layouts: SmemLayouts, rings) -> CtaBuffers:
         """The CTA's shared-memory tiles (in `layouts`) and its rings, as the pieces see them."""
@@ -232,8 +223,9 @@ class FlashAttentionForwardSm90(Piece):
         if const_expr(self.split_scores):
             sRows = storage.score_rows.get_tensor(cute.make_layout((2, 2, self.config.tile_m)))
         sK8, sV8 = None, None
-        if const_expr(self.kv_fp8):
+        if const_expr(self.converts_kv):
             sK8 = storage.sK8.get_tensor(sK8_layout.outer, swizzle=sK8_layout.inner)
+        if const_expr(self.kv_fp8):
             sV8 = storage.sV8.get_tensor(sV8_layout.outer, swizzle=sV8_layout.inner)
         sO = sQ  # (a TMA-stored O without a tile of its own has dv == d: the plan's rule)
         if const_expr(self.separate_o_smem):
@@ -435,7 +427,8 @@ class FlashAttentionForwardSm90(Piece):
                     q_state.advance()
                     tile_idx, handoff = scheduler.fetch_next(tile_idx, handoff)
                 scheduler.finish()
-            elif const_expr(self.kv_fp8):  # the others: FP8 blocks -> fp16 (one tile per CTA)
+            elif const_expr(self.kv_fp8):  # the others: FP8 blocks converted or V transposed
+                # (one tile per CTA)
                 tile_idx = scheduler.first_tile()
                 if scheduler.is_valid(tile_idx):
                     self.producer.convert_tile(buffers, scheduler.work_tile(tile_idx), shapes)

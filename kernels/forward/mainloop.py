@@ -32,6 +32,9 @@ from .records import CtaBuffers, MainloopOperands, MmaSetup, ProblemShapes, QRel
 
 LOG2_E = math.log2(math.e)
 LN2 = math.log(2.0)
+# FP8 math: probabilities scaled by 2^8 before their cast to e4m3 (FlashAttention-3's
+# Max_offset), so P spans [0, 256] of e4m3's range, not [0, 1], where fewer values are normal.
+FP8_P_OFFSET = 8
 
 
 class Mainloop(Piece):
@@ -201,6 +204,8 @@ class Mainloop(Piece):
             cute.size(hopper_mma.acc_as_rows_cols(acc_O), mode=[0]),
             self.config.exp2_on_fma,
             self.config.rescale_threshold,
+            # e4m3 P: probabilities up to 2^8 use its range (its largest value is 448).
+            max_offset=FP8_P_OFFSET if const_expr(self.fp8_math) else 0,
         )
         ctx = MainloopOperands(
             tiled_mma_qk=setup.tiled_mma_qk,
@@ -208,8 +213,11 @@ class Mainloop(Piece):
             thr_mma_qk=setup.tiled_mma_qk.get_slice(qk_tidx),
             tSrQ=wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(buf.sQ_mma)),
             tSrK=wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(buf.sK)),
+            # (With fp8_math, sV is V^T already: kernels/v_transpose.py.)
             tOrVt=wg_mma_pv.make_fragment_B(
-                wg_mma_pv.partition_B(hopper_mma.transpose_smem_view(buf.sV))
+                wg_mma_pv.partition_B(
+                    buf.sV if const_expr(self.fp8_math) else hopper_mma.transpose_smem_view(buf.sV)
+                )
             ),
             tOrP=tOrP,
             smem_copy_P=smem_copy_P,
@@ -337,6 +345,9 @@ class Mainloop(Piece):
 
     def _scores_to_p(self, ctx, acc_S):
         """Round probabilities to the input dtype where the P V GEMM reads them."""
+        if const_expr(self.fp8_math):  # (P from registers: the plan's rule)
+            hopper_mma.pack_p_e4m3(acc_S, ctx.tOrP)
+            return
         p_as_a = hopper_mma.acc_as_operand_a(acc_S)
         if const_expr(self.config.pv_from_registers):
             hopper_mma.convert_to_16bit(p_as_a, ctx.tOrP)

@@ -18,6 +18,7 @@ from ..kv_dequant import ConvertingBlockLoader
 from ..paged_kv_gather import GatherPagedBlockLoader
 from ..tile_scheduler import WorkTile
 from ..tma_loads import PairedBlockLoader, TmaBlockLoader, TmaPagedBlockLoader
+from ..v_transpose import SkippedBlockLoader, TransposingBlockLoader
 from .facts import Piece
 from .records import CtaBuffers, GmemLoads, ProblemShapes, QLoad, TmaAtoms
 
@@ -90,7 +91,7 @@ class Producer(Piece):
             )  # fmt: skip
         else:
             sK_ring, k_ring = buf.sK, buf.pipeline_k
-            if const_expr(self.kv_fp8):  # (the converting warps fill buf.sK from these)
+            if const_expr(self.converts_kv):  # (the converting warps fill buf.sK from these)
                 sK_ring, k_ring = buf.sK8, buf.pipeline_k8
             k_loader = block_loader(loads.k, sK_ring, k_ring, atoms.k, d)
         v_loader = None  # (v_in_k: V is in K's stages)
@@ -126,31 +127,37 @@ class Producer(Piece):
     @cute.jit
     def convert_tile(self, buf: CtaBuffers, tile: WorkTile, shapes: ProblemShapes):
         """Converting warps, one tile: each FP8 K and V block the TMA warp loads, in its order,
-        into the fp16 rings (kernels/kv_dequant.py)."""
+        into the fp16 rings (kernels/kv_dequant.py); with fp8_math each V block transposed
+        into V^T's ring (kernels/v_transpose.py), K's left to the TMA warp's ring."""
         seqlen, _, n_block_min, n_block_max = self.tile_problem(tile, shapes)
         if n_block_max > n_block_min:
             thread = cute.arch.thread_idx()[0] - 32 * self.load_warps
             state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Producer, self.config.num_stages
             )
-            k_loader, v_loader = [
-                ConvertingBlockLoader(
-                    src,
-                    dst,
-                    ring8,
-                    ring16,
-                    thread,
-                    self.convert_threads,
-                    self.config.tile_n,
-                    seqlen_k,
+            handoff = functools.partial(self._handoff, thread)
+            if const_expr(self.fp8_math):
+                k_loader = SkippedBlockLoader()
+                v_loader = handoff(
+                    TransposingBlockLoader, buf.sV8, buf.sV, buf.pipeline_v8, buf.pipeline_v,
+                    seqlen_k=seqlen.seqlen_k,
                 )  # fmt: skip
-                for src, dst, ring8, ring16, seqlen_k in (
-                    (buf.sK8, buf.sK, buf.pipeline_k8, buf.pipeline_k, None),
-                    (buf.sV8, buf.sV, buf.pipeline_v8, buf.pipeline_v, seqlen.seqlen_k),
+            else:
+                k_loader = handoff(
+                    ConvertingBlockLoader, buf.sK8, buf.sK, buf.pipeline_k8, buf.pipeline_k
                 )
-            ]
+                v_loader = handoff(
+                    ConvertingBlockLoader, buf.sV8, buf.sV, buf.pipeline_v8, buf.pipeline_v,
+                    seqlen_k=seqlen.seqlen_k,
+                )  # fmt: skip
             k_loader.load(n_block_max - 1, state)
             self._load_kv_blocks(k_loader, v_loader, state, n_block_min, n_block_max)
+
+    def _handoff(self, thread, cls, src, dst, ring8, ring_out, seqlen_k=None):
+        """A converting warp's loader of one ring's blocks (cls: converting or transposing)."""
+        return cls(
+            src, dst, ring8, ring_out, thread, self.convert_threads, self.config.tile_n, seqlen_k
+        )
 
     @cute.jit
     def _load_kv_blocks(

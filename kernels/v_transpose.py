@@ -1,0 +1,224 @@
+"""FP8 V blocks transposed in shared memory, for the FP8 P V GEMM.
+
+An e4m3 WGMMA reads both operands K-major from shared memory: for O = P V that is V^T, each
+of V's head-dim columns with its keys contiguous, while V arrives as key rows. The producer
+warpgroup's spare warps (the converting warps of a 16-bit-math FP8 cache) transpose each V
+block the TMA warp loads, from the FP8 ring (tile_n, dv) into the MMA warps' ring (dv, tile_n).
+
+P comes from registers: the fp32 score accumulator, cast to e4m3, is the A operand. Its 8-bit
+fragment holds keys {4q .. 4q+3, 16+4q .. 16+4q+3} of each 32 in thread q of a quad, where the
+accumulator holds {2q, 2q+1} + 8j. Rather than moving P between threads, the keys of V^T are
+permuted within each 32 to match: position 16h + 4q + i of V^T holds key
+16h + 8 (i // 2) + 2q + i % 2, and P's four accumulator values (column groups 2h, 2h+1 of the
+32, their two columns each) pack into one 32-bit register in that order (hopper_mma.
+pack_p_e4m3). Then P V needs no permutation of O either.
+
+A warp moves 32 keys x 16 columns per step: ldmatrix.trans (8 x 8 16-bit matrices: each lane
+gets two consecutive keys of two consecutive columns), two byte permutes per register pair
+(keys 2q, 2q+1, 8+2q, 9+2q of one column), stmatrix into V^T rows. The stmatrix rows of a
+matrix are 8 head-dim columns with distinct residues mod 8 (even ones in a lane's first four
+rows, odd ones in its last four), so neither instruction has bank conflicts under the 64- or
+128-byte swizzles (kernels/hopper_mma.make_row_major_smem_layout).
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .kv_dequant import ConvertingBlockLoader
+
+KEYS_PER_STEP = 32  # a warp's keys per step: one group of V^T's permutation
+COLUMNS_PER_STEP = 16  # a warp's head-dim columns per step: one 16-byte ldmatrix row
+# prmt selectors: bytes 0 and 2 of two registers (a column's keys), or bytes 1 and 3.
+EVEN_COLUMN, ODD_COLUMN = 0x6420, 0x7531
+
+
+@dsl_user_op
+def ldmatrix_x4_trans(address: Int32, *, loc=None, ip=None):
+    """Four 8 x 8 16-bit matrices from shared memory, transposed (lanes 8j .. 8j+7 give the
+    row addresses of matrix j); lane l gets, of each, the elements (2 (l % 4) + e, l // 4)."""
+    i32 = T.i32()
+    result = llvm.inline_asm(
+        llvm.StructType.get_literal([i32] * 4),
+        [Int32(address).ir_value(loc=loc, ip=ip)],
+        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return [Int32(llvm.extractvalue(i32, result, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def stmatrix_x4(address: Int32, regs, *, loc=None, ip=None):
+    """Four 8 x 8 16-bit matrices to shared memory (lanes 8j .. 8j+7 give the row addresses of
+    matrix j); lane l gives, of each, row l // 4's elements 2 (l % 4) and 2 (l % 4) + 1."""
+    llvm.inline_asm(
+        None,
+        [Int32(address).ir_value(loc=loc, ip=ip)]
+        + [Int32(r).ir_value(loc=loc, ip=ip) for r in regs],
+        "stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1, $2, $3, $4};",
+        "r,r,r,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def byte_perm(a: Int32, b: Int32, selector: Int32, *, loc=None, ip=None) -> Int32:
+    """prmt.b32: four bytes picked from (b:a) by the selector's nibbles."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Int32(x).ir_value(loc=loc, ip=ip) for x in (a, b, selector)],
+            "prmt.b32 $0, $1, $2, $3;",
+            "=r,r,r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def _atom_bytes(width: int) -> int:
+    """The swizzle atom's width of an 8-bit row-major smem tile `width` bytes wide (the widest
+    of 128, 64, 32 dividing it: hopper_mma.make_row_major_smem_layout's choice)."""
+    return next(a for a in (128, 64, 32) if width % a == 0)
+
+
+def _row_xor(row: Int32, width: int) -> Int32:
+    """The swizzle's XOR of a row's byte offsets in such a tile (Swizzle<3|2|1, 4, 3>: the
+    16-byte chunk index XOR the row's bits 0-2, 1-2 or 2; a function of row % 8 alone)."""
+    atom = _atom_bytes(width)
+    if cutlass.const_expr(atom == 128):
+        return (row % 8) << 4
+    if cutlass.const_expr(atom == 64):
+        return ((row // 2) % 4) << 4
+    return ((row // 4) % 2) << 4
+
+
+def _offset(rows: int, width: int, row: Int32, col: Int32, row_xor: Int32) -> Int32:
+    """The byte offset of (row, col) in a (rows, width) 8-bit tile laid out by
+    make_row_major_smem_layout (atoms of 8 rows x atom bytes, a column of atoms after
+    another): col a multiple of 16, row_xor the row's _row_xor."""
+    atom = _atom_bytes(width)
+    return (col // atom) * (rows * atom) + row * atom + ((col % atom) ^ row_xor)
+
+
+BATCH = 4  # steps whose ldmatrix go before their stmatrix (no load waits out a store)
+
+
+@cute.jit
+def transpose_block(
+    src: cute.Tensor,
+    dst: cute.Tensor,
+    stage: Int32,
+    lane: Int32,
+    warp: Int32,
+    num_warps: cutlass.Constexpr[int],
+    tile_n: cutlass.Constexpr[int],
+    width: cutlass.Constexpr[int],
+    valid_rows: Int32,
+):
+    """dst (width, tile_n) = src (tile_n, width) transposed, keys permuted within each 32 as
+    the module says, by num_warps warps (this one: `warp`, lane `lane`); keys from valid_rows
+    on written as zeros (a cache's slots past the sequence may hold anything, NaN included,
+    and P is 0 there: 0 * NaN must not reach O). src, dst: the (rows, cols, stages) rings,
+    compact. Each thread then makes its stores visible to the async proxy (the WGMMAs)."""
+    stage_bytes = tile_n * width
+    src_address = src.iterator.toint() + stage * stage_bytes
+    dst_address = dst.iterator.toint() + stage * stage_bytes
+    column_steps = width // COLUMNS_PER_STEP
+    steps = tile_n // KEYS_PER_STEP * column_steps
+    quad_lane, row_in_matrix = lane % 4, lane // 4
+    # The lane's register of matrices 0 and 2 (positions 0..15, 16..31) is V^T row
+    # 2r + (r >= 4) of its 16, of 1 and 3 row 2r + 1 - (r >= 4) (r: its row in the matrix).
+    select_a = Int32(ODD_COLUMN) if row_in_matrix >= 4 else Int32(EVEN_COLUMN)
+    select_b = Int32(EVEN_COLUMN) if row_in_matrix >= 4 else Int32(ODD_COLUMN)
+    # The row this lane addresses in the stores: matrix lane // 8, its row lane % 8.
+    store_matrix, store_row = lane // 8, lane % 8
+    store_high = Int32(1) if store_row >= 4 else Int32(0)
+    store_column = 2 * store_row + store_high
+    if store_matrix % 2 == 1:
+        store_column = 2 * store_row + 1 - store_high
+    store_position = (store_matrix // 2) * 16
+    # Rows step by multiples of 8 (keys by 32, columns by 16): each lane's XOR is fixed.
+    load_xor, store_xor = _row_xor(lane, width), _row_xor(store_column, tile_n)
+    partial = valid_rows < tile_n
+    per_warp = (steps + num_warps - 1) // num_warps
+    for first in cutlass.range_constexpr(0, per_warp, BATCH):
+        batch = min(BATCH, per_warp - first)
+        regs = cute.make_rmem_tensor((4, batch), Int32)
+        for b in cutlass.range_constexpr(batch):
+            step = warp + (first + b) * num_warps
+            if step < steps or cutlass.const_expr(steps % num_warps == 0):
+                group = step // column_steps
+                column = (step - group * column_steps) * COLUMNS_PER_STEP
+                loaded = ldmatrix_x4_trans(
+                    src_address
+                    + _offset(tile_n, width, group * KEYS_PER_STEP + lane, column, load_xor)
+                )
+                for i in cutlass.range_constexpr(4):
+                    regs[i, b] = loaded[i]
+        for b in cutlass.range_constexpr(batch):
+            step = warp + (first + b) * num_warps
+            if step < steps or cutlass.const_expr(steps % num_warps == 0):
+                group = step // column_steps
+                column = (step - group * column_steps) * COLUMNS_PER_STEP
+                key0 = group * KEYS_PER_STEP
+                if partial:
+                    # regs[i] holds keys key0 + 8i + 2 (lane % 4) + {0 (low half), 1 (high)}.
+                    for i in cutlass.range_constexpr(4):
+                        key = key0 + 8 * i + 2 * quad_lane
+                        low = Int32(0xFFFF) if key < valid_rows else Int32(0)
+                        high = Int32(-65536) if key + 1 < valid_rows else Int32(0)
+                        regs[i, b] = regs[i, b] & (low | high)
+                stmatrix_x4(
+                    dst_address
+                    + _offset(
+                        width, tile_n, column + store_column, key0 + store_position, store_xor
+                    ),
+                    [
+                        byte_perm(regs[0, b], regs[1, b], select_a),
+                        byte_perm(regs[0, b], regs[1, b], select_b),
+                        byte_perm(regs[2, b], regs[3, b], select_a),
+                        byte_perm(regs[2, b], regs[3, b], select_b),
+                    ],
+                )
+    cute.arch.fence_view_async_shared()  # generic-proxy stores -> the WGMMAs' reads
+
+
+@dataclass(frozen=True)
+class TransposingBlockLoader(ConvertingBlockLoader):
+    """ConvertingBlockLoader's handoff (FP8 ring -> the MMA warps' ring, in the TMA warp's
+    order) with V's transpose as the work: src (tile_n, dv, stages) FP8, dst (dv, tile_n,
+    stages) FP8."""
+
+    @cute.jit
+    def fill(self, stage: Int32, valid: Int32):
+        transpose_block(
+            self.src,
+            self.dst,
+            stage,
+            self.thread % 32,
+            self.thread // 32,
+            self.num_threads // 32,
+            self.tile_n,
+            cute.size(self.src, mode=[1]),
+            valid,
+        )
+
+
+@dataclass(frozen=True)
+class SkippedBlockLoader:
+    """A loader that loads nothing: the transposing warps walk the TMA warp's order of K and
+    V loads, but only V's blocks are theirs."""
+
+    def load(self, n_block: Int32, state):
+        pass

@@ -1,0 +1,166 @@
+"""FP8 math on a Hopper GPU: float8_e4m3fn q, k and v in e4m3 GEMMs (prefill shapes:
+flash_attn_func, flash_attn_varlen_func and FlashAttention-3's), against the float32
+reference on the dequantized inputs. The bar is the issue's: twice the error of a naive FP8
+attention in PyTorch on the same inputs (scores and P V in float32 from the FP8 values, the
+normalized probabilities rounded to e4m3), plus a floor; the LSE as for 16-bit inputs. Outputs
+are poisoned (NaN) before each call."""
+
+import pytest
+import torch
+from kv_cases import cu_seqlens
+
+import flash_cute
+from flash_cute import flash_attn_interface as fa3
+from flash_cute.reference import attention_ref, error_bound, stable_seed
+
+pytestmark = pytest.mark.gpu
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_randn(*shape, gen):
+    return torch.randn(*shape, device="cuda", generator=gen).to(FP8)
+
+
+def descales(form, batch, nheads_kv, gen):
+    """q, k and v descales: per (batch, kv head) in [0.25, 2), an expanded scalar, or None."""
+    if form is None:
+        return None, None, None
+    if form == "scalar":
+        return tuple(
+            torch.full((1, 1), 0.5 + i, device="cuda").expand(batch, nheads_kv) for i in range(3)
+        )
+    return tuple(
+        torch.rand(batch, nheads_kv, device="cuda", generator=gen) * 1.75 + 0.25 for _ in range(3)
+    )
+
+
+def dequantized(x8, scale):
+    """x8 (b, s, h_kv, d) FP8 times its (b, h_kv) descale, float32."""
+    x = x8.float()
+    return x if scale is None else x * scale[:, None, :, None]
+
+
+def check(out, lse, q8, k8, v8, qd, kd, vd, **mask):
+    """out (and lse) against the float32 reference on the dequantized inputs; the bar is twice
+    the naive FP8 attention's error (error_bound)."""
+    nheads_kv = k8.shape[2]
+    q = q8.float()
+    if qd is not None:  # q's descale is per kv head: over its group of q heads
+        q = q * qd.repeat_interleave(q8.shape[2] // nheads_kv, dim=1)[:, None, :, None]
+    k, v = dequantized(k8, kd), dequantized(v8, vd)
+    ref, lse_ref = attention_ref(q, k, v, **mask)
+    naive, _ = attention_ref(q, k, v, p_dtype=FP8, **mask)
+    assert not out.isnan().any(), "NaN in the output (unwritten?)"
+    err = (out.float() - ref).abs().max().item()
+    bound = error_bound(naive.to(torch.bfloat16), ref)
+    assert err <= bound, f"max error {err:.3e} > bound {bound:.3e} (naive FP8: {bound / 2:.3e})"
+    if lse is not None:
+        finite = torch.isfinite(lse_ref)
+        assert torch.equal(torch.isfinite(lse), finite)
+        lse_err = (lse[finite] - lse_ref[finite]).abs().max().item()
+        assert lse_err < 1e-3 * max(1.0, lse_ref[finite].abs().max().item()), lse_err
+
+
+CASES = [
+    # (head_dim, causal, (nheads, nheads_kv), seqlen_q, seqlen_k, descale form)
+    (64, False, (8, 8), 113, 1000, "tensor"),
+    (64, True, (8, 2), 1000, 1000, None),
+    (96, False, (4, 4), 17, 4097, "scalar"),
+    (128, False, (16, 4), 1000, 1000, "tensor"),
+    (128, True, (16, 4), 4097, 4097, "tensor"),
+    (128, True, (8, 8), 1, 1000, "tensor"),
+    (192, True, (4, 1), 1000, 113, "tensor"),
+    (256, False, (8, 2), 1000, 4097, "tensor"),
+    (256, True, (8, 2), 17, 4097, None),
+]
+
+
+@pytest.mark.parametrize("api", ["native", "fa3"])
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"d{c[0]}-{'causal' if c[1] else 'full'}-{c[3]}x{c[4]}-{c[5]}"
+)
+def test_fp8_math_prefill(case, api):
+    head_dim, causal, (nheads, nheads_kv), seqlen_q, seqlen_k, form = case
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 math", case, api))
+    batch = 2
+    q8 = fp8_randn(batch, seqlen_q, nheads, head_dim, gen=gen)
+    k8 = fp8_randn(batch, seqlen_k, nheads_kv, head_dim, gen=gen)
+    v8 = fp8_randn(batch, seqlen_k, nheads_kv, head_dim, gen=gen)
+    qd, kd, vd = descales(form, batch, nheads_kv, gen)
+    if api == "native":
+        out = torch.full(q8.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+        _, lse = flash_cute.flash_attn_func(
+            q8, k8, v8, causal=causal, out=out, q_descale=qd, k_descale=kd, v_descale=vd,
+            return_lse=True,
+        )  # fmt: skip
+    else:
+        out, lse = fa3.flash_attn_func(
+            q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
+            return_attn_probs=True,
+        )  # fmt: skip
+    assert out.dtype == torch.bfloat16
+    check(out, lse, q8, k8, v8, qd, kd, vd, causal=causal)
+
+
+MASKS = [
+    dict(window_size=(100, 0)),
+    dict(window_size=(300, 64)),
+    dict(attention_chunk=256, causal=True),
+    dict(softcap=15.0, causal=True),
+]
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: "-".join(f"{k}{v}" for k, v in m.items()))
+def test_fp8_math_masks(mask):
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 math mask", str(mask)))
+    batch, seqlen, nheads, nheads_kv, d = 2, 1000, 8, 2, 128
+    q8 = fp8_randn(batch, seqlen, nheads, d, gen=gen)
+    k8, v8 = (fp8_randn(batch, seqlen, nheads_kv, d, gen=gen) for _ in range(2))
+    qd, kd, vd = descales("tensor", batch, nheads_kv, gen)
+    out, lse = flash_cute.flash_attn_func(
+        q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True, **mask
+    )
+    check(out, lse, q8, k8, v8, qd, kd, vd, **mask)
+
+
+def test_fp8_math_sinks_and_splits():
+    """Learnable sinks, and a forced split (partials merged in the kernel, their LSEs carrying
+    the FP8 offset)."""
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 math sinks"))
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, d = 2, 64, 4097, 8, 8, 128
+    q8 = fp8_randn(batch, seqlen_q, nheads, d, gen=gen)
+    k8, v8 = (fp8_randn(batch, seqlen_k, nheads_kv, d, gen=gen) for _ in range(2))
+    qd, kd, vd = descales("tensor", batch, nheads_kv, gen)
+    sink = torch.randn(nheads, device="cuda", generator=gen)
+    out, lse = flash_cute.flash_attn_func(
+        q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
+        learnable_sink=sink, return_lse=True,
+    )  # fmt: skip
+    check(out, lse, q8, k8, v8, qd, kd, vd, causal=True, learnable_sink=sink)
+    out, lse = fa3.flash_attn_func(
+        q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, num_splits=3,
+        return_attn_probs=True,
+    )  # fmt: skip
+    check(out, lse, q8, k8, v8, qd, kd, vd, causal=True)
+
+
+def test_fp8_math_varlen():
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 math varlen"))
+    seqlens_q, seqlens_k = [1, 17, 1000, 113], [1000, 17, 1000, 4097]
+    nheads, nheads_kv, d = 8, 2, 128
+    q8 = fp8_randn(sum(seqlens_q), nheads, d, gen=gen)
+    k8, v8 = (fp8_randn(sum(seqlens_k), nheads_kv, d, gen=gen) for _ in range(2))
+    qd, kd, vd = descales("tensor", len(seqlens_q), nheads_kv, gen)
+    out = torch.full(q8.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+    flash_cute.flash_attn_varlen_func(
+        q8, k8, v8, cu_seqlens(seqlens_q), max(seqlens_q), cu_seqlens_k=cu_seqlens(seqlens_k),
+        max_seqlen_k=max(seqlens_k), causal=True, out=out, q_descale=qd, k_descale=kd,
+        v_descale=vd,
+    )  # fmt: skip
+    for b, (sq, sk) in enumerate(zip(seqlens_q, seqlens_k)):
+        q0, k0 = sum(seqlens_q[:b]), sum(seqlens_k[:b])
+        qb, kb, vb = (None if t is None else t[b : b + 1] for t in (qd, kd, vd))
+        check(
+            out[None, q0 : q0 + sq], None, q8[None, q0 : q0 + sq], k8[None, k0 : k0 + sk],
+            v8[None, k0 : k0 + sk], qb, kb, vb, causal=True,
+        )  # fmt: skip
