@@ -111,7 +111,7 @@ def _offset(rows: int, width: int, row: Int32, col: Int32, row_xor: Int32) -> In
     return (col // atom) * (rows * atom) + row * atom + ((col % atom) ^ row_xor)
 
 
-BATCH = 4  # steps whose ldmatrix go before their stmatrix (no load waits out a store)
+BATCH = 2  # steps whose ldmatrix go before their stmatrix (no load waits out a store)
 
 
 @cute.jit

@@ -144,19 +144,26 @@ def test_fp8_math_sinks_and_splits():
     check(out, lse, q8, k8, v8, qd, kd, vd, causal=True)
 
 
-def test_fp8_math_varlen():
-    gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 math varlen"))
+@pytest.mark.parametrize("api", ["native", "fa3"])
+def test_fp8_math_varlen(api):
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 math varlen", api))
     seqlens_q, seqlens_k = [1, 17, 1000, 113], [1000, 17, 1000, 4097]
     nheads, nheads_kv, d = 8, 2, 128
     q8 = fp8_randn(sum(seqlens_q), nheads, d, gen=gen)
     k8, v8 = (fp8_randn(sum(seqlens_k), nheads_kv, d, gen=gen) for _ in range(2))
     qd, kd, vd = descales("tensor", len(seqlens_q), nheads_kv, gen)
-    out = torch.full(q8.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
-    flash_cute.flash_attn_varlen_func(
-        q8, k8, v8, cu_seqlens(seqlens_q), max(seqlens_q), cu_seqlens_k=cu_seqlens(seqlens_k),
-        max_seqlen_k=max(seqlens_k), causal=True, out=out, q_descale=qd, k_descale=kd,
-        v_descale=vd,
-    )  # fmt: skip
+    cu_q, cu_k = cu_seqlens(seqlens_q), cu_seqlens(seqlens_k)
+    if api == "native":
+        out = torch.full(q8.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+        flash_cute.flash_attn_varlen_func(
+            q8, k8, v8, cu_q, max(seqlens_q), cu_seqlens_k=cu_k, max_seqlen_k=max(seqlens_k),
+            causal=True, out=out, q_descale=qd, k_descale=kd, v_descale=vd,
+        )  # fmt: skip
+    else:
+        out = fa3.flash_attn_varlen_func(
+            q8, k8, v8, cu_q, cu_k, max(seqlens_q), max(seqlens_k), causal=True,
+            q_descale=qd, k_descale=kd, v_descale=vd,
+        )  # fmt: skip
     for b, (sq, sk) in enumerate(zip(seqlens_q, seqlens_k)):
         q0, k0 = sum(seqlens_q[:b]), sum(seqlens_k[:b])
         qb, kb, vb = (None if t is None else t[b : b + 1] for t in (qd, kd, vd))

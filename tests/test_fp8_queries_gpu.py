@@ -1,13 +1,14 @@
-"""FP8 (float8_e4m3fn) queries on a Hopper GPU through every entry point: against the float32
-reference on the dequantized inputs (q * q_descale, k * k_descale, v * v_descale, each
-(batch, kv head) scale over its heads), within the bar of 16-bit attention. q_descale scales
+"""FP8 (float8_e4m3fn) queries on a Hopper GPU over FP8 caches, decode-like calls (the
+FP8-cache kernels in 16-bit math; prefill shapes run FP8 math: test_fp8_math_gpu.py): against
+the float32 reference on the dequantized inputs (q * q_descale, k * k_descale, v * v_descale,
+each (batch, kv head) scale over its heads), within the bar of 16-bit attention. q_descale scales
 the scores as k_descale does, so the reference takes q exactly (FP8 values are bf16 values)
 and k_descale * q_descale. Outputs are poisoned (NaN) before each call; cache slots past each
 sequence hold NaN."""
 
 import pytest
 import torch
-from kv_cases import captured, cu_seqlens
+from kv_cases import captured
 from test_fp8_kv_gpu import FP8, check_against_dequantized, fp8_cache, padded, poison_past
 
 import flash_cute
@@ -33,70 +34,6 @@ def reference_scales(qd, kd, vd, batch, nheads_kv):
     ones = torch.ones(batch, nheads_kv, device="cuda")
     qd, kd, vd = (ones if d is None else d for d in (qd, kd, vd))
     return qd * kd, vd
-
-
-PREFILL_CASES = [
-    # (head_dim, causal, (nheads, nheads_kv), seqlen_q, seqlen_k)
-    (64, False, (8, 8), 113, 1000),
-    (128, True, (16, 4), 1000, 1000),
-    (256, True, (8, 2), 17, 4097),
-]
-
-
-@pytest.mark.parametrize("api", ["native", "fa3"])
-@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"d{c[0]}-{c[1]}-{c[3]}x{c[4]}")
-def test_fp8_prefill(case, api):
-    head_dim, causal, (nheads, nheads_kv), seqlen_q, seqlen_k = case
-    gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 q prefill", case, api))
-    batch = 2
-    q8 = fp8_randn(batch, seqlen_q, nheads, head_dim, gen=gen)
-    k8 = fp8_randn(batch, seqlen_k, nheads_kv, head_dim, gen=gen)
-    v8 = fp8_randn(batch, seqlen_k, nheads_kv, head_dim, gen=gen)
-    qd, kd, vd = scales(batch, nheads_kv, gen)
-    if api == "native":
-        out = torch.full(q8.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
-        flash_cute.flash_attn_func(
-            q8, k8, v8, causal=causal, out=out, q_descale=qd, k_descale=kd, v_descale=vd
-        )
-    else:
-        out = fa3.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
-                                  v_descale=vd)  # fmt: skip
-    assert out.dtype == torch.bfloat16
-    lengths = [seqlen_k] * batch
-    ks, vs = reference_scales(qd, kd, vd, batch, nheads_kv)
-    check_against_dequantized(q8.bfloat16(), out, k8.float(), v8.float(), ks, vs, lengths, causal)
-
-
-@pytest.mark.parametrize("api", ["native", "fa3"])
-def test_fp8_varlen_packed_keys(api):
-    """Packed FP8 keys (cu_seqlens_k): FlashAttention-3's varlen FP8 call."""
-    gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 q varlen", api))
-    seqlens_q, seqlens_k = [1, 17, 113, 64], [1000, 17, 500, 1]
-    nheads, nheads_kv, head_dim = 16, 4, 128
-    q8 = fp8_randn(sum(seqlens_q), nheads, head_dim, gen=gen)
-    k8 = fp8_randn(sum(seqlens_k), nheads_kv, head_dim, gen=gen)
-    v8 = fp8_randn(sum(seqlens_k), nheads_kv, head_dim, gen=gen)
-    qd, kd, vd = scales(len(seqlens_q), nheads_kv, gen)
-    cu_q, cu_k = cu_seqlens(seqlens_q), cu_seqlens(seqlens_k)
-    if api == "native":
-        out = torch.full(q8.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
-        flash_cute.flash_attn_varlen_func(
-            q8, k8, v8, cu_q, max(seqlens_q), cu_seqlens_k=cu_k, max_seqlen_k=max(seqlens_k),
-            causal=True, out=out, q_descale=qd, k_descale=kd, v_descale=vd,
-        )  # fmt: skip
-    else:
-        out = fa3.flash_attn_varlen_func(
-            q8, k8, v8, cu_q, cu_k, max(seqlens_q), max(seqlens_k), causal=True,
-            q_descale=qd, k_descale=kd, v_descale=vd,
-        )  # fmt: skip
-    ks, vs = reference_scales(qd, kd, vd, len(seqlens_q), nheads_kv)
-    for b, (sq, sk) in enumerate(zip(seqlens_q, seqlens_k)):
-        q0, k0 = sum(seqlens_q[:b]), sum(seqlens_k[:b])
-        check_against_dequantized(
-            q8[None, q0 : q0 + sq].bfloat16(), out[None, q0 : q0 + sq],
-            k8[None, k0 : k0 + sk].float(), v8[None, k0 : k0 + sk].float(),
-            ks[b : b + 1], vs[b : b + 1], [sk], True,
-        )  # fmt: skip
 
 
 DECODE_CASES = [
