@@ -94,9 +94,10 @@ def flash_attn_func(
         q_descale, k_descale, v_descale: with FP8 (float8_e4m3fn) q, k and v, (batch,
             nheads_kv) float32 dequantization scales (stride 0 allowed; None: 1), as
             FlashAttention-3 takes them: the scores are (q k^T) * q_descale * k_descale *
-            softmax_scale and out is scaled by v_descale. Served today by converting q to
-            out's dtype on the way in (exact) and each K/V block in the kernel: 16-bit math
-            (FP8 tensor-core math is not built yet).
+            softmax_scale and out is scaled by v_descale. Head dims that are multiples of
+            32 (equal, up to 256) run in e4m3 tensor-core math (FlashAttention-3's error);
+            others convert q to out's dtype on the way in (exact) and each K/V block in
+            the kernel: 16-bit math.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype (FP8 q: bfloat16, or out's
