@@ -163,7 +163,8 @@ def describe(call: Call, names: Optional[dict] = None) -> Problem:
         head_dim_v=v.shape[-1],
         v_in_k=_v_in_k(k, v),
         qv=call.qv is not None,
-        # FP8 queries: the output's (the kernels see q converted to it: run).
+        # FP8 queries: the output's (q_dtype says q is FP8; run converts it where the plan
+        # runs 16-bit math).
         dtype=checks.dtype_name(checks.fp8_query_out_dtype(call.out) if q_fp8 else q.dtype),
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,

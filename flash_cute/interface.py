@@ -96,8 +96,8 @@ def flash_attn_func(
             FlashAttention-3 takes them: the scores are (q k^T) * q_descale * k_descale *
             softmax_scale and out is scaled by v_descale. Head dims that are multiples of
             32 (equal, up to 256) run in e4m3 tensor-core math (FlashAttention-3's error);
-            others convert q to out's dtype on the way in (exact) and each K/V block in
-            the kernel: 16-bit math.
+            others, and calls given a `config`, convert q to out's dtype on the way in
+            (exact) and each K/V block in the kernel: 16-bit math.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype (FP8 q: bfloat16, or out's
@@ -243,10 +243,13 @@ def flash_attn_with_kvcache(
             with k_cache the rope part and v_cache the latent.
         k_descale, v_descale: with an FP8 cache (k_cache and v_cache float8_e4m3fn),
             (batch, nheads_kv) float32 dequantization scales (stride 0 allowed; None: 1): the
-            keys are k_cache * k_descale[b, h], the values v_cache * v_descale[b, h]. The
-            kernel converts each block to q's dtype exactly and does the math in 16 bits.
+            keys are k_cache * k_descale[b, h], the values v_cache * v_descale[b, h]. With
+            16-bit q the kernel converts each block to q's dtype exactly and does the math
+            in 16 bits.
         q_descale: with float8_e4m3fn q (SGLang's and vLLM's FP8 attention; an FP8 cache),
-            as in flash_attn_func; out is then bfloat16 (or out's float16).
+            as in flash_attn_func; out is then bfloat16 (or out's float16). Decode-like
+            calls (few rows per kv head) and paged caches take q converted exactly and run
+            16-bit math; prefill-shaped calls on a padded cache run e4m3 math.
         Other arguments as in flash_attn_func.
 
     Returns:

@@ -100,7 +100,8 @@ class CallShape:
     # then q / k's (so a variant's V is K's leading columns: v_in_k).
     qv: bool = False
     # The K/V cache's dtype where it differs from q's: "float8_e4m3fn" (an FP8 cache, its
-    # blocks converted to q's dtype before each GEMM: kernels/kv_dequant.py), else None.
+    # blocks converted to fp16 before each GEMM: kernels/kv_dequant.py, unless q_dtype says
+    # the GEMMs run in e4m3), else None.
     kv_dtype: Optional[str] = None
     # FP8 queries ("float8_e4m3fn", with an FP8 kv_dtype): a Problem's says the caller's q is
     # FP8; a variant's that the kernel takes it as it is and runs both GEMMs in e4m3
@@ -208,14 +209,14 @@ class ForwardVariant(CallShape):
             and c.o_split == 1
             and c.tile_n % 32 == 0
             and self.head_dim % 32 == 0
-            and self.head_dim_v % 16 == 0
+            and self.head_dim_v % 32 == 0
             and self.kv_layout != "paged"
             and not self.qv
         ):
             problems.append(
                 "FP8 math (q_dtype) takes FP8 q, k and v (not paged, no qv), P from registers "
                 "never above 2^8 (rescale_threshold 0), O from registers, one warpgroup per 64 "
-                "rows, tile_n and head_dim multiples of 32, head_dim_v of 16"
+                "rows, tile_n and both head dims multiples of 32"
             )
         elif self.kv_dtype is not None and self._fp8_smem_bytes() > c.smem_limit():
             problems.append(
@@ -406,8 +407,8 @@ def plan_forward(
     causal, window_left, window_right, chunk = attention_mask(problem)
     local = window_left >= 0 or window_right >= 0 or chunk > 0
     caller_config = config
+    decode_like = decode_rows and problem.max_seqlen_q * ratio <= DECODE_ROWS
     if config is None:
-        decode_like = decode_rows and problem.max_seqlen_q * ratio <= DECODE_ROWS
         if decode_like:
             config = decode_config(
                 problem.head_dim, problem.dtype, problem.head_dim_v, problem.v_in_k or problem.qv
@@ -422,7 +423,7 @@ def plan_forward(
                 problem.head_dim_v,
                 problem.v_in_k or problem.qv,
             )
-    fp8_math = caller_config is None and serves_fp8_math(problem, decode_rows)
+    fp8_math = caller_config is None and serves_fp8_math(problem, decode_like)
     if fp8_math:
         config = fp8_math_config(config, problem.head_dim, problem.head_dim_v)
     elif problem.kv_dtype is not None and caller_config is None:
@@ -501,14 +502,13 @@ def plan_forward(
     return ForwardPlan(variant, num_splits, max_ctas, num_counters, trace_slots)
 
 
-def serves_fp8_math(problem: Problem, decode_rows: bool) -> bool:
+def serves_fp8_math(problem: Problem, decode_like: bool) -> bool:
     """Whether FP8 queries run with both GEMMs in e4m3 (kernels/v_transpose.py) rather than
     converted to the output's dtype on the host (the FP8-cache kernels then run in 16-bit):
     prefill-shaped calls (not decode-like rows of a cache) on padded or packed K/V whose head
     dims the e4m3 WGMMA takes (q/k's a multiple of 32) and equal."""
     if problem.q_dtype is None or problem.qv or problem.kv_layout == "paged":
         return False
-    decode_like = decode_rows and problem.max_seqlen_q * problem.qheads_per_kvhead <= DECODE_ROWS
     return (
         not decode_like
         and problem.head_dim == problem.head_dim_v

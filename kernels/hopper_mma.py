@@ -68,9 +68,10 @@ def make_tiled_mma(
     a_from_registers: bool,
     split_n: int = 1,
 ) -> cute.TiledMma:
-    """A 16-bit WGMMA with fp32 accumulation, warpgroups stacked along M (64 rows each); with
-    split_n, that many warpgroups share each 64 rows and take tile_n / split_n columns each
-    (warpgroup w: columns of part w, when num_warpgroups is 1)."""
+    """A WGMMA of `dtype` (16-bit, or e4m3 with both operands K-major) with fp32 accumulation,
+    warpgroups stacked along M (64 rows each); with split_n, that many warpgroups share each
+    64 rows and take tile_n / split_n columns each (warpgroup w: columns of part w, when
+    num_warpgroups is 1)."""
     return hopper_helpers.make_trivial_tiled_mma(
         dtype,
         dtype,

@@ -15,10 +15,11 @@ pack_p_e4m3). Then P V needs no permutation of O either.
 
 A warp moves 32 keys x 16 columns per step: ldmatrix.trans (8 x 8 16-bit matrices: each lane
 gets two consecutive keys of two consecutive columns), two byte permutes per register pair
-(keys 2q, 2q+1, 8+2q, 9+2q of one column), stmatrix into V^T rows. The stmatrix rows of a
-matrix are 8 head-dim columns with distinct residues mod 8 (even ones in a lane's first four
-rows, odd ones in its last four), so neither instruction has bank conflicts under the 64- or
-128-byte swizzles (kernels/hopper_mma.make_row_major_smem_layout).
+(keys 2q, 2q+1, 8+2q, 9+2q of one column), stmatrix into V^T rows. The 8 rows of each
+stmatrix matrix are head-dim columns with distinct residues mod 8 (in matrices 0 and 2 the
+even columns of the first four rows, the odd ones of the last four; 1 and 3 the others), so
+neither instruction has bank conflicts under the 64- or 128-byte swizzles
+(kernels/hopper_mma.make_row_major_smem_layout).
 """
 
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from .kv_dequant import ConvertingBlockLoader
 
 KEYS_PER_STEP = 32  # a warp's keys per step: one group of V^T's permutation
+BATCH = 2  # steps whose ldmatrix go before their stmatrix (no load waits out a store)
 COLUMNS_PER_STEP = 16  # a warp's head-dim columns per step: one 16-byte ldmatrix row
 # prmt selectors: bytes 0 and 2 of two registers (a column's keys), or bytes 1 and 3.
 EVEN_COLUMN, ODD_COLUMN = 0x6420, 0x7531
@@ -111,9 +113,6 @@ def _offset(rows: int, width: int, row: Int32, col: Int32, row_xor: Int32) -> In
     return (col // atom) * (rows * atom) + row * atom + ((col % atom) ^ row_xor)
 
 
-BATCH = 2  # steps whose ldmatrix go before their stmatrix (no load waits out a store)
-
-
 @cute.jit
 def transpose_block(
     src: cute.Tensor,
@@ -157,7 +156,7 @@ def transpose_block(
         regs = cute.make_rmem_tensor((4, batch), Int32)
         for b in cutlass.range_constexpr(batch):
             step = warp + (first + b) * num_warps
-            if step < steps or cutlass.const_expr(steps % num_warps == 0):
+            if cutlass.const_expr(steps % num_warps == 0) or step < steps:
                 group = step // column_steps
                 column = (step - group * column_steps) * COLUMNS_PER_STEP
                 loaded = ldmatrix_x4_trans(
@@ -168,7 +167,7 @@ def transpose_block(
                     regs[i, b] = loaded[i]
         for b in cutlass.range_constexpr(batch):
             step = warp + (first + b) * num_warps
-            if step < steps or cutlass.const_expr(steps % num_warps == 0):
+            if cutlass.const_expr(steps % num_warps == 0) or step < steps:
                 group = step // column_steps
                 column = (step - group * column_steps) * COLUMNS_PER_STEP
                 key0 = group * KEYS_PER_STEP
@@ -207,7 +206,7 @@ class TransposingBlockLoader(ConvertingBlockLoader):
             self.dst,
             stage,
             self.thread % 32,
-            self.thread // 32,
+            cute.arch.make_warp_uniform(self.thread // 32),
             self.num_threads // 32,
             self.tile_n,
             cute.size(self.src, mode=[1]),

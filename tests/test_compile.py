@@ -655,8 +655,8 @@ FP8_KEYS = [
 
 
 # FP8 math (FP8 q, k and v in e4m3 GEMMs, V transposed in smem: kernels/v_transpose.py), as
-# the plan step picks it: each key block width (128, and 64 above head dim 192), masks,
-# sinks and softcap over packed keys, a forced split, GQA packing.
+# the plan step picks it: each key block width (128, and 64 above head dim 128), masks,
+# sinks and softcap over packed keys, the split the heuristic picks, GQA packing.
 _FP8 = dict(kv_dtype="float8_e4m3fn", q_dtype="float8_e4m3fn")
 FP8_MATH_KEYS = [
     _planned(128, seqlen_q=8192, keys=8192, writes_lse=True, **_FP8),

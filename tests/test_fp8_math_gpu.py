@@ -1,13 +1,16 @@
 """FP8 math on a Hopper GPU: float8_e4m3fn q, k and v in e4m3 GEMMs (prefill shapes:
-flash_attn_func, flash_attn_varlen_func and FlashAttention-3's), against the float32
-reference on the dequantized inputs. The bar is the issue's: twice the error of a naive FP8
-attention in PyTorch on the same inputs (scores and P V in float32 from the FP8 values, the
-normalized probabilities rounded to e4m3), plus a floor; the LSE as for 16-bit inputs. Outputs
-are poisoned (NaN) before each call."""
+flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache and FlashAttention-3's),
+against the float32 reference on the dequantized inputs. The bar: twice the error of a naive
+FP8 attention in PyTorch on the same inputs (scores and P V in float32 from the FP8 values,
+the normalized probabilities rounded to e4m3), plus a floor; the LSE as for 16-bit inputs.
+That bar is loose against a key-order slip at long key counts, so one test makes each query
+attend to known keys (a wrong order there is an O(1) error). Native calls' outputs are
+poisoned (NaN) before the call; cache slots past each sequence hold NaN."""
 
 import pytest
 import torch
 from kv_cases import cu_seqlens
+from test_fp8_kv_gpu import padded, poison_past
 
 import flash_cute
 from flash_cute import flash_attn_interface as fa3
@@ -170,4 +173,53 @@ def test_fp8_math_varlen(api):
         check(
             out[None, q0 : q0 + sq], None, q8[None, q0 : q0 + sq], k8[None, k0 : k0 + sk],
             v8[None, k0 : k0 + sk], qb, kb, vb, causal=True,
+        )  # fmt: skip
+
+
+def test_fp8_math_key_order():
+    """Scale 1 and one-hot q and k (8 at dim i % d): query i attends to the keys j with
+    j % d == i % d alone (score 64 against 0), so O is the mean of those keys' V rows; a key
+    permuted within its 32 (the V^T order) or a column of V^T lost lands far from it. Keys
+    4097: partial last blocks; fp16 out."""
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 math key order"))
+    for d, seqlen_k in ((128, 4097), (256, 1000), (64, 333)):
+        seqlen_q, nheads = 256, 4
+        eye = torch.eye(d, device="cuda") * 8
+        q8 = eye[torch.arange(seqlen_q) % d].view(1, seqlen_q, 1, d).expand(2, -1, nheads, -1)
+        k8 = eye[torch.arange(seqlen_k) % d].view(1, seqlen_k, 1, d).expand(2, -1, nheads, -1)
+        q8, k8 = q8.contiguous().to(FP8), k8.contiguous().to(FP8)
+        v8 = fp8_randn(2, seqlen_k, nheads, d, gen=gen)
+        out = torch.full(q8.shape, float("nan"), device="cuda", dtype=torch.float16)
+        flash_cute.flash_attn_func(q8, k8, v8, softmax_scale=1.0, out=out)
+        rows = torch.arange(seqlen_k, device="cuda") % d
+        means = torch.stack([v8.float()[:, rows == r].mean(1) for r in range(d)], 1)
+        expected = means[:, torch.arange(seqlen_q) % d]  # (2, seqlen_q, nheads, d)
+        err = (out.float() - expected).abs().max().item()
+        assert err < 0.05, f"d{d} keys {seqlen_k}: max error {err:.3e} (key order?)"
+
+
+def test_fp8_math_cache_prefill():
+    """A prefill against a padded FP8 cache (flash_attn_with_kvcache): per-sequence lengths
+    whose last key block is partial, NaN in every slot past them (the transposing warps zero
+    V^T's keys past the sequence; P is 0 there, 0 * NaN must not reach O)."""
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 math cache prefill"))
+    batch, capacity, seqlen_q, nheads, nheads_kv, d = 3, 1100, 300, 8, 2, 128
+    lengths = [1000, 517, 1100]
+    k8, v8 = (fp8_randn(batch, capacity, nheads_kv, d, gen=gen) for _ in range(2))
+    poison_past(k8, None, lengths, capacity)
+    poison_past(v8, None, lengths, capacity)
+    q8 = fp8_randn(batch, seqlen_q, nheads, d, gen=gen)
+    qd, kd, vd = descales("tensor", batch, nheads_kv, gen)
+    seqlens = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+    out = torch.full(q8.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+    flash_cute.flash_attn_with_kvcache(
+        q8, k8, v8, cache_seqlens=seqlens, causal=True, out=out, q_descale=qd, k_descale=kd,
+        v_descale=vd,
+    )  # fmt: skip
+    k_pad, v_pad = padded(k8, None, capacity), padded(v8, None, capacity)
+    for b, n in enumerate(lengths):
+        qb, kb, vb = (t[b : b + 1] for t in (qd, kd, vd))
+        check(
+            out[b : b + 1], None, q8[b : b + 1], k_pad[b : b + 1, :n].to(FP8),
+            v_pad[b : b + 1, :n].to(FP8), qb, kb, vb, causal=True,
         )  # fmt: skip

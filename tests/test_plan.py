@@ -481,3 +481,50 @@ def test_v_in_k_reads_v_from_k_columns():
         ForwardVariant(
             "bfloat16", 128, False, config=config, writes_lse=True, head_dim_v=96, v_in_k=True
         )
+
+
+FP8 = "float8_e4m3fn"
+
+
+@pytest.mark.parametrize(
+    "problem, fp8_math",
+    [
+        (prefill(head_dim=128, kv_dtype=FP8, q_dtype=FP8), True),
+        (prefill(head_dim=96, causal=False, kv_dtype=FP8, q_dtype=FP8), True),
+        (prefill(head_dim=256, varlen_q=True, total_q=9000, kv_layout="packed", kv_dtype=FP8,
+                 q_dtype=FP8), True),
+        # 16-bit math: q converted on the host.
+        (prefill(head_dim=80, kv_dtype=FP8, q_dtype=FP8), False),  # not a multiple of 32
+        (prefill(head_dim=192, head_dim_v=128, kv_dtype=FP8, q_dtype=FP8), False),
+        (prefill(kv_layout="paged", page_size=64, kv_dtype=FP8, q_dtype=FP8), False),
+        (prefill(seqlen=8, nheads=32, nheads_kv=8, kv_dtype=FP8, q_dtype=FP8), False),
+        (prefill(kv_dtype=FP8), False),  # 16-bit q over an FP8 cache
+    ],
+)  # fmt: skip
+def test_fp8_queries_take_fp8_math_where_it_serves(problem, fp8_math):
+    """FP8 math for prefill-shaped FP8 calls on padded or packed keys with equal head dims,
+    multiples of 32; decode-like rows, paged caches and other head dims convert q. The variant
+    is valid either way (its own checks), and a caller's config keeps 16-bit math."""
+    decode_rows = problem.varlen_q or problem.kv_layout == "paged" or problem.max_seqlen_q < 64
+    v = plan_forward(problem, SMS, None, 1, None, decode_rows).variant
+    assert (v.q_dtype == FP8) == fp8_math, v.describe()
+    if fp8_math:
+        assert v.config.rescale_threshold == 0 and v.config.pv_from_registers
+        config = AttentionConfig(64, 64, pingpong=False, store_o_from_registers=True)
+        caller = plan_forward(problem, SMS, config, 1, None, decode_rows).variant
+        assert caller.q_dtype is None
+
+
+def test_fp8_math_variants_that_cannot_run_are_refused():
+    fp8 = AttentionConfig(128, 128, store_o_from_registers=True)
+    ok = dict(kv_dtype=FP8, q_dtype=FP8, config=fp8)
+    variant(**ok)
+    for changes in (
+        dict(head_dim_v=80, head_dim=128),
+        dict(config=fp8.replace(rescale_threshold=8)),
+        dict(config=fp8.replace(pv_from_registers=False)),
+        dict(config=fp8.replace(tile_n=80)),
+        dict(kv_dtype=None),
+    ):
+        with pytest.raises(ValueError):
+            variant(**{**ok, **changes})

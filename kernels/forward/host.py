@@ -240,7 +240,7 @@ class HostSetup(Piece):
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, num_stages * 2]
             mbar_v: cute.struct.MemRange[cutlass.Int64, num_stages * 2]
-            # FP8 K/V: the FP8 rings' barriers (mbar_k / mbar_v guard the fp16 rings).
+            # FP8 K/V: the FP8 rings' barriers (mbar_k / mbar_v guard the MMA warps' rings).
             mbar_k8: cute.struct.MemRange[cutlass.Int64, num_stages * 2 * k8_ring]
             mbar_v8: cute.struct.MemRange[cutlass.Int64, num_stages * 2 * v8_ring]
             mbar_sched: cute.struct.MemRange[cutlass.Int64, 2 * 2]

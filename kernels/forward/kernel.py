@@ -427,8 +427,7 @@ class FlashAttentionForwardSm90(Piece):
                     q_state.advance()
                     tile_idx, handoff = scheduler.fetch_next(tile_idx, handoff)
                 scheduler.finish()
-            elif const_expr(self.kv_fp8):  # the others: FP8 blocks converted or V transposed
-                # (one tile per CTA)
+            elif const_expr(self.kv_fp8):  # the others, one tile: convert or transpose blocks
                 tile_idx = scheduler.first_tile()
                 if scheduler.is_valid(tile_idx):
                     self.producer.convert_tile(buffers, scheduler.work_tile(tile_idx), shapes)
