@@ -310,8 +310,9 @@ class AttentionConfig:
     ) -> int:
         aligned = _aligned_1k
         head_dim_v = 0 if v_in_k else head_dim if head_dim_v is None else head_dim_v
-        # Q, K, V rings' mbarriers (FP8 K/V: twice, its FP8 rings), the tile handoff's 4
-        # mbarriers and 2 int32 slots.
+        # Q, K, V rings' mbarriers (FP8 K/V: twice, its FP8 rings; FP8 math has no K FP8
+        # ring, counted anyway: a few bytes over), the tile handoff's 4 mbarriers and 2 int32
+        # slots.
         fp8_rings = kv_fp8 or fp8_math
         mbarriers = aligned(8 * (2 + 4 * self.num_stages * (2 if fp8_rings else 1) + 4) + 8)
         # FP8 K/V: the fp16 rings the GEMMs read and the FP8 rings the loads fill. FP8 math:
@@ -709,7 +710,7 @@ def fp8_math_config(config: AttentionConfig, head_dim: int, head_dim_v: int) -> 
         store_o_from_registers=True,
         rescale_threshold=0,
         rescale_o_before_pv=config.rescale_o_before_pv and config.intra_wg_overlap,
-        exp2_on_fma=0,
+        exp2_on_fma=0,  # (slower at every head dim in 16-bit math; not tried with FP8)
         # The transposing warps hold BATCH ldmatrix results (kernels/v_transpose.py), the
         # loading warp a varlen tile's bounds: 24 registers spill, 56 too with packed keys,
         # sinks and a window. The MMA warps keep 216 (224 measured no faster).

@@ -223,15 +223,15 @@ def run(call: Call, names: dict, plans: PlanCache, key):
         plan = plan_forward(
             problem, runtime.num_sms(device_index), config, num_splits, pack_gqa, call.decode_rows
         )
-    if problem.q_dtype is not None:  # (FP8 queries: never replayed)
-        fp8_math = plan is not None and plan.variant is not None and plan.variant.q_dtype
-        call, key = with_descales_folded(call, convert_q=not fp8_math), None
-        q = call.q
     if plan is None or plan.variant is None:  # no rows, or no keys anywhere: nothing to launch
         out.zero_()
         if not problem.writes_lse:
             return out
         return out, torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    if problem.q_dtype is not None:  # (FP8 queries: never replayed)
+        fp8_math = plan.variant.q_dtype is not None
+        call, key = with_descales_folded(call, convert_q=not fp8_math), None
+        q = call.q
     launch = LaunchPlan.build(plan, q, k, v, out, lse_shape, scale_log2)
     # TMA reads strides of 16 bytes: a tensor with others goes in as a copy (and such a call
     # is not replayed).
