@@ -210,11 +210,12 @@ class ForwardVariant(CallShape):
             and c.tile_n % 32 == 0
             and self.head_dim % 32 == 0
             and self.head_dim_v % 32 == 0
-            and self.kv_layout != "paged"
+            and self.gather_page_size is None
             and not self.qv
         ):
             problems.append(
-                "FP8 math (q_dtype) takes FP8 q, k and v (not paged, no qv), P from registers "
+                "FP8 math (q_dtype) takes FP8 q, k and v (no gathered pages, no qv), P from "
+                "registers "
                 "never above 2^8 (rescale_threshold 0), O from registers, one warpgroup per 64 "
                 "rows, tile_n and both head dims multiples of 32"
             )
@@ -423,10 +424,17 @@ def plan_forward(
                 problem.head_dim_v,
                 problem.v_in_k or problem.qv,
             )
-    fp8_math = caller_config is None and serves_fp8_math(problem, decode_like)
-    if fp8_math:
-        config = fp8_math_config(config, problem.head_dim, problem.head_dim_v)
-    elif problem.kv_dtype is not None and caller_config is None:
+    fp8_math = False
+    if caller_config is None and serves_fp8_math(problem):
+        fp8_config = fp8_math_config(
+            config, problem.head_dim, problem.head_dim_v, decode_like=decode_like
+        )
+        # Gathered pages keep the conversion path (its gathering warps beside the converting
+        # ones; the transposing warps are not built to share the producer with them).
+        fp8_math = _page_loads(problem, fp8_config)[1] is None
+        if fp8_math:
+            config = fp8_config
+    if not fp8_math and problem.kv_dtype is not None and caller_config is None:
         config = fp8_kv_config(config, problem.head_dim, problem.head_dim_v)
     if _tracing and not config.trace:
         config = config.replace(trace=True)
@@ -502,16 +510,15 @@ def plan_forward(
     return ForwardPlan(variant, num_splits, max_ctas, num_counters, trace_slots)
 
 
-def serves_fp8_math(problem: Problem, decode_like: bool) -> bool:
+def serves_fp8_math(problem: Problem) -> bool:
     """Whether FP8 queries run with both GEMMs in e4m3 (kernels/v_transpose.py) rather than
     converted to the output's dtype on the host (the FP8-cache kernels then run in 16-bit):
-    prefill-shaped calls (not decode-like rows of a cache) on padded or packed K/V whose head
-    dims the e4m3 WGMMA takes (q/k's a multiple of 32) and equal."""
-    if problem.q_dtype is None or problem.qv or problem.kv_layout == "paged":
+    head dims the e4m3 WGMMA takes (q/k's a multiple of 32) and equal, no qv. (plan_forward
+    also keeps paged caches whose pages are gathered on the conversion path.)"""
+    if problem.q_dtype is None or problem.qv:
         return False
     return (
-        not decode_like
-        and problem.head_dim == problem.head_dim_v
+        problem.head_dim == problem.head_dim_v
         and problem.head_dim % 32 == 0
         and problem.head_dim <= 256
     )

@@ -666,13 +666,22 @@ FP8_MATH_KEYS = [
              kv_layout="packed", softcap=30.0, window_left=100, learnable_sink="bfloat16",
              writes_lse=True, **_FP8),
     _planned(192, nheads=8, nheads_kv=8, seqlen_q=256, keys=16384, causal=True, **_FP8),
+    # Decode steps (one MMA warpgroup, 64-key blocks): split over a padded cache; speculative
+    # tokens over TMA pages with the masks and sinks; the widest head dim with the LSE.
+    _planned(128, nheads=32, keys=32768, causal=True, **_FP8),
+    _planned(64, nheads=16, nheads_kv=2, seqlen_q=4, keys=8192, varlen_q=True, total_q=40,
+             kv_layout="paged", page_size=128, seqused_k=True, causal=True,
+             learnable_sink="bfloat16", softcap=30.0, window_left=500, **_FP8),
+    _planned(256, nheads=8, nheads_kv=1, keys=8192, writes_lse=True, **_FP8),
 ]  # fmt: skip
 
 
 def test_fp8_math_keys_are_fp8_math():
-    """(The plan gives each of these shapes the FP8-math kernel, and a split to the long one.)"""
+    """(The plan gives each of these shapes the FP8-math kernel, a split to the long ones, and
+    the decode rows one MMA warpgroup.)"""
     assert all(key.q_dtype == "float8_e4m3fn" for key in FP8_MATH_KEYS)
-    assert FP8_MATH_KEYS[-1].split
+    assert FP8_MATH_KEYS[4].split and FP8_MATH_KEYS[5].split
+    assert [key.config.tile_m for key in FP8_MATH_KEYS[5:]] == [64] * 3
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
-"""FP8 math on a Hopper GPU: float8_e4m3fn q, k and v in e4m3 GEMMs (prefill shapes:
-flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache and FlashAttention-3's),
+"""FP8 math on a Hopper GPU: float8_e4m3fn q, k and v in e4m3 GEMMs (flash_attn_func,
+flash_attn_varlen_func, flash_attn_with_kvcache and FlashAttention-3's; prefill shapes and
+decode steps over padded or paged caches),
 against the float32 reference on the dequantized inputs. The bar: twice the error of a naive
 FP8 attention in PyTorch on the same inputs (scores and P V in float32 from the FP8 values,
 the normalized probabilities rounded to e4m3), plus a floor; the LSE as for 16-bit inputs.
@@ -9,8 +10,8 @@ poisoned (NaN) before the call; cache slots past each sequence hold NaN."""
 
 import pytest
 import torch
-from kv_cases import cu_seqlens
-from test_fp8_kv_gpu import padded, poison_past
+from kv_cases import captured, cu_seqlens
+from test_fp8_kv_gpu import fp8_cache, padded, poison_past
 
 import flash_cute
 from flash_cute import flash_attn_interface as fa3
@@ -223,3 +224,90 @@ def test_fp8_math_cache_prefill():
             out[b : b + 1], None, q8[b : b + 1], k_pad[b : b + 1, :n].to(FP8),
             v_pad[b : b + 1, :n].to(FP8), qb, kb, vb, causal=True,
         )  # fmt: skip
+
+
+DECODE_CASES = [
+    # (head_dim, page_size, num_splits, (nheads, nheads_kv), seqlen_q, descale form)
+    (128, None, 0, (32, 8), 1, "tensor"),
+    (128, 64, 0, (32, 8), 1, None),  # SGLang's call: FP8 q and cache, descales left at None
+    (128, 64, 3, (8, 8), 1, "scalar"),
+    (64, 128, 0, (16, 2), 4, "tensor"),  # speculative tokens
+    (96, None, 1, (8, 1), 1, "tensor"),
+    (192, 64, 0, (16, 4), 1, "tensor"),
+    (256, None, 0, (16, 2), 1, "tensor"),
+    (256, 256, 2, (8, 1), 2, None),
+]
+
+
+@pytest.mark.parametrize("api", ["native", "fa3"])
+@pytest.mark.parametrize(
+    "case",
+    DECODE_CASES,
+    ids=lambda c: f"d{c[0]}-p{c[1]}-s{c[2]}-{c[3][0]}x{c[3][1]}-q{c[4]}-{c[5]}",
+)
+def test_fp8_math_decode(case, api):
+    """Decode steps over FP8 caches (padded or paged through TMA boxes), lengths 1 to 4097 with
+    NaN past each, forced and heuristic splits, the LSE."""
+    head_dim, page_size, num_splits, (nheads, nheads_kv), seqlen_q, form = case
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 math decode", case, api))
+    batch, capacity = 4, 4097
+    lengths = [seqlen_q, 17, 1000, 4097]
+    k8, v8, table = fp8_cache(batch, capacity, nheads_kv, head_dim, page_size, gen)
+    poison_past(k8, table, lengths, capacity)
+    poison_past(v8, table, lengths, capacity)
+    q8 = fp8_randn(batch, seqlen_q, nheads, head_dim, gen=gen)
+    qd, kd, vd = descales(form, batch, nheads_kv, gen)
+    seqlens = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+    kw = dict(
+        cache_seqlens=seqlens, page_table=table, causal=True, num_splits=num_splits,
+        q_descale=qd, k_descale=kd, v_descale=vd, return_softmax_lse=True,
+    )  # fmt: skip
+    if api == "native":
+        out = torch.full(q8.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+        _, lse = flash_cute.flash_attn_with_kvcache(q8, k8, v8, out=out, **kw)
+    else:
+        out, lse, *_ = fa3.flash_attn_with_kvcache(q8, k8, v8, **kw)
+    k_pad, v_pad = padded(k8, table, capacity), padded(v8, table, capacity)
+    for b, n in enumerate(lengths):
+        qb, kb, vb = (None if t is None else t[b : b + 1] for t in (qd, kd, vd))
+        check(
+            out[b : b + 1], lse[b : b + 1], q8[b : b + 1], k_pad[b : b + 1, :n].to(FP8),
+            v_pad[b : b + 1, :n].to(FP8), qb, kb, vb, causal=True,
+        )  # fmt: skip
+
+
+def test_fp8_math_decode_graph_replay():
+    """A captured FP8 decode step (paged, split by the heuristic) replayed with new queries,
+    lengths and page-table contents holds the bar each time."""
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 math graph"))
+    batch, capacity, nheads, nheads_kv, d, page = 3, 2048, 32, 8, 128, 64
+    k8, v8, table = fp8_cache(batch, capacity, nheads_kv, d, page, gen)
+    q8 = fp8_randn(batch, 1, nheads, d, gen=gen)
+    qd, kd, vd = descales("tensor", batch, nheads_kv, gen)
+    seqlens = torch.tensor([5, 700, 2048], device="cuda", dtype=torch.int32)
+    graph, out = captured(
+        lambda: flash_cute.flash_attn_with_kvcache(
+            q8,
+            k8,
+            v8,
+            cache_seqlens=seqlens,
+            page_table=table,
+            causal=True,
+            q_descale=qd,
+            k_descale=kd,
+            v_descale=vd,
+        )  # fmt: skip
+    )
+    for lengths in ([1, 2048, 333], [2000, 64, 1]):
+        q8.copy_(fp8_randn(batch, 1, nheads, d, gen=gen))
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        table.copy_(table[torch.randperm(batch, device="cuda", generator=gen)])
+        out.fill_(float("nan"))
+        graph.replay()
+        k_pad, v_pad = padded(k8, table, capacity), padded(v8, table, capacity)
+        for b, n in enumerate(lengths):
+            qb, kb, vb = (t[b : b + 1] for t in (qd, kd, vd))
+            check(
+                out[b : b + 1], None, q8[b : b + 1], k_pad[b : b + 1, :n].to(FP8),
+                v_pad[b : b + 1, :n].to(FP8), qb, kb, vb, causal=True,
+            )  # fmt: skip

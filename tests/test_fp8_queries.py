@@ -1,7 +1,7 @@
 """FP8 (float8_e4m3fn) queries on the CPU: every entry point hands the kernels q as it is (the
-FP8-math kernels: prefill shapes) or converted to the output's dtype (exactly: the FP8 K/V
-path's 16-bit math), with q_descale folded into k_descale; the checks name what is wrong. The
-kernels are recorders (the conftest's fake_gpu)."""
+FP8-math kernels) or, where a paged cache's pages are gathered, converted to the output's
+dtype (exactly: the FP8 K/V path's 16-bit math), with q_descale folded into k_descale; the
+checks name what is wrong. The kernels are recorders (the conftest's fake_gpu)."""
 
 import pytest
 import torch
@@ -91,9 +91,8 @@ def test_kernels_get_fp8_or_exact_queries_and_folded_descales(launches, descales
         (seen,) = launches[before:]
         assert result.dtype == expected_dtype, name
         variant = seen["plan"].variant
-        # FP8 math for prefill shapes (flash_attn_func), the FP8-cache kernels for decode-like
-        # rows (these varlen calls' 3 rows of 4 heads a kv head among them).
-        assert (variant.q_dtype is not None) == name.endswith("func"), name
+        # FP8 math, but where pages are gathered (8-row pages): the FP8-cache kernels.
+        assert (variant.q_dtype is not None) == (name != "kvcache paged"), name
         q_dtype = FP8 if variant.q_dtype else expected_dtype
         assert seen["q"].dtype == q_dtype and seen["out"].dtype == expected_dtype, name
         assert torch.equal(seen["q"].float().flatten(), q8.float().flatten()), name  # exact
@@ -211,7 +210,7 @@ def test_scheduler_metadata_of_fp8_calls(fake_gpu, launches, monkeypatch):
     meta = fa3.get_scheduler_metadata(BATCH, 1, 32768, 32, 8, 128, lens, qkv_dtype=FP8, causal=True)
     q8, cache = fp8(BATCH, 1, 32, 128), fp8(BATCH, 32768, 8, 128)
     fa3.flash_attn_with_kvcache(q8, cache, cache, cache_seqlens=lens, causal=True)
-    assert launches[-1]["q"].dtype == torch.bfloat16
+    assert launches[-1]["q"].dtype == FP8  # (FP8 math)
     assert meta.flash_cute_num_splits > 1
     assert launches[-1]["plan"].num_splits == meta.flash_cute_num_splits
 
