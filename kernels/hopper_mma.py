@@ -146,20 +146,27 @@ def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, cute.make_layout(shape, stride=stride))
 
 
-@dsl_user_op
-def pack_f32x2_to_16bit(a: Float32, b: Float32, dtype, *, loc=None, ip=None) -> Int32:
-    """Round two fp32 values to one packed bf16x2/f16x2 register (a in the low half)."""
-    kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+def asm_to_int32(asm: str, constraints: str, operands, *, loc=None, ip=None) -> Int32:
+    """The 32-bit result ($0) of a side-effect-free inline PTX snippet over DSL operands."""
     return Int32(
         llvm.inline_asm(
             T.i32(),
-            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-            f"cvt.rn.{kind}.f32 $0, $2, $1;",
-            "=r,f,f",
+            [x.ir_value(loc=loc, ip=ip) for x in operands],
+            asm,
+            constraints,
             has_side_effects=False,
             is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT,
         )
+    )
+
+
+@dsl_user_op
+def pack_f32x2_to_16bit(a: Float32, b: Float32, dtype, *, loc=None, ip=None) -> Int32:
+    """Round two fp32 values to one packed bf16x2/f16x2 register (a in the low half)."""
+    kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    return asm_to_int32(
+        f"cvt.rn.{kind}.f32 $0, $2, $1;", "=r,f,f", [Float32(a), Float32(b)], loc=loc, ip=ip
     )
 
 
@@ -178,19 +185,15 @@ def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor):
 def pack_f32x4_to_e4m3(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None):
     """Round four fp32 values to e4m3 (saturating to +-448) in one register, a in the lowest
     byte."""
-    return Int32(
-        llvm.inline_asm(
-            T.i32(),
-            [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
-            "{\n.reg .b16 lo, hi;\n"
-            "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
-            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
-            "mov.b32 $0, {lo, hi};\n}",
-            "=r,f,f,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
+    return asm_to_int32(
+        "{\n.reg .b16 lo, hi;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+        "mov.b32 $0, {lo, hi};\n}",
+        "=r,f,f,f,f",
+        [Float32(x) for x in (a, b, c, d)],
+        loc=loc,
+        ip=ip,
     )
 
 

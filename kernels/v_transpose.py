@@ -30,6 +30,7 @@ from cutlass import Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .hopper_mma import asm_to_int32
 from .kv_dequant import ConvertingBlockLoader
 
 KEYS_PER_STEP = 32  # a warp's keys per step: one group of V^T's permutation
@@ -75,16 +76,8 @@ def stmatrix_x4(address: Int32, regs, *, loc=None, ip=None):
 @dsl_user_op
 def byte_perm(a: Int32, b: Int32, selector: Int32, *, loc=None, ip=None) -> Int32:
     """prmt.b32: four bytes picked from (b:a) by the selector's nibbles."""
-    return Int32(
-        llvm.inline_asm(
-            T.i32(),
-            [Int32(x).ir_value(loc=loc, ip=ip) for x in (a, b, selector)],
-            "prmt.b32 $0, $1, $2, $3;",
-            "=r,r,r,r",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
+    return asm_to_int32(
+        "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [Int32(x) for x in (a, b, selector)], loc=loc, ip=ip
     )
 
 
@@ -154,23 +147,30 @@ def transpose_block(
     for first in cutlass.range_constexpr(0, per_warp, BATCH):
         batch = min(BATCH, per_warp - first)
         regs = cute.make_rmem_tensor((4, batch), Int32)
+        # Each step of the batch: (whether this warp has it, its first key, its first column).
+        places = []
         for b in cutlass.range_constexpr(batch):
             step = warp + (first + b) * num_warps
-            if cutlass.const_expr(steps % num_warps == 0) or step < steps:
-                group = step // column_steps
-                column = (step - group * column_steps) * COLUMNS_PER_STEP
+            group = step // column_steps
+            places.append(
+                (
+                    step < steps,
+                    group * KEYS_PER_STEP,
+                    (step - group * column_steps) * COLUMNS_PER_STEP,
+                )
+            )
+        every_step = steps % num_warps == 0  # (then no step is past the last)
+        for b in cutlass.range_constexpr(batch):
+            has_step, key0, column = places[b]
+            if cutlass.const_expr(every_step) or has_step:
                 loaded = ldmatrix_x4_trans(
-                    src_address
-                    + _offset(tile_n, width, group * KEYS_PER_STEP + lane, column, load_xor)
+                    src_address + _offset(tile_n, width, key0 + lane, column, load_xor)
                 )
                 for i in cutlass.range_constexpr(4):
                     regs[i, b] = loaded[i]
         for b in cutlass.range_constexpr(batch):
-            step = warp + (first + b) * num_warps
-            if cutlass.const_expr(steps % num_warps == 0) or step < steps:
-                group = step // column_steps
-                column = (step - group * column_steps) * COLUMNS_PER_STEP
-                key0 = group * KEYS_PER_STEP
+            has_step, key0, column = places[b]
+            if cutlass.const_expr(every_step) or has_step:
                 if partial:
                     # regs[i] holds keys key0 + 8i + 2 (lane % 4) + {0 (low half), 1 (high)}.
                     for i in cutlass.range_constexpr(4):
