@@ -210,14 +210,12 @@ class ForwardVariant(CallShape):
             and c.tile_n % 32 == 0
             and self.head_dim % 32 == 0
             and self.head_dim_v % 32 == 0
-            and self.gather_page_size is None
             and not self.qv
         ):
             problems.append(
-                "FP8 math (q_dtype) takes FP8 q, k and v (no gathered pages, no qv), P from "
-                "registers "
-                "never above 2^8 (rescale_threshold 0), O from registers, one warpgroup per 64 "
-                "rows, tile_n and both head dims multiples of 32"
+                "FP8 math (q_dtype) takes FP8 q, k and v (no qv), P from registers never above "
+                "2^8 (rescale_threshold 0), O from registers, one warpgroup per 64 rows, tile_n "
+                "and both head dims multiples of 32"
             )
         elif self.kv_dtype is not None and self._fp8_smem_bytes() > c.smem_limit():
             problems.append(
@@ -424,17 +422,12 @@ def plan_forward(
                 problem.head_dim_v,
                 problem.v_in_k or problem.qv,
             )
-    fp8_math = False
-    if caller_config is None and serves_fp8_math(problem):
-        fp8_config = fp8_math_config(
+    fp8_math = caller_config is None and serves_fp8_math(problem)
+    if fp8_math:
+        config = fp8_math_config(
             config, problem.head_dim, problem.head_dim_v, decode_like=decode_like
         )
-        # Gathered pages keep the conversion path (its gathering warps beside the converting
-        # ones; the transposing warps are not built to share the producer with them).
-        fp8_math = _page_loads(problem, fp8_config)[1] is None
-        if fp8_math:
-            config = fp8_config
-    if not fp8_math and problem.kv_dtype is not None and caller_config is None:
+    elif problem.kv_dtype is not None and caller_config is None:
         config = fp8_kv_config(config, problem.head_dim, problem.head_dim_v)
     if _tracing and not config.trace:
         config = config.replace(trace=True)
@@ -513,8 +506,8 @@ def plan_forward(
 def serves_fp8_math(problem: Problem) -> bool:
     """Whether FP8 queries run with both GEMMs in e4m3 (kernels/v_transpose.py) rather than
     converted to the output's dtype on the host (the FP8-cache kernels then run in 16-bit):
-    head dims the e4m3 WGMMA takes (q/k's a multiple of 32) and equal, no qv. (plan_forward
-    also keeps paged caches whose pages are gathered on the conversion path.)"""
+    head dims the e4m3 WGMMA takes (q/k's a multiple of 32) and equal, no qv; prefill shapes
+    and decode-like rows, on padded, packed or paged keys (TMA boxes or gathered rows)."""
     if problem.q_dtype is None or problem.qv:
         return False
     return (

@@ -673,6 +673,12 @@ FP8_MATH_KEYS = [
              kv_layout="paged", page_size=128, seqused_k=True, causal=True,
              learnable_sink="bfloat16", softcap=30.0, window_left=500, **_FP8),
     _planned(256, nheads=8, nheads_kv=1, keys=8192, writes_lse=True, **_FP8),
+    # Gathered pages: SGLang's page 1 in a split decode, a prefill over left-padded pages of
+    # 16 (two MMA warpgroups beside the gathering warps).
+    _planned(128, nheads=32, kv_layout="paged", page_size=1, seqused_k=True, causal=True,
+             keys=32768, **_FP8),
+    _planned(128, nheads=8, nheads_kv=2, seqlen_q=300, keys=2048, kv_layout="paged",
+             page_size=16, seqused_k=True, leftpad_k=True, causal=True, **_FP8),
 ]  # fmt: skip
 
 
@@ -681,7 +687,8 @@ def test_fp8_math_keys_are_fp8_math():
     the decode rows one MMA warpgroup.)"""
     assert all(key.q_dtype == "float8_e4m3fn" for key in FP8_MATH_KEYS)
     assert FP8_MATH_KEYS[4].split and FP8_MATH_KEYS[5].split
-    assert [key.config.tile_m for key in FP8_MATH_KEYS[5:]] == [64] * 3
+    assert [key.config.tile_m for key in FP8_MATH_KEYS[5:]] == [64] * 4 + [128]
+    assert all(key.gather_page_size for key in FP8_MATH_KEYS[8:])
 
 
 @pytest.mark.parametrize(

@@ -199,25 +199,27 @@ def test_fp8_math_key_order():
         assert err < 0.05, f"d{d} keys {seqlen_k}: max error {err:.3e} (key order?)"
 
 
-def test_fp8_math_cache_prefill():
-    """A prefill against a padded FP8 cache (flash_attn_with_kvcache): per-sequence lengths
-    whose last key block is partial, NaN in every slot past them (the transposing warps zero
-    V^T's keys past the sequence; P is 0 there, 0 * NaN must not reach O)."""
-    gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 math cache prefill"))
+@pytest.mark.parametrize("page", [None, 16])
+def test_fp8_math_cache_prefill(page):
+    """A prefill against an FP8 cache (flash_attn_with_kvcache; padded, or pages of 16 whose
+    rows are gathered): per-sequence lengths whose last key block is partial, NaN in every
+    slot past them (the transposing warps zero V^T's keys past the sequence; P is 0 there,
+    0 * NaN must not reach O)."""
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 math cache prefill", page))
     batch, capacity, seqlen_q, nheads, nheads_kv, d = 3, 1100, 300, 8, 2, 128
     lengths = [1000, 517, 1100]
-    k8, v8 = (fp8_randn(batch, capacity, nheads_kv, d, gen=gen) for _ in range(2))
-    poison_past(k8, None, lengths, capacity)
-    poison_past(v8, None, lengths, capacity)
+    k8, v8, table = fp8_cache(batch, capacity, nheads_kv, d, page, gen)
+    poison_past(k8, table, lengths, capacity)
+    poison_past(v8, table, lengths, capacity)
     q8 = fp8_randn(batch, seqlen_q, nheads, d, gen=gen)
     qd, kd, vd = descales("tensor", batch, nheads_kv, gen)
     seqlens = torch.tensor(lengths, device="cuda", dtype=torch.int32)
     out = torch.full(q8.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
     flash_cute.flash_attn_with_kvcache(
-        q8, k8, v8, cache_seqlens=seqlens, causal=True, out=out, q_descale=qd, k_descale=kd,
-        v_descale=vd,
+        q8, k8, v8, cache_seqlens=seqlens, page_table=table, causal=True, out=out,
+        q_descale=qd, k_descale=kd, v_descale=vd,
     )  # fmt: skip
-    k_pad, v_pad = padded(k8, None, capacity), padded(v8, None, capacity)
+    k_pad, v_pad = padded(k8, table, capacity), padded(v8, table, capacity)
     for b, n in enumerate(lengths):
         qb, kb, vb = (t[b : b + 1] for t in (qd, kd, vd))
         check(
@@ -236,6 +238,11 @@ DECODE_CASES = [
     (192, 64, 0, (16, 4), 1, "tensor"),
     (256, None, 0, (16, 2), 1, "tensor"),
     (256, 256, 2, (8, 1), 2, None),
+    # Pages no TMA box follows (rows gathered with cp.async): vLLM's 16, SGLang's 1, others.
+    (128, 16, 0, (32, 8), 1, "tensor"),
+    (128, 1, 0, (32, 8), 1, None),
+    (64, 8, 3, (16, 4), 2, "scalar"),
+    (256, 24, 0, (8, 2), 1, "tensor"),
 ]
 
 
@@ -246,8 +253,8 @@ DECODE_CASES = [
     ids=lambda c: f"d{c[0]}-p{c[1]}-s{c[2]}-{c[3][0]}x{c[3][1]}-q{c[4]}-{c[5]}",
 )
 def test_fp8_math_decode(case, api):
-    """Decode steps over FP8 caches (padded or paged through TMA boxes), lengths 1 to 4097 with
-    NaN past each, forced and heuristic splits, the LSE."""
+    """Decode steps over FP8 caches (padded, or paged: TMA boxes or gathered rows), lengths 1
+    to 4097 with NaN past each, forced and heuristic splits, the LSE."""
     head_dim, page_size, num_splits, (nheads, nheads_kv), seqlen_q, form = case
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 math decode", case, api))
     batch, capacity = 4, 4097
@@ -276,11 +283,12 @@ def test_fp8_math_decode(case, api):
         )  # fmt: skip
 
 
-def test_fp8_math_decode_graph_replay():
-    """A captured FP8 decode step (paged, split by the heuristic) replayed with new queries,
-    lengths and page-table contents holds the bar each time."""
-    gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 math graph"))
-    batch, capacity, nheads, nheads_kv, d, page = 3, 2048, 32, 8, 128, 64
+@pytest.mark.parametrize("page", [64, 1])
+def test_fp8_math_decode_graph_replay(page):
+    """A captured FP8 decode step (paged: TMA boxes or gathered rows; split by the heuristic)
+    replayed with new queries, lengths and page-table contents holds the bar each time."""
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 math graph", page))
+    batch, capacity, nheads, nheads_kv, d = 3, 2048, 32, 8, 128
     k8, v8, table = fp8_cache(batch, capacity, nheads_kv, d, page, gen)
     q8 = fp8_randn(batch, 1, nheads, d, gen=gen)
     qd, kd, vd = descales("tensor", batch, nheads_kv, gen)

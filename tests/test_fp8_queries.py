@@ -1,7 +1,7 @@
 """FP8 (float8_e4m3fn) queries on the CPU: every entry point hands the kernels q as it is (the
-FP8-math kernels) or, where a paged cache's pages are gathered, converted to the output's
-dtype (exactly: the FP8 K/V path's 16-bit math), with q_descale folded into k_descale; the
-checks name what is wrong. The kernels are recorders (the conftest's fake_gpu)."""
+FP8-math kernels) or, at head dims FP8 math does not take, converted to the output's dtype
+(exactly: the FP8 K/V path's 16-bit math), with q_descale folded into k_descale; the checks
+name what is wrong. The kernels are recorders (the conftest's fake_gpu)."""
 
 import pytest
 import torch
@@ -91,10 +91,8 @@ def test_kernels_get_fp8_or_exact_queries_and_folded_descales(launches, descales
         (seen,) = launches[before:]
         assert result.dtype == expected_dtype, name
         variant = seen["plan"].variant
-        # FP8 math, but where pages are gathered (8-row pages): the FP8-cache kernels.
-        assert (variant.q_dtype is not None) == (name != "kvcache paged"), name
-        q_dtype = FP8 if variant.q_dtype else expected_dtype
-        assert seen["q"].dtype == q_dtype and seen["out"].dtype == expected_dtype, name
+        assert variant.q_dtype is not None, name  # (FP8 math: q as it is)
+        assert seen["q"].dtype == FP8 and seen["out"].dtype == expected_dtype, name
         assert torch.equal(seen["q"].float().flatten(), q8.float().flatten()), name  # exact
         assert seen["k"].dtype == FP8 and seen["v"].dtype == FP8, name
         if qd is None:
@@ -103,6 +101,31 @@ def test_kernels_get_fp8_or_exact_queries_and_folded_descales(launches, descales
             folded = qd if kd is None else qd * kd
             assert torch.equal(seen["k_descale"], folded), name
         assert seen["v_descale"] is vd, name
+
+
+@pytest.mark.parametrize("page_size", [None, 1])
+def test_head_dims_fp8_math_does_not_take_convert_q_exactly(launches, page_size):
+    """Head dim 80 (not a multiple of 32): q converted to bf16 (exact), q_descale folded, the
+    FP8-cache kernels' 16-bit math."""
+    d, keys = 80, 40
+    q8, k8, v8 = (
+        fp8(BATCH, 1, HEADS, d),
+        fp8(BATCH, keys, HEADS_KV, d),
+        fp8(BATCH, keys, HEADS_KV, d),
+    )
+    qd, kd = torch.rand(BATCH, HEADS_KV) + 0.5, torch.rand(BATCH, HEADS_KV) + 0.5
+    table = None
+    if page_size:
+        k8, v8 = (x.view(-1, page_size, HEADS_KV, d) for x in (k8, v8))
+        table = torch.arange(BATCH * keys, dtype=torch.int32).view(BATCH, keys)
+    lens = torch.full((BATCH,), keys, dtype=torch.int32)
+    flash_cute.flash_attn_with_kvcache(
+        q8, k8, v8, cache_seqlens=lens, page_table=table, q_descale=qd, k_descale=kd
+    )
+    (seen,) = launches
+    assert seen["plan"].variant.q_dtype is None and seen["q"].dtype == torch.bfloat16
+    assert torch.equal(seen["q"].float().flatten(), q8.float().flatten())
+    assert torch.equal(seen["k_descale"], qd * kd)
 
 
 def test_fp8_query_calls_are_not_replayed(launches):

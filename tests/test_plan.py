@@ -499,15 +499,16 @@ FP8 = "float8_e4m3fn"
         (prefill(kv_layout="paged", page_size=64, kv_dtype=FP8, q_dtype=FP8), True),  # TMA
         (prefill(seqlen=8, nheads=32, nheads_kv=8, kv_dtype=FP8, q_dtype=FP8), True),  # decode
         # Pages gathered with cp.async (16 rows: TMA boxes under MIN_TMA_BOX_BYTES), left padding.
-        (prefill(kv_layout="paged", page_size=16, kv_dtype=FP8, q_dtype=FP8), False),
+        (prefill(seqlen=1, nheads=32, nheads_kv=8, kv_layout="paged", page_size=16,
+                 kv_dtype=FP8, q_dtype=FP8), True),
         (prefill(kv_layout="paged", page_size=64, leftpad_k=True, kv_dtype=FP8, q_dtype=FP8),
-         False),
+         True),
         (prefill(kv_dtype=FP8), False),  # 16-bit q over an FP8 cache
     ],
 )  # fmt: skip
 def test_fp8_queries_take_fp8_math_where_it_serves(problem, fp8_math):
     """FP8 math for FP8 calls with equal head dims, multiples of 32, prefill or decode-like,
-    on padded, packed or paged keys but gathered pages; the others convert q. The variant
+    on padded, packed or paged keys (TMA boxes or gathered rows); the others convert q. The variant
     is valid either way (its own checks), and a caller's config keeps 16-bit math."""
     decode_rows = problem.varlen_q or problem.kv_layout == "paged" or problem.max_seqlen_q < 64
     v = plan_forward(problem, SMS, None, 1, None, decode_rows).variant

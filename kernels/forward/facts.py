@@ -168,8 +168,11 @@ class ForwardFacts:
         return FP8_GATHER_WARPS if self.kv_fp8 else PRODUCER_THREADS // 32
 
     @cached_property
-    def gathers_16bit(self) -> bool:
-        return self.kv_gather and not self.kv_fp8
+    def gemm_reads_gathered_rows(self) -> bool:
+        """The GEMMs read stages that cp.async fills (a 16-bit cache's K and V, FP8 math's
+        K): each wait for one is followed by a proxy fence (cp.async writes through the
+        generic proxy, the WGMMAs read through the async one)."""
+        return self.kv_gather and not self.converts_kv
 
     @cached_property
     def convert_threads(self) -> int:

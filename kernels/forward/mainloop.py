@@ -508,7 +508,7 @@ class Mainloop(Piece):
             ring.consumer_wait(state, ring.consumer_try_wait(state))
         else:
             ring.consumer_wait(state)
-        if const_expr(self.gathers_16bit):  # cp.async's writes -> WGMMA's reads
+        if const_expr(self.gemm_reads_gathered_rows):  # cp.async's writes -> WGMMA's reads
             cute.arch.fence_view_async_shared()
 
     def _schedule_wait(self, warpgroup_idx):
