@@ -22,6 +22,7 @@ from ..kv_dequant import FP8_GATHER_WARPS
 from ..paged_kv_gather import PRODUCER_THREADS
 from ..seqlen_info import SeqlenInfo
 from ..tile_scheduler import PersistentTileScheduler, SingleTileScheduler, TileSpace, WorkTile
+from ..v_transpose import FP8_MATH_GATHER_WARPS
 from .records import ProblemShapes
 
 THREADS_PER_WARPGROUP = 128
@@ -161,10 +162,13 @@ class ForwardFacts:
     def load_warps(self) -> int:
         """The producer warps that load K/V (0 .. load_warps - 1; warp 0 also loads Q): warp 0
         issuing TMA loads, the whole warpgroup gathering 16-bit rows straight into the WGMMAs'
-        stages, or FP8_GATHER_WARPS gathering FP8 rows. With an FP8 cache the others convert
-        its blocks (kernels/kv_dequant.py)."""
+        stages, or FP8_GATHER_WARPS gathering FP8 rows (FP8_MATH_GATHER_WARPS with
+        fp8_math). With an FP8 cache the others convert its blocks (kernels/kv_dequant.py)
+        or transpose V's (kernels/v_transpose.py)."""
         if not self.kv_gather:
             return 1
+        if self.fp8_math:
+            return FP8_MATH_GATHER_WARPS
         return FP8_GATHER_WARPS if self.kv_fp8 else PRODUCER_THREADS // 32
 
     @cached_property
