@@ -1,0 +1,179 @@
+"""FP8 decode: FP8 q over an FP8 cache (SGLang's and vLLM's FP8 call; FP8 math), CUDA-graph
+replays of STEPS steps, against a copy of the same bytes; beside it, in the same process and
+rounds interleaved: the same cache read through page tables (random page order; pages of 64
+load as TMA boxes, pages of 16 as rows gathered with cp.async), bf16 q over the FP8 cache
+(16-bit math: the FP8-cache kernels' conversion), FlashAttention-3's FP8 (fa3_fwd_interface;
+contiguous). GQA 32 / 8, head dim 128, descales per (batch, kv head), causal, one new token.
+Prints, per point, each peer's median of ROUNDS rounds: us, FP8 K+V TB/s, and that over the
+copy's TB/s (read + write). Run from the repository root on a GPU:
+
+    python benchmarks/fp8_decode.py        (env: PAGES=64,16, ROUNDS=5, POINTS=0,2 to pick)
+
+Config sweeps: EXP=ov0+n64+st4,... adds the FP8-math kernel with those knobs (ovN
+intra_wg_overlap, nN tile_n, stN num_stages, bN the transposer's batch) beside the plan's.
+"""
+
+import functools
+import os
+import statistics
+
+os.environ["FLASH_CUTE_DISK_CACHE"] = "0"  # (transposer batches share variant keys)
+import flash_cute.kernels.v_transpose as v_transpose
+import torch
+
+import flash_cute
+from flash_cute import compile_cache, plan
+
+try:
+    import fa3_fwd_interface as fa3
+except ImportError as e:
+    fa3 = None
+    print("no FlashAttention-3:", e)
+
+FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
+ROUNDS = int(os.environ.get("ROUNDS", "5"))
+PAGES = [int(p) for p in os.environ.get("PAGES", "64,16").split(",")]
+STEPS = 10  # decode calls per graph
+HEADS, HEADS_KV, D = 32, 8, 128
+POINTS = [(1, 131072), (4, 131072), (8, 32768), (32, 8192), (64, 16384), (128, 8192), (16, 65536)]
+EXPS = [e for e in os.environ.get("EXP", "").split(",") if e]
+plan_config = plan.fp8_math_config
+
+
+def knobs(name):
+    """Config changes of a sweep name ("ov0+n64+st4") and the transposer's batch."""
+    changes, batch = {}, v_transpose.BATCH
+    for part in name.split("+"):
+        kind, value = part.rstrip("0123456789"), int(part[len(part.rstrip("0123456789")) :])
+        if kind == "ov":  # (rescaling O before P V needs the overlap)
+            changes.update(intra_wg_overlap=bool(value), rescale_o_before_pv=False)
+        elif kind == "n":
+            changes.update(tile_n=value)
+        elif kind == "st":
+            changes.update(num_stages=value)
+        elif kind == "b":
+            batch = value
+        else:
+            raise ValueError(f"unknown knob {part!r}")
+    return changes, batch
+
+
+def swept(name, fn):
+    """fn with the FP8-math config changed by knobs(name), in a kernel cache of its own."""
+    changes, batch = knobs(name)
+    cache, default_batch = {}, v_transpose.BATCH
+
+    def run():
+        saved = compile_cache._cache
+        plan.fp8_math_config = lambda *a, **k: plan_config(*a, **k).replace(**changes)
+        compile_cache._cache, v_transpose.BATCH = cache, batch
+        try:
+            return fn()
+        finally:
+            plan.fp8_math_config = plan_config
+            compile_cache._cache, v_transpose.BATCH = saved, default_batch
+
+    return run
+
+
+def graphed(fn):
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for _ in range(STEPS):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph.replay
+
+
+def step_us(replay, reps=10):
+    """Median time of one step over reps graph replays."""
+    replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / STEPS)
+    return statistics.median(times)
+
+
+def copy_tbs(nbytes):
+    src = torch.randn(nbytes // 2, device="cuda").to(BF16)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / step_us(graphed(lambda: dst.copy_(src))) / 1e6
+
+
+def peers(batch, keys):
+    """{name: decode step} over one random FP8 cache, contiguous and paged."""
+    kc, vc = (torch.randn(batch, keys, HEADS_KV, D, device="cuda").to(FP8) for _ in range(2))
+    paged = {}  # page size: (k pages, v pages, page table)
+    for page in PAGES:
+        pages = keys // page
+        table = torch.randperm(batch * pages, device="cuda").to(torch.int32).view(batch, pages)
+        kp, vp = (
+            torch.empty(batch * pages, page, HEADS_KV, D, device="cuda", dtype=FP8) for _ in "kv"
+        )
+        for dst, cache in ((kp, kc), (vp, vc)):  # (uint8 views: float8 indexing is not everywhere)
+            dst.view(torch.uint8)[table.long()] = cache.view(torch.uint8).view(
+                batch, pages, page, HEADS_KV, D
+            )
+        paged[page] = kp, vp, table
+    lens = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
+    q8 = torch.randn(batch, 1, HEADS, D, device="cuda").to(FP8)
+    qd, kd, vd = (torch.rand(batch, HEADS_KV, device="cuda") + 0.5 for _ in range(3))
+    ds = dict(q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
+    kvcache = flash_cute.flash_attn_with_kvcache
+    out = {
+        "fp8": lambda: kvcache(q8, kc, vc, cache_seqlens=lens, **ds),
+        "bf16 q": lambda: kvcache(
+            q8.to(BF16), kc, vc, cache_seqlens=lens, causal=True, k_descale=qd * kd, v_descale=vd
+        ),
+    }
+    for page, (kp, vp, table) in paged.items():
+        out[f"fp8 p{page}"] = functools.partial(
+            kvcache, q8, kp, vp, cache_seqlens=lens, page_table=table, **ds
+        )
+    for name in EXPS:
+        out[f"fp8 {name}"] = swept(name, out["fp8"])
+    if fa3 is not None:
+        out["FA3 fp8"] = lambda: fa3.flash_attn_with_kvcache(q8, kc, vc, cache_seqlens=lens, **ds)
+    return out
+
+
+def main():
+    points = POINTS
+    if os.environ.get("POINTS"):
+        points = [POINTS[int(i)] for i in os.environ["POINTS"].split(",")]
+    print(torch.cuda.get_device_name(), f"{STEPS} steps per graph", flush=True)
+    for batch, keys in points:
+        torch.cuda.empty_cache()
+        nbytes = 2 * batch * keys * HEADS_KV * D
+        steps = peers(batch, keys)
+        reference = steps["bf16 q"]().float()  # (16-bit math: the FP8-math outputs' distance)
+        for name, fn in steps.items():
+            diff = (fn().float() - reference).abs().max().item()
+            print(f"  {batch} x {keys}: {name} max |diff| vs bf16 q {diff:.2e}", flush=True)
+        replays = {name: graphed(fn) for name, fn in steps.items()}
+        copy = copy_tbs(nbytes)
+        rounds = {name: [] for name in replays}
+        for _ in range(ROUNDS):
+            for name, replay in replays.items():
+                rounds[name].append(step_us(replay))
+        cells = []
+        for name, times in rounds.items():
+            us = statistics.median(times)
+            tbs = nbytes / us / 1e6
+            cells.append(f"{name} {us:.1f} us {tbs:.2f} TB/s {tbs / copy:.2f}x")
+        head = f"{batch} x {keys} ({nbytes / 2**20:.0f} MB, copy {copy:.2f} TB/s)"
+        print(head, " | ".join(cells), sep=": ", flush=True)
+
+
+if __name__ == "__main__":
+    main()
