@@ -37,10 +37,11 @@ class Call:
     q: (batch, seqlen_q, nheads, d), or (total_q, nheads, d) with cu_seqlens_q; k, v: padded
     (batch, seqlen_k, nheads_kv, d), packed (total_k, nheads_kv, d) with cu_seqlens_k, or
     paged (num_pages, page_size, nheads_kv, d) with page_table. q_descale: FP8 queries'
-    dequantization scales (the forward path folds them into k_descale). kv_length: one int key count
-    for every sequence (seqused_k: a (batch,) tensor of them). decode_rows: whether few query
-    rows per kv head take the decode table (flash_attn_func's padded calls keep the prefill
-    table). The public functions' docstrings say the rest.
+    dequantization scales (the FP8-math kernels take them; the forward path folds them into
+    k_descale where q is converted). kv_length: one int key count for every sequence
+    (seqused_k: a (batch,) tensor of them). decode_rows: whether few query rows per kv head
+    take the decode table (flash_attn_func's padded calls keep the prefill table). The public
+    functions' docstrings say the rest.
     """
 
     q: torch.Tensor
@@ -49,7 +50,6 @@ class Call:
     out: Optional[torch.Tensor] = None
     # The rest by name only: a field added among them cannot shift a positional argument.
     _: dataclasses.KW_ONLY
-    q_descale: Optional[torch.Tensor] = None
     cu_seqlens_q: Optional[torch.Tensor] = None
     cu_seqlens_k: Optional[torch.Tensor] = None
     seqused_k: Optional[torch.Tensor] = None
@@ -59,6 +59,7 @@ class Call:
     kv_batch_idx: Optional[torch.Tensor] = None
     leftpad_k: Optional[torch.Tensor] = None
     qv: Optional[torch.Tensor] = None
+    q_descale: Optional[torch.Tensor] = None
     k_descale: Optional[torch.Tensor] = None
     v_descale: Optional[torch.Tensor] = None
     kv_length: Optional[int] = None

@@ -98,6 +98,7 @@ OPTIONAL_TENSORS = (
     "kv_batch_idx",
     "leftpad_k",
     "qv",
+    "q_descale",
     "k_descale",
     "v_descale",
 )
@@ -162,7 +163,8 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
         "kv_batch_idx": int32_tensor(1) if variant.kv_batch_idx else None,
         "leftpad_k": int32_tensor(1) if variant.leftpad_k else None,
         "qv": tensor(dtype, (*q_rows, nheads, dv)) if variant.qv else None,
-        # FP8 K/V: (batch, nheads_kv) fp32 descales, any strides (0: one value broadcast).
+        # FP8 K/V (and q with FP8 math): (batch, nheads_kv) fp32 descales, any strides (0: one
+        # value broadcast).
         **{
             name: cute.runtime.make_fake_tensor(
                 cutlass.Float32,
@@ -170,9 +172,13 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
                 stride=(cute.sym_int64(), cute.sym_int64()),
                 assumed_align=4,
             )
-            if variant.kv_dtype is not None
+            if taken
             else None
-            for name in ("k_descale", "v_descale")
+            for name, taken in (
+                ("q_descale", variant.q_dtype is not None),
+                ("k_descale", variant.kv_dtype is not None),
+                ("v_descale", variant.kv_dtype is not None),
+            )
         },
         "kv_length": cutlass.Int32(0),
         # Split scratch (partial O, then partial LSE) and the zeroed int32 counters (the

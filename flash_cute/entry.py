@@ -184,9 +184,10 @@ class EntryPoint:
             elif kind == "optional":
                 key.append(f"None if {name} is None else ({name}.shape, {name}.dtype)")
                 slots[role.field] = name
-            elif kind == "fp8_descale":  # (replayed only where q is 16-bit: K's dtype decides)
+            elif kind == "fp8_descale":  # (read where its operand is FP8, ignored otherwise)
                 key.append(f"None if {name} is None else ({name}.shape, {name}.dtype)")
-                slots[role.field] = f"{name} if {k}.dtype is _FP8 else None"
+                operand = q if DESCALED_OPERAND[role.field] == "q" else k
+                slots[role.field] = f"{name} if {operand}.dtype is _FP8 else None"
             elif kind == "lengths":
                 # A tensor fills seqused_k; an int, kv_length (its class in the key, its range
                 # checked against the plan's capacity); anything else the checks refuse.

@@ -228,9 +228,10 @@ def run(call: Call, names: dict, plans: PlanCache, key):
         if not problem.writes_lse:
             return out
         return out, torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
-    if problem.q_dtype is not None:  # (FP8 queries: never replayed)
-        fp8_math = plan.variant.q_dtype is not None
-        call, key = with_descales_folded(call, convert_q=not fp8_math), None
+    if problem.q_dtype is not None and plan.variant.q_dtype is None:
+        # FP8 queries in 16-bit math: q converted, q_descale folded (such calls are not
+        # replayed: their launch plans hold the folded descale).
+        call, key = with_descales_folded(call), None
         q = call.q
     launch = LaunchPlan.build(plan, q, k, v, out, lse_shape, scale_log2)
     # TMA reads strides of 16 bytes: a tensor with others goes in as a copy (and such a call
@@ -250,16 +251,15 @@ def run(call: Call, names: dict, plans: PlanCache, key):
     return (out, lse) if problem.writes_lse else out
 
 
-def with_descales_folded(call: Call, convert_q: bool) -> Call:
-    """An FP8-query call as the kernels run it, over its FP8 K/V: q_descale folded into
-    k_descale (both scale the scores of a (batch, kv head) pair), and with convert_q (the plan
-    runs it on the FP8-cache kernels, in 16-bit math) q converted to the output's dtype
-    (exactly: every float8_e4m3fn value is a bfloat16 and a float16 value). Such calls are
-    not replayed (their launch plans take the folded descale)."""
+def with_descales_folded(call: Call) -> Call:
+    """An FP8-query call as the FP8-cache kernels run it in 16-bit math (head dims FP8 math does
+    not take): q converted to the output's dtype (exactly: every float8_e4m3fn value is a
+    bfloat16 and a float16 value), q_descale folded into k_descale (both scale the scores of
+    a (batch, kv head) pair). The FP8-math kernels take q and q_descale as they are."""
     k_descale = call.k_descale
     if call.q_descale is not None:
         k_descale = call.q_descale if k_descale is None else call.q_descale * k_descale
-    q = call.q.to(checks.fp8_query_out_dtype(call.out)) if convert_q else call.q
+    q = call.q.to(checks.fp8_query_out_dtype(call.out))
     return call.replace(q=q, q_descale=None, k_descale=k_descale)
 
 

@@ -368,9 +368,9 @@ def traced_records(label: str, config, slots: int, device) -> torch.Tensor:
     return records
 
 
-# The positions of k_descale and v_descale among the kernel's call arguments.
-_K_DESCALE, _V_DESCALE = (KERNEL_CALL_FIELDS.index(f) for f in ("k_descale", "v_descale"))
-assert _V_DESCALE == _K_DESCALE + 1  # (replaced together: LaunchPlan.launch)
+# The positions of q_descale, k_descale and v_descale among the kernel's call arguments.
+_DESCALES = tuple(KERNEL_CALL_FIELDS.index(f) for f in ("q_descale", "k_descale", "v_descale"))
+assert _DESCALES == tuple(range(_DESCALES[0], _DESCALES[0] + 3))  # (replaced together)
 
 FUNC_PLANS = PlanCache()
 KVCACHE_PLANS = PlanCache()
@@ -444,8 +444,8 @@ class LaunchPlan:
         self.trace = plan.trace_slots or None
         # Replays check that v still aliases k (qv's V is a tensor of its own).
         self.v_in_k = plan.variant.v_in_k and not plan.variant.qv
-        # FP8 K/V: the descale a call leaves out is 1 (a one-element tensor read at every
-        # (batch, kv head) through zero strides).
+        # FP8 K/V (and q with FP8 math): the descale a call leaves out is 1 (a one-element
+        # tensor read at every (batch, kv head) through zero strides).
         self.unit_descale = None
         if plan.variant.kv_dtype is not None:
             self.unit_descale = torch.ones(1, dtype=torch.float32, device=device).as_strided(
@@ -552,14 +552,16 @@ class LaunchPlan:
                 ):
                     self.buffers = (raw, BUFFERS.version, (partials, counters))
         if self.unit_descale is not None:
-            # FP8 K/V: a descale the call leaves out is 1.
-            kd, vd = call_args[_K_DESCALE], call_args[_V_DESCALE]
-            if kd is None or vd is None:
+            # FP8 K/V: a descale the call leaves out is 1 (q's only where the kernel takes it:
+            # FP8 math).
+            first, last = _DESCALES[0], _DESCALES[-1] + 1
+            descales = call_args[first:last]
+            if None in descales:
                 unit = self.unit_descale
-                call_args = (
-                    *call_args[:_K_DESCALE], unit if kd is None else kd, unit if vd is None else vd,
-                    *call_args[_V_DESCALE + 1 :],
-                )  # fmt: skip
+                qd, kd, vd = (unit if d is None else d for d in descales)
+                if self.variant.q_dtype is None:
+                    qd = descales[0]
+                call_args = (*call_args[:first], qd, kd, vd, *call_args[last:])
         records = None
         if self.trace is not None:
             variant = self.variant

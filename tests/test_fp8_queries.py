@@ -95,11 +95,8 @@ def test_kernels_get_fp8_or_exact_queries_and_folded_descales(launches, descales
         assert seen["q"].dtype == FP8 and seen["out"].dtype == expected_dtype, name
         assert torch.equal(seen["q"].float().flatten(), q8.float().flatten()), name  # exact
         assert seen["k"].dtype == FP8 and seen["v"].dtype == FP8, name
-        if qd is None:
-            assert seen["k_descale"] is kd, name
-        else:
-            folded = qd if kd is None else qd * kd
-            assert torch.equal(seen["k_descale"], folded), name
+        # (The kernel takes each descale as given; None is 1: the launch plan's unit.)
+        assert seen["q_descale"] is qd and seen["k_descale"] is kd, name
         assert seen["v_descale"] is vd, name
 
 
@@ -128,14 +125,32 @@ def test_head_dims_fp8_math_does_not_take_convert_q_exactly(launches, page_size)
     assert torch.equal(seen["k_descale"], qd * kd)
 
 
-def test_fp8_query_calls_are_not_replayed(launches):
-    """An FP8 call's launch plan takes its descales folded (and a converted call's 16-bit q):
-    none is kept under the FP8 call's key, so every call takes the checked path and folds (and
-    converts) again."""
+def test_fp8_math_calls_replay_with_their_descales(launches):
+    """An FP8-math call's launch plan is kept and replayed (the kernel takes q_descale itself):
+    later calls skip the checks and pass each call's own descales; a call whose q_descale
+    appears or goes takes a plan of its own."""
     q8, k8 = fp8(BATCH, SEQLEN_Q, HEADS, D), fp8(BATCH, SEQLEN_K, HEADS_KV, D)
+    qds = [torch.rand(BATCH, HEADS_KV) + 0.5 for _ in range(3)]
+    kd = torch.rand(BATCH, HEADS_KV) + 0.5
+    for qd in qds:
+        flash_cute.flash_attn_func(q8, k8, k8, q_descale=qd, k_descale=kd)
+    assert [seen["q_descale"] for seen in launches] == qds
+    assert all(seen["k_descale"] is kd for seen in launches)
+    (launch,) = {id(seen["plan"]): seen["plan"] for seen in launches}.values()  # one plan
+    flash_cute.flash_attn_func(q8, k8, k8, k_descale=kd)
+    assert launches[-1]["plan"] is not launch and launches[-1]["q_descale"] is None
+
+
+def test_converted_fp8_calls_are_not_replayed(launches):
+    """At a head dim FP8 math does not take, the launch plan holds the folded descale and the
+    converted q: none is kept under the FP8 call's key, so every call takes the checked path
+    and folds (and converts) again."""
+    d = 80
+    q8, k8 = fp8(BATCH, SEQLEN_Q, HEADS, d), fp8(BATCH, SEQLEN_K, HEADS_KV, d)
     qd, kd = torch.rand(BATCH, HEADS_KV) + 0.5, torch.rand(BATCH, HEADS_KV) + 0.5
     for _ in range(3):
-        flash_cute.flash_attn_func(q8, k8, k8, q_descale=qd, k_descale=kd)
+        flash_cute.flash_attn_with_kvcache(q8, k8, k8, cache_seqlens=SEQLEN_K, q_descale=qd,
+                                           k_descale=kd)  # fmt: skip
     assert len(launches) == 3 and all(not point.plans for point in entry.ENTRY_POINTS)
     assert len({id(seen["k_descale"]) for seen in launches}) == 3
 

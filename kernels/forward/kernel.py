@@ -257,6 +257,7 @@ class FlashAttentionForwardSm90(Piece):
         kv_batch_idx: Optional[cute.Tensor],
         leftpad_k: Optional[cute.Tensor],
         qv: Optional[cute.Tensor],
+        q_descale: Optional[cute.Tensor],
         k_descale: Optional[cute.Tensor],
         v_descale: Optional[cute.Tensor],
         kv_length: Int32,

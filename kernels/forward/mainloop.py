@@ -183,9 +183,13 @@ class Mainloop(Piece):
                 self.stmatrix_atom(), setup.tiled_mma_qk
             ).get_slice(tidx)
             tPsP = smem_copy_P.partition_D(buf.sP)
-        # FP8 K/V: K's descale multiplies every score (folded into the softmax scale), V's
-        # every output row (folded into the final 1 / row sum).
+        # FP8 K/V: K's descale (and with FP8 math q's) multiplies every score (folded into the
+        # softmax scale), V's every output row (folded into the final 1 / row sum).
         v_descale = None
+        if const_expr(shapes.q_descale is not None):
+            softmax_scale_log2 = (
+                softmax_scale_log2 * shapes.q_descale[tile.batch_idx, tile.head_kv_idx]
+            )
         if const_expr(shapes.k_descale is not None):
             softmax_scale_log2 = (
                 softmax_scale_log2 * shapes.k_descale[tile.batch_idx, tile.head_kv_idx]

@@ -57,6 +57,7 @@ class ProblemShapes(NamedTuple):
     seqused_q: Optional[cute.Tensor]
     kv_batch_idx: Optional[cute.Tensor]
     leftpad_k: Optional[cute.Tensor]
+    q_descale: Optional[cute.Tensor]  # FP8 math: (batch, nheads_kv) fp32
     k_descale: Optional[cute.Tensor]  # FP8 K/V: (batch, nheads_kv) fp32
     v_descale: Optional[cute.Tensor]
     num_splits: Optional[Int32] = None
@@ -64,7 +65,7 @@ class ProblemShapes(NamedTuple):
 
 
 # The fields of ProblemShapes the launch passes through by name.
-CALL_TENSORS = ProblemShapes._fields[2:12]
+CALL_TENSORS = ProblemShapes._fields[2:13]
 
 
 class Scalars(NamedTuple):
