@@ -59,17 +59,21 @@ def knobs(name):
 
 
 def swept(name, fn):
-    """fn with the FP8-math config changed by knobs(name), in a kernel cache of its own."""
+    """fn with the FP8-math config changed by knobs(name), in a kernel cache of its own (the
+    entry point's launch plans cleared around it: a kept plan would replay the plan's config)."""
     changes, batch = knobs(name)
     cache, default_batch = {}, v_transpose.BATCH
+    plans = flash_cute.flash_attn_with_kvcache.entry_point.plans
 
     def run():
         saved = compile_cache._cache
         plan.fp8_math_config = lambda *a, **k: plan_config(*a, **k).replace(**changes)
         compile_cache._cache, v_transpose.BATCH = cache, batch
+        plans.clear()
         try:
             return fn()
         finally:
+            plans.clear()
             plan.fp8_math_config = plan_config
             compile_cache._cache, v_transpose.BATCH = saved, default_batch
 

@@ -87,6 +87,7 @@ class Signature:
 # TVM-FFI a conversion on the host, so the common call passes seven.
 SHORT = Signature.of("call_short")
 FULL = Signature.of("__call__")
+DESCALES = ("q_descale", "k_descale", "v_descale")  # (ForwardVariant.descales_taken's order)
 OPTIONAL_TENSORS = (
     "lse",
     "cu_seqlens_q",
@@ -174,11 +175,7 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
             )
             if taken
             else None
-            for name, taken in (
-                ("q_descale", variant.q_dtype is not None),
-                ("k_descale", variant.kv_dtype is not None),
-                ("v_descale", variant.kv_dtype is not None),
-            )
+            for name, taken in zip(DESCALES, variant.descales_taken)
         },
         "kv_length": cutlass.Int32(0),
         # Split scratch (partial O, then partial LSE) and the zeroed int32 counters (the

@@ -703,7 +703,7 @@ def fp8_math_config(
     64 above head dim 128, where O's registers leave too few for 128 scores: ptxas spills or
     serializes the WGMMAs), two stages of K, of V and of V^T. Decode-like rows: one MMA
     warpgroup, 64-key blocks in four stages, no intra-warpgroup overlap (which holds K's and
-    V's stages through each softmax; H100, GQA 32/8 d128: 2.3 -> 2.7-3.1 TB/s)."""
+    V's stages through each softmax; H100, GQA 32/8 d128: 2.3 -> 2.8-3.1 TB/s contiguous)."""
     if decode_like:
         rows = dict(tile_m=64, tile_n=64, num_stages=4, intra_wg_overlap=False)
     else:

@@ -331,6 +331,13 @@ class ForwardVariant(CallShape):
         return self.uses_tile_counter or (self.split and not self.combine_launch)
 
     @property
+    def descales_taken(self) -> tuple:
+        """Whether the kernel takes (q_descale, k_descale, v_descale): K's and V's with an FP8
+        cache, q's with FP8 math (kernels that convert FP8 queries get q_descale folded)."""
+        fp8_cache = self.kv_dtype is not None
+        return (self.q_dtype is not None, fp8_cache, fp8_cache)
+
+    @property
     def takes_optionals(self) -> bool:
         """Whether the kernel uses any optional argument (LSE, varlen offsets, packed or paged
         K/V, seqused_k/q, cache batch index or left padding, learnable sink, split scratch, tile

@@ -32,6 +32,7 @@ import torch
 from . import checks
 from .call import KERNEL_CALL_FIELDS
 from .compile_cache import (
+    DESCALES,
     SHORT,
     CombineKernelKey,
     get_combine_kernel,
@@ -369,7 +370,7 @@ def traced_records(label: str, config, slots: int, device) -> torch.Tensor:
 
 
 # The positions of q_descale, k_descale and v_descale among the kernel's call arguments.
-_DESCALES = tuple(KERNEL_CALL_FIELDS.index(f) for f in ("q_descale", "k_descale", "v_descale"))
+_DESCALES = tuple(KERNEL_CALL_FIELDS.index(f) for f in DESCALES)
 assert _DESCALES == tuple(range(_DESCALES[0], _DESCALES[0] + 3))  # (replaced together)
 
 FUNC_PLANS = PlanCache()
@@ -403,6 +404,7 @@ class LaunchPlan:
         "num_counters",
         "scratch",
         "unit_descale",
+        "descales_taken",
         "extents",
         "out_like_q",
         "int_capacity",
@@ -447,7 +449,8 @@ class LaunchPlan:
         # FP8 K/V (and q with FP8 math): the descale a call leaves out is 1 (a one-element
         # tensor read at every (batch, kv head) through zero strides).
         self.unit_descale = None
-        if plan.variant.kv_dtype is not None:
+        self.descales_taken = plan.variant.descales_taken
+        if any(self.descales_taken):
             self.unit_descale = torch.ones(1, dtype=torch.float32, device=device).as_strided(
                 (1, 1), (0, 0)
             )
@@ -555,12 +558,14 @@ class LaunchPlan:
             # FP8 K/V: a descale the call leaves out is 1 (q's only where the kernel takes it:
             # FP8 math).
             first, last = _DESCALES[0], _DESCALES[-1] + 1
-            descales = call_args[first:last]
-            if None in descales:
+            qd, kd, vd = call_args[first:last]
+            # (Identity tests: `None in (tensors)` would compare tensors with None.)
+            if qd is None or kd is None or vd is None:
                 unit = self.unit_descale
-                qd, kd, vd = (unit if d is None else d for d in descales)
-                if self.variant.q_dtype is None:
-                    qd = descales[0]
+                qd, kd, vd = (
+                    unit if d is None and taken else d
+                    for d, taken in zip((qd, kd, vd), self.descales_taken)
+                )
                 call_args = (*call_args[:first], qd, kd, vd, *call_args[last:])
         records = None
         if self.trace is not None:

@@ -84,7 +84,7 @@ def convert_block(
 
 @dataclass(frozen=True)
 class ConvertingBlockLoader:
-    """A block "loader" for the converting warps, run in the TMA warp's order of loads (so it
+    """A block "loader" for the converting warps, run in the loading warps' order (so it
     takes the same PipelineState walk): block n waits in the FP8 ring, is converted into the
     same stage of the fp16 ring, committed there, and its FP8 stage freed. Both rings have the
     same stages; `state` is the fp16 ring's producer state (the FP8 ring's consumer phase is

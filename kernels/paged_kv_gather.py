@@ -4,16 +4,18 @@ A TMA box covers whole rows of one page, so the TMA loader needs boxes of a mult
 rows that divide both the page size and the key block (kernels/tma_loads.py). Page sizes of
 1 (SGLang's default), 8 or 24, and caches whose rows start at a per-sequence offset
 (cache_leftpad), take this loader instead: the gathering threads (the producer warpgroup's 128
-with a 16-bit cache; with an FP8 cache the first FP8_GATHER_WARPS warps', as the others
-convert the blocks) each copy 16-byte pieces of the block's rows, looking up each row's page
+with a 16-bit cache; with an FP8 cache its first FP8_GATHER_WARPS warps', as the others
+convert the blocks, or with FP8 math its first FP8_MATH_GATHER_WARPS', as the last transposes
+V's) each copy 16-byte pieces of the block's rows, looking up each row's page
 in the page table, into the swizzled smem stage, and signal the stage's full barrier when
 their copies land (cp.async.mbarrier.arrive.noinc, a PipelineCpAsync with that many producer
 threads). Rows past the sequence's last key are not loaded: their page-table entries need not
 be valid, and the consumer masks those keys (and zeroes their V rows).
 
-The MMA warps read a 16-bit stage with WGMMA (the async proxy) after cp.async's generic-proxy
-writes: they fence after each wait (kernels/forward/mainloop.py, Mainloop._wait_full). An FP8
-stage's readers are the converting warps' generic loads.
+The MMA warps read a 16-bit stage (and with FP8 math an FP8 K stage) with WGMMA (the async
+proxy) after cp.async's generic-proxy writes: they fence after each wait
+(kernels/forward/mainloop.py, Mainloop._wait_full). The other FP8 stages' readers are the
+converting or transposing warps' generic loads.
 """
 
 from dataclasses import dataclass

@@ -3,7 +3,8 @@
 An e4m3 WGMMA reads both operands K-major from shared memory: for O = P V that is V^T, each
 of V's head-dim columns with its keys contiguous, while V arrives as key rows. The producer
 warpgroup's spare warps (the converting warps of a 16-bit-math FP8 cache) transpose each V
-block the TMA warp loads, from the FP8 ring (tile_n, dv) into the MMA warps' ring (dv, tile_n).
+block the loading warps bring in (the TMA warp, or FP8_MATH_GATHER_WARPS gathering warps), from
+the FP8 ring (tile_n, dv) into the MMA warps' ring (dv, tile_n).
 
 P comes from registers: the fp32 score accumulator, cast to e4m3, is the A operand. Its 8-bit
 fragment holds keys {4q .. 4q+3, 16+4q .. 16+4q+3} of each 32 in thread q of a quad, where the
@@ -199,8 +200,8 @@ def transpose_block(
 
 @dataclass(frozen=True)
 class TransposingBlockLoader(ConvertingBlockLoader):
-    """ConvertingBlockLoader's handoff (FP8 ring -> the MMA warps' ring, in the TMA warp's
-    order) with V's transpose as the work: src (tile_n, dv, stages) FP8, dst (dv, tile_n,
+    """ConvertingBlockLoader's handoff (FP8 ring -> the MMA warps' ring, in the loading
+    warps' order) with V's transpose as the work: src (tile_n, dv, stages) FP8, dst (dv, tile_n,
     stages) FP8."""
 
     @cute.jit
@@ -220,7 +221,7 @@ class TransposingBlockLoader(ConvertingBlockLoader):
 
 @dataclass(frozen=True)
 class SkippedBlockLoader:
-    """A loader that loads nothing: the transposing warps walk the TMA warp's order of K and
+    """A loader that loads nothing: the transposing warps walk the loading warps' order of K and
     V loads, but only V's blocks are theirs."""
 
     def load(self, n_block: Int32, state):

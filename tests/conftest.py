@@ -58,15 +58,15 @@ class Recorder:
 class CheckingRecorder(Recorder):
     """A Recorder for one variant that refuses what the compiled function refuses on the tensors
     no replay key holds (TVM-FFI's checks against the fake arguments' dtypes and fixed sizes:
-    q's, k's and v's dtypes, the head dims, v's sizes against k's), with a ValueError as it
-    does."""
+    q's, k's and v's dtypes, the head dims, v's sizes against k's, a descale given where the
+    variant takes none or missing where it takes one), with a ValueError as it does."""
 
     def __init__(self, variant):
         super().__init__()
         self.variant = variant
 
     def __call__(self, *args):
-        from flash_cute.compile_cache import signature
+        from flash_cute.compile_cache import DESCALES, signature
 
         variant, sent = self.variant, dict(zip(signature(self.variant).args, args))
         q, k, v = sent["q"], sent["k"], sent["v"]
@@ -77,6 +77,7 @@ class CheckingRecorder(Recorder):
             k.dtype != kv_dtype or v.dtype != kv_dtype,
             q.shape[-1] != d or k.shape[-1] != d or v.shape[-1] != variant.head_dim_v,
             tuple(v.shape[:-1]) != tuple(k.shape[:-1]),
+            *((sent.get(n) is None) == taken for n, taken in zip(DESCALES, variant.descales_taken)),
         ]
         if any(problems):
             raise ValueError(f"Mismatched argument for the compiled {variant.describe()}")

@@ -308,6 +308,8 @@ def test_fp8_math_decode_graph_replay(page):
     )
     for lengths in ([1, 2048, 333], [2000, 64, 1]):
         q8.copy_(fp8_randn(batch, 1, nheads, d, gen=gen))
+        for scale, new in zip((qd, kd, vd), descales("tensor", batch, nheads_kv, gen)):
+            scale.copy_(new)  # (read by the kernel at each replay, none folded at capture)
         seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
         table.copy_(table[torch.randperm(batch, device="cuda", generator=gen)])
         out.fill_(float("nan"))

@@ -73,7 +73,7 @@ def calls(q8, k8, v8, qd, kd, vd, out=None):
 
 @pytest.mark.parametrize("descales", ["none", "q only", "all"])
 @pytest.mark.parametrize("out_dtype", [None, torch.float16])
-def test_kernels_get_fp8_or_exact_queries_and_folded_descales(launches, descales, out_dtype):
+def test_kernels_get_fp8_queries_and_their_descales(launches, descales, out_dtype):
     q8 = fp8(BATCH, SEQLEN_Q, HEADS, D)
     k8, v8 = fp8(BATCH, SEQLEN_K, HEADS_KV, D), fp8(BATCH, SEQLEN_K, HEADS_KV, D)
     qd = None if descales == "none" else torch.rand(BATCH, HEADS_KV) + 0.5
@@ -281,6 +281,7 @@ def test_vllm_descales_on_a_bf16_model_replay_without_them(launches):
             q, cache, cache, cache_seqlens=lens, page_table=table, cu_seqlens_q=cu_q,
             max_seqlen_q=SEQLEN_Q, q_descale=scale, k_descale=scale, v_descale=scale,
         )  # fmt: skip
-    assert len(launches) == 3 and all(seen["k_descale"] is None for seen in launches)
+    assert len(launches) == 3
+    assert all(seen["q_descale"] is seen["k_descale"] is None for seen in launches)
     assert fa3.flash_attn_with_kvcache.entry_point.plans  # replayed
     assert launches[1]["plan"] is launches[0]["plan"] is launches[2]["plan"]

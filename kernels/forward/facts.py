@@ -168,6 +168,7 @@ class ForwardFacts:
         if not self.kv_gather:
             return 1
         if self.fp8_math:
+            assert FP8_MATH_GATHER_WARPS < PRODUCER_THREADS // 32  # (one warp left to transpose)
             return FP8_MATH_GATHER_WARPS
         return FP8_GATHER_WARPS if self.kv_fp8 else PRODUCER_THREADS // 32
 

@@ -126,9 +126,9 @@ class Producer(Piece):
 
     @cute.jit
     def convert_tile(self, buf: CtaBuffers, tile: WorkTile, shapes: ProblemShapes):
-        """Converting warps, one tile: each FP8 K and V block the TMA warp loads, in its order,
-        into the fp16 rings (kernels/kv_dequant.py); with fp8_math each V block transposed
-        into V^T's ring (kernels/v_transpose.py), K's left to the TMA warp's ring."""
+        """Converting warps, one tile: each FP8 K and V block the loading warps bring in, in
+        their order, into the fp16 rings (kernels/kv_dequant.py); with fp8_math each V block
+        transposed into V^T's ring (kernels/v_transpose.py), K's left in the loads' ring."""
         seqlen, _, n_block_min, n_block_max = self.tile_problem(tile, shapes)
         if n_block_max > n_block_min:
             thread = cute.arch.thread_idx()[0] - 32 * self.load_warps

@@ -65,7 +65,9 @@ class ProblemShapes(NamedTuple):
 
 
 # The fields of ProblemShapes the launch passes through by name.
-CALL_TENSORS = ProblemShapes._fields[2:13]
+CALL_TENSORS = ProblemShapes._fields[
+    ProblemShapes._fields.index("cu_seqlens_q") : ProblemShapes._fields.index("v_descale") + 1
+]
 
 
 class Scalars(NamedTuple):
