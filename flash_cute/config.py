@@ -299,7 +299,27 @@ class AttentionConfig:
         """Shared memory one CTA may use with ctas_per_sm CTAs resident on an SM."""
         return min(MAX_SMEM_BYTES_PER_BLOCK, SMEM_BYTES_PER_SM // self.ctas_per_sm - 1024)
 
-    def _smem_bytes_without_o(
+    def separate_o_smem(
+        self,
+        head_dim: int,
+        element_bytes: int = 2,
+        head_dim_v: Optional[int] = None,
+        v_in_k: bool = False,
+    ) -> bool:
+        """Whether O gets a smem tile of its own: persistent schedulers only (so the next
+        tile's Q can load during this tile's epilogue), and only when it fits and O goes
+        through smem at all (not store_o_from_registers); otherwise O reuses Q's tile when it
+        goes through smem (which needs head_dim_v == head_dim)."""
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        o = _aligned_1k(self.tile_m * head_dim_v * element_bytes)
+        without_o = self.smem_bytes(head_dim, element_bytes, head_dim_v, v_in_k, own_o=False)
+        return (
+            self.persistent
+            and not self.store_o_from_registers
+            and without_o + o <= self.smem_limit()
+        )
+
+    def smem_bytes(
         self,
         head_dim: int,
         element_bytes: int = 2,
@@ -307,9 +327,20 @@ class AttentionConfig:
         v_in_k: bool = False,
         kv_fp8: bool = False,
         fp8_math: bool = False,
+        own_o: bool = True,
     ) -> int:
+        """Dynamic shared memory of the kernel: Q (reused for a TMA-stored O unless
+        separate_o_smem), O's own tile when separate_o_smem (and own_o), the K and V rings (no
+        V ring with v_in_k: V is read from K's stages), P when it goes through shared memory,
+        and the mbarriers; each buffer 1024-byte aligned. head_dim_v: V's and O's head dim
+        (default head_dim). kv_fp8: an FP8 cache's blocks converted to fp16; fp8_math: FP8
+        q, k and v in e4m3 GEMMs (kernels/v_transpose.py)."""
         aligned = _aligned_1k
-        head_dim_v = 0 if v_in_k else head_dim if head_dim_v is None else head_dim_v
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        o = 0
+        if own_o and self.separate_o_smem(head_dim, element_bytes, head_dim_v, v_in_k):
+            o = aligned(self.tile_m * head_dim_v * element_bytes)
+        head_dim_v = 0 if v_in_k else head_dim_v  # (V read from K's stages: no ring of its own)
         # Q, K, V rings' mbarriers (FP8 K/V: twice, its FP8 rings; FP8 math has no K FP8
         # ring, counted anyway: a few bytes over), the tile handoff's 4 mbarriers and 2 int32
         # slots.
@@ -326,50 +357,7 @@ class AttentionConfig:
         p = 0 if self.pv_from_registers else aligned(self.tile_m * self.tile_n * element_bytes)
         # split_scores: the row maxima and sums the two warpgroups exchange (fp32).
         rows = aligned(2 * 2 * self.tile_m * 4) if self.split_scores else 0
-        return mbarriers + q + k + v + p + rows
-
-    def separate_o_smem(
-        self,
-        head_dim: int,
-        element_bytes: int = 2,
-        head_dim_v: Optional[int] = None,
-        v_in_k: bool = False,
-    ) -> bool:
-        """Whether O gets a smem tile of its own: persistent schedulers only (so the next
-        tile's Q can load during this tile's epilogue), and only when it fits and O goes
-        through smem at all (not store_o_from_registers); otherwise O reuses Q's tile when it
-        goes through smem (which needs head_dim_v == head_dim)."""
-        head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        o = _aligned_1k(self.tile_m * head_dim_v * element_bytes)
-        without_o = self._smem_bytes_without_o(head_dim, element_bytes, head_dim_v, v_in_k)
-        return (
-            self.persistent
-            and not self.store_o_from_registers
-            and without_o + o <= self.smem_limit()
-        )
-
-    def smem_bytes(
-        self,
-        head_dim: int,
-        element_bytes: int = 2,
-        head_dim_v: Optional[int] = None,
-        v_in_k: bool = False,
-        kv_fp8: bool = False,
-        fp8_math: bool = False,
-    ) -> int:
-        """Dynamic shared memory of the kernel: Q (reused for a TMA-stored O unless
-        separate_o_smem), O's own tile when separate_o_smem, the K and V rings (no V ring
-        with v_in_k: V is read from K's stages), P when it goes through shared memory, and
-        the mbarriers; each buffer 1024-byte aligned. head_dim_v: V's and O's head dim
-        (default head_dim). kv_fp8: an FP8 cache's blocks converted to fp16; fp8_math: FP8
-        q, k and v in e4m3 GEMMs (kernels/v_transpose.py)."""
-        head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        o = 0
-        if self.separate_o_smem(head_dim, element_bytes, head_dim_v, v_in_k):
-            o = _aligned_1k(self.tile_m * head_dim_v * element_bytes)
-        return o + self._smem_bytes_without_o(
-            head_dim, element_bytes, head_dim_v, v_in_k, kv_fp8, fp8_math
-        )
+        return o + mbarriers + q + k + v + p + rows
 
     def accumulator_registers(self, head_dim: int, head_dim_v: Optional[int] = None) -> int:
         """fp32 registers per MMA thread held by accumulators at the busiest point:
