@@ -65,6 +65,18 @@ def check(out, lse, q8, k8, v8, qd, kd, vd, **mask):
         assert lse_err < 1e-3 * max(1.0, lse_ref[finite].abs().max().item()), lse_err
 
 
+def check_cache(out, lse, q8, k8, v8, table, capacity, lengths, qd, kd, vd):
+    """check() of each sequence of a causal call over an FP8 cache (paged through table, or
+    padded), keys up to its length; lse may be None."""
+    k_pad, v_pad = padded(k8, table, capacity), padded(v8, table, capacity)
+    for b, n in enumerate(lengths):
+        qb, kb, vb = (None if t is None else t[b : b + 1] for t in (qd, kd, vd))
+        check(
+            out[b : b + 1], None if lse is None else lse[b : b + 1], q8[b : b + 1],
+            k_pad[b : b + 1, :n].to(FP8), v_pad[b : b + 1, :n].to(FP8), qb, kb, vb, causal=True,
+        )  # fmt: skip
+
+
 CASES = [
     # (head_dim, causal, (nheads, nheads_kv), seqlen_q, seqlen_k, descale form)
     (64, False, (8, 8), 113, 1000, "tensor"),
@@ -219,13 +231,7 @@ def test_fp8_math_cache_prefill(page):
         q8, k8, v8, cache_seqlens=seqlens, page_table=table, causal=True, out=out,
         q_descale=qd, k_descale=kd, v_descale=vd,
     )  # fmt: skip
-    k_pad, v_pad = padded(k8, table, capacity), padded(v8, table, capacity)
-    for b, n in enumerate(lengths):
-        qb, kb, vb = (t[b : b + 1] for t in (qd, kd, vd))
-        check(
-            out[b : b + 1], None, q8[b : b + 1], k_pad[b : b + 1, :n].to(FP8),
-            v_pad[b : b + 1, :n].to(FP8), qb, kb, vb, causal=True,
-        )  # fmt: skip
+    check_cache(out, None, q8, k8, v8, table, capacity, lengths, qd, kd, vd)
 
 
 DECODE_CASES = [
@@ -274,13 +280,7 @@ def test_fp8_math_decode(case, api):
         _, lse = flash_cute.flash_attn_with_kvcache(q8, k8, v8, out=out, **kw)
     else:
         out, lse, *_ = fa3.flash_attn_with_kvcache(q8, k8, v8, **kw)
-    k_pad, v_pad = padded(k8, table, capacity), padded(v8, table, capacity)
-    for b, n in enumerate(lengths):
-        qb, kb, vb = (None if t is None else t[b : b + 1] for t in (qd, kd, vd))
-        check(
-            out[b : b + 1], lse[b : b + 1], q8[b : b + 1], k_pad[b : b + 1, :n].to(FP8),
-            v_pad[b : b + 1, :n].to(FP8), qb, kb, vb, causal=True,
-        )  # fmt: skip
+    check_cache(out, lse, q8, k8, v8, table, capacity, lengths, qd, kd, vd)
 
 
 @pytest.mark.parametrize("page", [64, 1])
@@ -314,10 +314,4 @@ def test_fp8_math_decode_graph_replay(page):
         table.copy_(table[torch.randperm(batch, device="cuda", generator=gen)])
         out.fill_(float("nan"))
         graph.replay()
-        k_pad, v_pad = padded(k8, table, capacity), padded(v8, table, capacity)
-        for b, n in enumerate(lengths):
-            qb, kb, vb = (t[b : b + 1] for t in (qd, kd, vd))
-            check(
-                out[b : b + 1], None, q8[b : b + 1], k_pad[b : b + 1, :n].to(FP8),
-                v_pad[b : b + 1, :n].to(FP8), qb, kb, vb, causal=True,
-            )  # fmt: skip
+        check_cache(out, None, q8, k8, v8, table, capacity, lengths, qd, kd, vd)
