@@ -693,19 +693,19 @@ def fp8_math_config(
     warpgroup, 64-key blocks in four stages, no intra-warpgroup overlap (which holds K's and
     V's stages through each softmax; H100, GQA 32/8 d128: 2.3 -> 2.8-3.1 TB/s contiguous)."""
     if decode_like:
-        rows = dict(tile_m=64, tile_n=64, num_stages=4, intra_wg_overlap=False)
+        shape = dict(tile_m=64, tile_n=64, num_stages=4, intra_wg_overlap=False)
     else:
-        rows = dict(tile_m=128, tile_n=128 if max(head_dim, head_dim_v) <= 128 else 64)
-        rows.update(num_stages=2, intra_wg_overlap=config.intra_wg_overlap)
+        shape = dict(tile_m=128, tile_n=128 if max(head_dim, head_dim_v) <= 128 else 64)
+        shape.update(num_stages=2)
+    # (Without the overlap, plan._effective_config drops rescale_o_before_pv.)
     return config.replace(
-        **rows,
+        **shape,
         pv_from_registers=True,
         o_split=1,
         split_scores=False,
         scheduler="single_tile",
         store_o_from_registers=True,
         rescale_threshold=0,
-        rescale_o_before_pv=config.rescale_o_before_pv and rows["intra_wg_overlap"],
         exp2_on_fma=0,  # (slower at every head dim in 16-bit math; not tried with FP8)
         # The transposing warps hold BATCH ldmatrix results (kernels/v_transpose.py), the
         # loading warp a varlen tile's bounds: 24 registers spill, 56 too with packed keys,

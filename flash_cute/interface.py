@@ -247,9 +247,9 @@ def flash_attn_with_kvcache(
             16-bit q the kernel converts each block to q's dtype exactly and does the math
             in 16 bits.
         q_descale: with float8_e4m3fn q (SGLang's and vLLM's FP8 attention; an FP8 cache),
-            as in flash_attn_func; out is then bfloat16 (or out's float16). Decode-like
-            calls (few rows per kv head) and paged caches take q converted exactly and run
-            16-bit math; prefill-shaped calls on a padded cache run e4m3 math.
+            as in flash_attn_func; out is then bfloat16 (or out's float16). Head dims that
+            are multiples of 32 (equal, up to 256) run e4m3 math on padded and paged caches
+            alike; others take q converted exactly and run 16-bit math.
         Other arguments as in flash_attn_func.
 
     Returns:

@@ -370,8 +370,9 @@ def traced_records(label: str, config, slots: int, device) -> torch.Tensor:
 
 
 # The positions of q_descale, k_descale and v_descale among the kernel's call arguments.
-_DESCALES = tuple(KERNEL_CALL_FIELDS.index(f) for f in DESCALES)
-assert _DESCALES == tuple(range(_DESCALES[0], _DESCALES[0] + 3))  # (replaced together)
+_FIRST_DESCALE = KERNEL_CALL_FIELDS.index(DESCALES[0])
+_END_DESCALES = _FIRST_DESCALE + len(DESCALES)
+assert KERNEL_CALL_FIELDS[_FIRST_DESCALE:_END_DESCALES] == DESCALES  # (replaced together)
 
 FUNC_PLANS = PlanCache()
 KVCACHE_PLANS = PlanCache()
@@ -557,8 +558,7 @@ class LaunchPlan:
         if self.unit_descale is not None:
             # FP8 K/V: a descale the call leaves out is 1 (q's only where the kernel takes it:
             # FP8 math).
-            first, last = _DESCALES[0], _DESCALES[-1] + 1
-            qd, kd, vd = call_args[first:last]
+            qd, kd, vd = call_args[_FIRST_DESCALE:_END_DESCALES]
             # (Identity tests: `None in (tensors)` would compare tensors with None.)
             if qd is None or kd is None or vd is None:
                 unit = self.unit_descale
@@ -566,7 +566,7 @@ class LaunchPlan:
                     unit if d is None and taken else d
                     for d, taken in zip((qd, kd, vd), self.descales_taken)
                 )
-                call_args = (*call_args[:first], qd, kd, vd, *call_args[last:])
+                call_args = (*call_args[:_FIRST_DESCALE], qd, kd, vd, *call_args[_END_DESCALES:])
         records = None
         if self.trace is not None:
             variant = self.variant

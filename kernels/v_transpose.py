@@ -149,6 +149,7 @@ def transpose_block(
     load_xor, store_xor = _row_xor(lane, width), _row_xor(store_column, tile_n)
     partial = valid_rows < tile_n
     per_warp = (steps + num_warps - 1) // num_warps
+    every_step = steps % num_warps == 0  # (then no warp has a step past the last)
     for first in cutlass.range_constexpr(0, per_warp, BATCH):
         batch = min(BATCH, per_warp - first)
         regs = cute.make_rmem_tensor((4, batch), Int32)
@@ -164,7 +165,6 @@ def transpose_block(
                     (step - group * column_steps) * COLUMNS_PER_STEP,
                 )
             )
-        every_step = steps % num_warps == 0  # (then no step is past the last)
         for b in cutlass.range_constexpr(batch):
             has_step, key0, column = places[b]
             if cutlass.const_expr(every_step) or has_step:

@@ -8,6 +8,8 @@ That bar is loose against a key-order slip at long key counts, so one test makes
 attend to known keys (a wrong order there is an O(1) error). Native calls' outputs are
 poisoned (NaN) before the call; cache slots past each sequence hold NaN."""
 
+import functools
+
 import pytest
 import torch
 from kv_cases import captured, cu_seqlens
@@ -293,18 +295,9 @@ def test_fp8_math_decode_graph_replay(page):
     q8 = fp8_randn(batch, 1, nheads, d, gen=gen)
     qd, kd, vd = descales("tensor", batch, nheads_kv, gen)
     seqlens = torch.tensor([5, 700, 2048], device="cuda", dtype=torch.int32)
+    step = dict(cache_seqlens=seqlens, page_table=table, q_descale=qd, k_descale=kd, v_descale=vd)
     graph, out = captured(
-        lambda: flash_cute.flash_attn_with_kvcache(
-            q8,
-            k8,
-            v8,
-            cache_seqlens=seqlens,
-            page_table=table,
-            causal=True,
-            q_descale=qd,
-            k_descale=kd,
-            v_descale=vd,
-        )  # fmt: skip
+        functools.partial(flash_cute.flash_attn_with_kvcache, q8, k8, v8, causal=True, **step)
     )
     for lengths in ([1, 2048, 333], [2000, 64, 1]):
         q8.copy_(fp8_randn(batch, 1, nheads, d, gen=gen))
