@@ -687,19 +687,25 @@ def fp8_math_config(
     registers, O from registers (Q's FP8 tile cannot hold it), and no lagging row max (P must
     stay within e4m3's range: 2^8 at most).
 
-    Prefill: two MMA warpgroups of 64 rows, 128 keys per block (whole 128-byte rows of V^T;
-    64 above head dim 128, where O's registers leave too few for 128 scores: ptxas spills or
-    serializes the WGMMAs), two stages of K, of V and of V^T. Decode-like rows: one MMA
-    warpgroup, 64-key blocks in four stages, no intra-warpgroup overlap (which holds K's and
-    V's stages through each softmax; H100, GQA 32/8 d128: 2.3 -> 2.8-3.1 TB/s contiguous)."""
+    Prefill: the widest key blocks whose scores, P and O fit the MMA warps' registers without
+    spills (FP8 GEMMs halve the time a block's GEMMs hide its softmax and transpose behind),
+    two stages of K, of V and of V^T: head dim 64, three MMA warpgroups over 128-key blocks;
+    up to 128, two over 192; above, two over 96 (H100, paper grid at 2k and 16k against 128 x
+    128 / 128 x 64: +8-20%, +9-26%, +17-55%; 224 and 128 keys spill there). Decode-like
+    rows: one MMA warpgroup, 64-key blocks in four stages, no intra-warpgroup overlap (which
+    holds K's and V's stages through each softmax; H100, GQA 32/8 d128: 2.3 -> 2.8-3.1 TB/s
+    contiguous)."""
     if decode_like:
         shape = dict(tile_m=64, tile_n=64, num_stages=4, intra_wg_overlap=False)
     else:
-        shape = dict(tile_m=128, tile_n=128 if max(head_dim, head_dim_v) <= 128 else 64)
-        shape.update(num_stages=2)
+        widest = max(head_dim, head_dim_v)
+        shape = dict(tile_m=128, tile_n=96, num_stages=2)
+        if widest <= 128:  # (192 scores spill 80 bytes at 216 registers with sinks, a window)
+            shape.update(tile_n=192, producer_registers=56, mma_registers=224)
+        if widest <= 64:  # (three MMA warpgroups: 144 registers each beside the producer's 72)
+            shape.update(tile_m=192, tile_n=128, producer_registers=72, mma_registers=144)
     # (Without the overlap, plan._effective_config drops rescale_o_before_pv.)
     return config.replace(
-        **shape,
         pv_from_registers=True,
         o_split=1,
         split_scores=False,
@@ -710,9 +716,13 @@ def fp8_math_config(
         # The transposing warps hold BATCH ldmatrix results (kernels/v_transpose.py), the
         # loading warp a varlen tile's bounds: 24 registers spill, 56 too with packed keys,
         # sinks and a window (72 too at head dim 256 with one MMA warpgroup, which leaves
-        # 128 spare). Two MMA warpgroups keep 216 (224 measured no faster), one 256.
-        producer_registers=128 if decode_like else 72,
-        mma_registers=None if decode_like else 216,
+        # 128 spare). Two MMA warpgroups keep 216 (224 measured no faster over 128 keys),
+        # three 144, one 256.
+        **{
+            "producer_registers": 128 if decode_like else 72,
+            "mma_registers": None if decode_like else 216,
+            **shape,
+        },
     )
 
 

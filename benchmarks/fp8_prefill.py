@@ -1,0 +1,203 @@
+"""FP8 prefill: FP8 q, k, v (e4m3, unit descales) on FlashAttention-3's paper grid (batch x
+seqlen = 16k tokens, nheads x head dim = 2048), flash_cute's FP8 math against
+FlashAttention-3's FP8 (fa3_fwd_interface) and flash_cute's bf16 on the same values, in one
+process, rounds interleaved; first each one's max error against float32 attention of the same
+FP8 inputs (beside a naive FP8 attention's: P cast to e4m3). Prints TFLOP/s per point (the
+median of ROUNDS rounds, each a median of REPS launches) and the table BENCHMARKS.md keeps.
+Run from the repository root on a GPU:
+
+    python benchmarks/fp8_prefill.py       (env: DIMS=64,128,256 SEQS=2048,8192,16384 ROUNDS=3)
+
+Kernels compile first in parallel processes (one per head dim, mask and config) into the
+disk cache. Config sweeps: EXP=m192+n128+r72/144,... adds the FP8-math kernel with those knobs
+(mN tile_m, nN tile_n, stN num_stages, rP/M producer and MMA registers, ppN pingpong, ovN
+intra_wg_overlap) beside the plan's.
+"""
+
+import itertools
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import flash_cute
+from flash_cute import plan
+from flash_cute.reference import attention_ref
+from flash_cute.runtime import FUNC_PLANS
+
+try:
+    import fa3_fwd_interface as fa3
+except ImportError as e:
+    fa3 = None
+    print("no FlashAttention-3:", e)
+
+FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
+DIMS = [int(d) for d in os.environ.get("DIMS", "64,128,256").split(",")]
+SEQS = [int(s) for s in os.environ.get("SEQS", "2048,8192,16384").split(",")]
+COMPILE_TIMEOUT_S = 180
+ROUNDS, REPS = int(os.environ.get("ROUNDS", "3")), 10
+EXPS = [e for e in os.environ.get("EXP", "").split(",") if e]
+plan_config = plan.fp8_math_config
+
+
+def knobs(name):
+    """Config changes of a sweep name ("m192+n128+r72/144")."""
+    changes = {}
+    for part in name.split("+"):
+        kind, value = part[0], part[1:]
+        if kind == "r":
+            producer, mma = value.split("/")
+            changes.update(producer_registers=int(producer), mma_registers=int(mma))
+        elif part.startswith("pp"):
+            changes.update(pingpong=bool(int(part[2:])))
+        elif part.startswith("ov"):  # (rescaling O before P V needs the overlap)
+            changes.update(intra_wg_overlap=bool(int(part[2:])), rescale_o_before_pv=False)
+        elif part.startswith("st"):
+            changes.update(num_stages=int(part[2:]))
+        elif kind in "mn":
+            changes.update({"tile_m" if kind == "m" else "tile_n": int(value)})
+        else:
+            raise ValueError(f"unknown knob {part!r}")
+    return changes
+
+
+def with_config(name, fn):
+    """fn under the plan's FP8-math config with `name`'s knobs ("" for the plan's own); a
+    switch clears the launch plans (calls replay theirs)."""
+
+    def run():
+        if with_config.current != name:
+            changes = knobs(name) if name else {}
+            plan.fp8_math_config = lambda *a, **k: plan_config(*a, **k).replace(**changes)
+            FUNC_PLANS.clear()
+            with_config.current = name
+        return fn()
+
+    return run
+
+
+with_config.current = ""
+
+
+def inputs(d, s):
+    b, h = 16384 // s, 2048 // d
+    x = [torch.randn(b, s, h, d, device="cuda") for _ in range(3)]
+    return [t.to(FP8) for t in x], [t.to(BF16) for t in x]
+
+
+def peers(d, causal, s):
+    """name -> callable at this point."""
+    (q8, k8, v8), (qb, kb, vb) = inputs(d, s)
+    out = {}
+    if fa3 is not None:
+        out["FA3 FP8"] = lambda: fa3.flash_attn_func(q8, k8, v8, causal=causal)
+    for name in [""] + EXPS:
+        label = f"FP8 {name}" if name else "FP8"
+        call = lambda: flash_cute.flash_attn_func(q8, k8, v8, causal=causal)  # noqa: E731
+        out[label] = with_config(name, call)
+    out["bf16"] = lambda: flash_cute.flash_attn_func(qb, kb, vb, causal=causal)
+    return out
+
+
+def compile_all():
+    """Each (head dim, mask, config) compiled by its own process into the disk cache."""
+    jobs = [
+        [sys.executable, __file__, "--compile-one", str(d), str(int(c)), name]
+        for d, c, name in itertools.product(DIMS, (False, True), [""] + EXPS)
+    ]
+    logs = [open(f"/tmp/fp8_prefill_compile_{i}.log", "w") for i in range(len(jobs))]
+    procs = [
+        subprocess.Popen(job, stdout=log, stderr=subprocess.STDOUT) for job, log in zip(jobs, logs)
+    ]
+    failed = []
+    for job, proc in zip(jobs, procs):
+        try:
+            rc = proc.wait(timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = "timeout"
+        if rc:
+            failed.append((job[3:], rc))
+    print(f"compiled {len(jobs)} kernel sets (/tmp/fp8_prefill_compile_*.log); failed:",
+          failed or "none", flush=True)  # fmt: skip
+
+
+def timed(fn):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def errors():
+    print("max abs error vs float32 on the FP8 inputs (2 x 2k):")
+    for d, causal in itertools.product(DIMS, (False, True)):
+        torch.manual_seed(d + causal)
+        (q8, k8, v8), _ = inputs(d, 8192)
+        q8, k8, v8 = (t[:, :2048] for t in (q8, k8, v8))
+        ref, _ = attention_ref(q8.float(), k8.float(), v8.float(), causal=causal)
+        naive, _ = attention_ref(q8.float(), k8.float(), v8.float(), causal=causal, p_dtype=FP8)
+        row = {"flash_cute": flash_cute.flash_attn_func(q8, k8, v8, causal=causal)}
+        if fa3 is not None:
+            row["FA3"] = fa3.flash_attn_func(q8, k8, v8, causal=causal)
+        row = {n: ((o[0] if isinstance(o, tuple) else o).float() - ref).abs().max().item()
+               for n, o in row.items()}  # fmt: skip
+        row["naive"] = (naive - ref).abs().max().item()
+        ratio = f"  flash_cute / FA3 {row['flash_cute'] / row['FA3']:.2f}" if "FA3" in row else ""
+        print(f"  d{d} causal={causal}: " + " ".join(f"{n} {e:.3e}" for n, e in row.items())
+              + ratio)  # fmt: skip
+
+
+def timings():
+    rows = []
+    for d, causal, s in itertools.product(DIMS, (False, True), SEQS):
+        b, h = 16384 // s, 2048 // d
+        flops = 4 * b * s * s * h * d / (2 if causal else 1)
+        cands = peers(d, causal, s)
+        for name, fn in list(cands.items()):
+            try:
+                fn()
+            except (ValueError, RuntimeError) as e:  # (a sweep's config may not fit)
+                print(f"  {name}: {type(e).__name__} {str(e)[:160]}")
+                del cands[name]
+        times = {name: [] for name in cands}
+        for _ in range(ROUNDS):
+            for name, fn in cands.items():
+                times[name].append(timed(fn))
+        tflops = {n: flops / statistics.median(t) / 1e6 for n, t in times.items()}
+        rows.append((d, causal, s, tflops))
+        print(f"d{d} {'causal' if causal else 'full'} {s}: "
+              + " ".join(f"{n} {x:.0f}" for n, x in tflops.items()), flush=True)  # fmt: skip
+        with_config.current = None  # (the next point's first call re-plans)
+    print("\n| hdim | causal | seqlen | flash_cute FP8 | FA3 FP8 | ratio | flash_cute bf16 |")
+    print("|---|---|---|---|---|---|---|")
+    for d, causal, s, tf in rows:
+        fa = tf.get("FA3 FP8", float("nan"))
+        print(f"| {d} | {'yes' if causal else 'no'} | {s} | {tf['FP8']:.0f} | {fa:.0f} | "
+              f"{tf['FP8'] / fa:.2f} | {tf['bf16']:.0f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--compile-one"]:
+        d, causal, name = int(sys.argv[2]), bool(int(sys.argv[3])), sys.argv[4]
+        cands = peers(d, causal, 2048)
+        for label in [f"FP8 {name}" if name else "FP8"] + ([] if name else ["bf16"]):
+            start = time.time()
+            cands[label]()
+            torch.cuda.synchronize()
+            print(f"d{d} causal={causal} {label}: {time.time() - start:.0f} s", flush=True)
+    else:
+        print(torch.cuda.get_device_name(), "| torch", torch.__version__, flush=True)
+        compile_all()
+        errors()
+        timings()
