@@ -9,8 +9,8 @@ a feature flash_cute does not serve yet, named in its reason), writes a flash_at
 module there that is flash_cute's, and runs pytest on the forward cases the spec names
 (output, varlen, kvcache, combine) with FlashAttention-3's own switches off for what flash_cute
 does not serve: backward, appending K/V (with rotary). FP8 cases run (flash_cute serves FP8
-q, k, v: prefill shapes in e4m3 math with FlashAttention-3's error, decode-like calls in 16-bit
-math, below it).
+q, k, v in e4m3 math with FlashAttention-3's error; head dims e4m3 math does not take, such as
+80 or 192 / 128, in 16-bit math, below it).
 
 flash_cute bakes window sizes and attention chunks into its kernels, and FlashAttention-3's
 tests draw them at random, so each local case compiles new kernels: --no-local switches local

@@ -688,6 +688,15 @@ def test_fp8_math_keys_are_fp8_math():
     assert all(key.q_dtype == "float8_e4m3fn" for key in FP8_MATH_KEYS)
     assert FP8_MATH_KEYS[4].split and FP8_MATH_KEYS[5].split
     assert [key.config.tile_m for key in FP8_MATH_KEYS[5:]] == [64] * 4 + [128]
+    # Prefill tiles by head dim (config.fp8_math_config): 64, up to 128, above.
+    tiles = [(key.head_dim, key.config.tile_m, key.config.tile_n) for key in FP8_MATH_KEYS[:5]]
+    assert tiles == [
+        (128, 128, 192),
+        (64, 192, 128),
+        (256, 128, 96),
+        (96, 128, 192),
+        (192, 128, 96),
+    ]
     assert all(key.gather_page_size for key in FP8_MATH_KEYS[8:])
 
 
