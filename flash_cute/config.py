@@ -695,14 +695,19 @@ def fp8_math_config(
     rows: one MMA warpgroup, 64-key blocks in four stages, no intra-warpgroup overlap (which
     holds K's and V's stages through each softmax; H100, GQA 32/8 d128: 2.3 -> 2.8-3.1 TB/s
     contiguous)."""
+    # Registers: the transposing warps hold BATCH ldmatrix results (kernels/v_transpose.py),
+    # the loading warp a varlen tile's bounds; 24 spill, 56 suffice beside 192-key blocks,
+    # 72 elsewhere (72 spill at head dim 256 with one MMA warpgroup, which leaves 128 spare).
     if decode_like:
         shape = dict(tile_m=64, tile_n=64, num_stages=4, intra_wg_overlap=False)
+        shape.update(producer_registers=128, mma_registers=None)
     else:
         widest = max(head_dim, head_dim_v)
         shape = dict(tile_m=128, tile_n=96, num_stages=2)
-        if widest <= 128:  # (192 scores spill 80 bytes at 216 registers with sinks, a window)
+        shape.update(producer_registers=72, mma_registers=216)
+        if widest <= 128:  # (216: 192 scores spill 80 bytes with sinks and a window)
             shape.update(tile_n=192, producer_registers=56, mma_registers=224)
-        if widest <= 64:  # (three MMA warpgroups: 144 registers each beside the producer's 72)
+        if widest <= 64:  # (three MMA warpgroups: 144 registers each)
             shape.update(tile_m=192, tile_n=128, producer_registers=72, mma_registers=144)
     # (Without the overlap, plan._effective_config drops rescale_o_before_pv.)
     return config.replace(
@@ -713,16 +718,7 @@ def fp8_math_config(
         store_o_from_registers=True,
         rescale_threshold=0,
         exp2_on_fma=0,  # (slower at every head dim in 16-bit math; not tried with FP8)
-        # The transposing warps hold BATCH ldmatrix results (kernels/v_transpose.py), the
-        # loading warp a varlen tile's bounds: 24 registers spill, 56 too with packed keys,
-        # sinks and a window (72 too at head dim 256 with one MMA warpgroup, which leaves
-        # 128 spare). Two MMA warpgroups keep 216 (224 measured no faster over 128 keys),
-        # three 144, one 256.
-        **{
-            "producer_registers": 128 if decode_like else 72,
-            "mma_registers": None if decode_like else 216,
-            **shape,
-        },
+        **shape,
     )
 
 
