@@ -9,8 +9,8 @@ copy's TB/s (read + write). Run from the repository root on a GPU:
 
     python benchmarks/fp8_decode.py        (env: PAGES=64,16, ROUNDS=5, POINTS=0,2 to pick)
 
-Config sweeps: EXP=ov0+n64+st4,... adds the FP8-math kernel with those knobs (ovN
-intra_wg_overlap, nN tile_n, stN num_stages, bN the transposer's batch) beside the plan's.
+Config sweeps: EXP=ov0+n64+st4,... adds the FP8-math kernel with those knobs
+(bench.fp8_math_knobs; bN the transposer's batch) beside the plan's.
 """
 
 import functools
@@ -22,7 +22,7 @@ import flash_cute.kernels.v_transpose as v_transpose
 import torch
 
 import flash_cute
-from flash_cute import compile_cache, plan
+from flash_cute import bench, compile_cache, timing
 
 try:
     import fa3_fwd_interface as fa3
@@ -37,75 +37,38 @@ STEPS = 10  # decode calls per graph
 HEADS, HEADS_KV, D = 32, 8, 128
 POINTS = [(1, 131072), (4, 131072), (8, 32768), (32, 8192), (64, 16384), (128, 8192), (16, 65536)]
 EXPS = [e for e in os.environ.get("EXP", "").split(",") if e]
-plan_config = plan.fp8_math_config
-
-
-def knobs(name):
-    """Config changes of a sweep name ("ov0+n64+st4") and the transposer's batch."""
-    changes, batch = {}, v_transpose.BATCH
-    for part in name.split("+"):
-        kind, value = part.rstrip("0123456789"), int(part[len(part.rstrip("0123456789")) :])
-        if kind == "ov":  # (rescaling O before P V needs the overlap)
-            changes.update(intra_wg_overlap=bool(value), rescale_o_before_pv=False)
-        elif kind == "n":
-            changes.update(tile_n=value)
-        elif kind == "st":
-            changes.update(num_stages=value)
-        elif kind == "b":
-            batch = value
-        else:
-            raise ValueError(f"unknown knob {part!r}")
-    return changes, batch
 
 
 def swept(name, fn):
-    """fn with the FP8-math config changed by knobs(name), in a kernel cache of its own (the
-    entry point's launch plans cleared around it: a kept plan would replay the plan's config)."""
-    changes, batch = knobs(name)
+    """fn with the FP8-math config changed by name's knobs (bench.fp8_math_knobs), in a kernel
+    cache of its own (the transposer's batch is not in the kernel key); the plan's own config
+    back after each call."""
+    changes, batch = bench.fp8_math_knobs(name)
+    batch = v_transpose.BATCH if batch is None else batch
     cache, default_batch = {}, v_transpose.BATCH
     plans = flash_cute.flash_attn_with_kvcache.entry_point.plans
 
     def run():
         saved = compile_cache._cache
-        plan.fp8_math_config = lambda *a, **k: plan_config(*a, **k).replace(**changes)
+        bench.set_fp8_math_changes(changes, plans)
         compile_cache._cache, v_transpose.BATCH = cache, batch
-        plans.clear()
         try:
             return fn()
         finally:
-            plans.clear()
-            plan.fp8_math_config = plan_config
+            bench.set_fp8_math_changes({}, plans)
             compile_cache._cache, v_transpose.BATCH = saved, default_batch
 
     return run
 
 
 def graphed(fn):
-    fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for _ in range(STEPS):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    return graph.replay
+    """The replay of a CUDA graph of STEPS calls of fn."""
+    return timing.captured(fn, STEPS)
 
 
 def step_us(replay, reps=10):
     """Median time of one step over reps graph replays."""
-    replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / STEPS)
-    return statistics.median(times)
+    return timing.time_cuda(replay, 1, reps) * 1e3 / STEPS
 
 
 def copy_tbs(nbytes):

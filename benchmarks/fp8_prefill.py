@@ -8,25 +8,23 @@ Run from the repository root on a GPU:
 
     python benchmarks/fp8_prefill.py       (env: DIMS=64,128,256 SEQS=2048,8192,16384 ROUNDS=3)
 
-Kernels compile first in parallel processes (one per head dim, mask and config) into the
-disk cache. Config sweeps: EXP=m192+n128+r72/144,... adds the FP8-math kernel with those knobs
-(mN tile_m, nN tile_n, stN num_stages, rP/M producer and MMA registers, ppN pingpong, ovN
-intra_wg_overlap) beside the plan's.
+Kernels compile first in parallel processes into the disk cache (bench.precompile_parallel,
+on the variants the calls plan). Config sweeps: EXP=m192+n128+r72/144,... adds the FP8-math
+kernel with those knobs (bench.fp8_math_knobs) beside the plan's.
 """
 
 import itertools
 import os
 import statistics
-import subprocess
-import sys
-import time
 
 import torch
 
 import flash_cute
-from flash_cute import plan
+from flash_cute import bench, forward, plan, runtime
+from flash_cute.call import Call
 from flash_cute.reference import attention_ref
 from flash_cute.runtime import FUNC_PLANS
+from flash_cute.timing import time_cuda
 
 try:
     import fa3_fwd_interface as fa3
@@ -37,42 +35,22 @@ except ImportError as e:
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 DIMS = [int(d) for d in os.environ.get("DIMS", "64,128,256").split(",")]
 SEQS = [int(s) for s in os.environ.get("SEQS", "2048,8192,16384").split(",")]
-COMPILE_TIMEOUT_S = 180
 ROUNDS, REPS = int(os.environ.get("ROUNDS", "3")), 10
 EXPS = [e for e in os.environ.get("EXP", "").split(",") if e]
-plan_config = plan.fp8_math_config
 
 
-def knobs(name):
-    """Config changes of a sweep name ("m192+n128+r72/144")."""
-    changes = {}
-    for part in name.split("+"):
-        kind, value = part[0], part[1:]
-        if kind == "r":
-            producer, mma = value.split("/")
-            changes.update(producer_registers=int(producer), mma_registers=int(mma))
-        elif part.startswith("pp"):
-            changes.update(pingpong=bool(int(part[2:])))
-        elif part.startswith("ov"):  # (rescaling O before P V needs the overlap)
-            changes.update(intra_wg_overlap=bool(int(part[2:])), rescale_o_before_pv=False)
-        elif part.startswith("st"):
-            changes.update(num_stages=int(part[2:]))
-        elif kind in "mn":
-            changes.update({"tile_m" if kind == "m" else "tile_n": int(value)})
-        else:
-            raise ValueError(f"unknown knob {part!r}")
-    return changes
+def use_knobs(name):
+    """The plan's FP8-math config from now on with `name`'s knobs ("" for the plan's own)."""
+    bench.set_fp8_math_changes(bench.fp8_math_knobs(name)[0] if name else {}, FUNC_PLANS)
 
 
 def with_config(name, fn):
-    """fn under the plan's FP8-math config with `name`'s knobs ("" for the plan's own); a
-    switch clears the launch plans (calls replay theirs)."""
+    """fn under use_knobs(name), switched only when another name ran last (a switch re-plans
+    the next call)."""
 
     def run():
         if with_config.current != name:
-            changes = knobs(name) if name else {}
-            plan.fp8_math_config = lambda *a, **k: plan_config(*a, **k).replace(**changes)
-            FUNC_PLANS.clear()
+            use_knobs(name)
             with_config.current = name
         return fn()
 
@@ -103,40 +81,27 @@ def peers(d, causal, s):
 
 
 def compile_all():
-    """Each (head dim, mask, config) compiled by its own process into the disk cache."""
-    jobs = [
-        [sys.executable, __file__, "--compile-one", str(d), str(int(c)), name]
-        for d, c, name in itertools.product(DIMS, (False, True), [""] + EXPS)
-    ]
-    logs = [open(f"/tmp/fp8_prefill_compile_{i}.log", "w") for i in range(len(jobs))]
-    procs = [
-        subprocess.Popen(job, stdout=log, stderr=subprocess.STDOUT) for job, log in zip(jobs, logs)
-    ]
-    failed = []
-    for job, proc in zip(jobs, procs):
-        try:
-            rc = proc.wait(timeout=COMPILE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = "timeout"
-        if rc:
-            failed.append((job[3:], rc))
-    print(f"compiled {len(jobs)} kernel sets (/tmp/fp8_prefill_compile_*.log); failed:",
-          failed or "none", flush=True)  # fmt: skip
-
-
-def timed(fn):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    """Every point's kernels, as flash_attn_func plans them (its padded-prefill form of the
+    call, over meta tensors), compiled by worker processes into the disk cache."""
+    variants = set()
+    for d, causal, s, name in itertools.product(DIMS, (False, True), SEQS, [""] + EXPS):
+        b, h = 16384 // s, 2048 // d
+        use_knobs(name)
+        for dtype in (FP8,) if name else (FP8, BF16):
+            q, k, v = (torch.empty(b, s, h, d, dtype=dtype, device="meta") for _ in range(3))
+            call = Call(q, k, v, causal=causal, decode_rows=False, pack_gqa=False, num_splits=1)
+            try:
+                planned = plan.plan_forward(
+                    forward.describe(call), runtime.num_sms(0), None, 1, False, False
+                )
+            except ValueError as e:  # (a sweep's config may not fit: timings() says so too)
+                print(f"  d{d} {name}: {str(e)[:120]}")
+                continue
+            variants.add(planned.variant)
+    use_knobs("")
+    with_config.current = ""
+    failed = bench.precompile_parallel(sorted(variants, key=str), os.cpu_count() or 1)
+    print(f"compiled {len(variants)} kernels; failed: {len(failed)}", flush=True)
 
 
 def errors():
@@ -173,7 +138,7 @@ def timings():
         times = {name: [] for name in cands}
         for _ in range(ROUNDS):
             for name, fn in cands.items():
-                times[name].append(timed(fn))
+                times[name].append(time_cuda(fn, 1, REPS) * 1e3)
         tflops = {n: flops / statistics.median(t) / 1e6 for n, t in times.items()}
         rows.append((d, causal, s, tflops))
         print(f"d{d} {'causal' if causal else 'full'} {s}: "
@@ -188,16 +153,7 @@ def timings():
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--compile-one"]:
-        d, causal, name = int(sys.argv[2]), bool(int(sys.argv[3])), sys.argv[4]
-        cands = peers(d, causal, 2048)
-        for label in [f"FP8 {name}" if name else "FP8"] + ([] if name else ["bf16"]):
-            start = time.time()
-            cands[label]()
-            torch.cuda.synchronize()
-            print(f"d{d} causal={causal} {label}: {time.time() - start:.0f} s", flush=True)
-    else:
-        print(torch.cuda.get_device_name(), "| torch", torch.__version__, flush=True)
-        compile_all()
-        errors()
-        timings()
+    print(torch.cuda.get_device_name(), "| torch", torch.__version__, flush=True)
+    compile_all()
+    errors()
+    timings()

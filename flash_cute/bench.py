@@ -566,6 +566,54 @@ def run_varlen_mixed() -> str:
 
 
 # ----------------------------------------------------------------------------------------
+# FP8-math sweeps (benchmarks/fp8_prefill.py, fp8_decode.py)
+# ----------------------------------------------------------------------------------------
+
+_PLAN_FP8_MATH_CONFIG = None  # plan.fp8_math_config as the plan has it
+
+
+def fp8_math_knobs(name: str) -> tuple:
+    """(config changes, the transposer's batch or None) of an FP8-math sweep name: parts
+    joined by "+", each mN tile_m, nN tile_n, stN num_stages, rP/M producer and MMA
+    registers, ppN pingpong, ovN intra_wg_overlap (0 also drops the O rescale before P V,
+    which needs it), dyn / static a persistent scheduler, bN the transposer's batch."""
+    changes, batch = {}, None
+    for part in name.split("+"):
+        kind = part.rstrip("0123456789/")
+        value = part[len(kind) :]
+        if part in ("dyn", "static"):
+            changes["scheduler"] = f"{'dynamic' if part == 'dyn' else 'static'}_persistent"
+        elif kind == "r":
+            producer, mma = value.split("/")
+            changes.update(producer_registers=int(producer), mma_registers=int(mma))
+        elif kind in ("m", "n", "st", "pp"):
+            field_name = {"m": "tile_m", "n": "tile_n", "st": "num_stages", "pp": "pingpong"}[kind]
+            changes[field_name] = bool(int(value)) if kind == "pp" else int(value)
+        elif kind == "ov":
+            changes.update(intra_wg_overlap=bool(int(value)), rescale_o_before_pv=False)
+        elif kind == "b":
+            batch = int(value)
+        else:
+            raise ValueError(f"unknown FP8-math knob {part!r} in {name!r}")
+    return changes, batch
+
+
+def set_fp8_math_changes(changes: dict, plans) -> None:
+    """The plan's FP8-math configs from now on with `changes` applied ({}: the plan's own);
+    the entry point's launch plans (`plans`) cleared, as a kept plan replays its config."""
+    from flash_cute import plan
+
+    global _PLAN_FP8_MATH_CONFIG
+    if _PLAN_FP8_MATH_CONFIG is None:
+        _PLAN_FP8_MATH_CONFIG = plan.fp8_math_config
+    original = _PLAN_FP8_MATH_CONFIG
+    plan.fp8_math_config = (
+        (lambda *a, **k: original(*a, **k).replace(**changes)) if changes else original
+    )
+    plans.clear()
+
+
+# ----------------------------------------------------------------------------------------
 # Config sweep
 # ----------------------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Dict, Optional, Tuple
 
+from .call import DESCALED_OPERAND
 from .plan import ForwardVariant
 
 TARGET_ARCH = "sm_90a"
@@ -87,7 +88,7 @@ class Signature:
 # TVM-FFI a conversion on the host, so the common call passes seven.
 SHORT = Signature.of("call_short")
 FULL = Signature.of("__call__")
-DESCALES = ("q_descale", "k_descale", "v_descale")  # (ForwardVariant.descales_taken's order)
+DESCALES = tuple(DESCALED_OPERAND)  # (q, k, v: ForwardVariant.descales_taken's order)
 OPTIONAL_TENSORS = (
     "lse",
     "cu_seqlens_q",

@@ -217,3 +217,33 @@ def test_mla_table_reports_bandwidth_share():
     assert bench_mla.decode_table([row]).splitlines()[-1] == (
         "| 1 | 4096 | 128 | 1 | latent | 10.0 | 2.70 | 90% | 5 |"
     )
+
+
+def test_fp8_math_knobs_parse_every_form():
+    """(The FP8 benchmarks' sweep names: benchmarks/fp8_prefill.py and fp8_decode.py.)"""
+    from flash_cute.bench import fp8_math_knobs
+
+    changes, batch = fp8_math_knobs("m192+n128+st3+r72/144+pp0+ov0+dyn+b4")
+    assert batch == 4
+    assert changes == dict(
+        tile_m=192, tile_n=128, num_stages=3, producer_registers=72, mma_registers=144,
+        pingpong=False, intra_wg_overlap=False, rescale_o_before_pv=False,
+        scheduler="dynamic_persistent",
+    )  # fmt: skip
+    assert fp8_math_knobs("static") == ({"scheduler": "static_persistent"}, None)
+    with pytest.raises(ValueError, match="unknown FP8-math knob 'x3'"):
+        fp8_math_knobs("n64+x3")
+
+
+def test_set_fp8_math_changes_applies_and_restores():
+    from flash_cute import bench, config, plan
+    from flash_cute.runtime import PlanCache
+
+    plans, row = PlanCache(), config.FORWARD_CONFIGS[(128, "bfloat16", False)]
+    own = plan.fp8_math_config(row, 128, 128)
+    try:
+        bench.set_fp8_math_changes({"tile_n": 64}, plans)
+        assert plan.fp8_math_config(row, 128, 128) == own.replace(tile_n=64)
+    finally:
+        bench.set_fp8_math_changes({}, plans)
+    assert plan.fp8_math_config(row, 128, 128) == own
