@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -128,6 +128,9 @@ def transpose_block(
     on written as zeros (a cache's slots past the sequence may hold anything, NaN included,
     and P is 0 there: 0 * NaN must not reach O). src, dst: the (rows, cols, stages) rings,
     compact. Each thread then makes its stores visible to the async proxy (the WGMMAs)."""
+    # Lane and warp as unsigned: their divisions and remainders by powers of two are shifts
+    # and masks (Int32's floor semantics cost a sign fix-up each, ~40 instructions a step).
+    lane, warp = Uint32(lane), Uint32(warp)
     stage_bytes = tile_n * width
     src_address = src.iterator.toint() + stage * stage_bytes
     dst_address = dst.iterator.toint() + stage * stage_bytes
@@ -169,7 +172,7 @@ def transpose_block(
             has_step, key0, column = places[b]
             if cutlass.const_expr(every_step) or has_step:
                 loaded = ldmatrix_x4_trans(
-                    src_address + _offset(tile_n, width, key0 + lane, column, load_xor)
+                    src_address + Int32(_offset(tile_n, width, key0 + lane, column, load_xor))
                 )
                 for i in cutlass.range_constexpr(4):
                     regs[i, b] = loaded[i]
@@ -179,14 +182,16 @@ def transpose_block(
                 if partial:
                     # regs[i] holds keys key0 + 8i + 2 (lane % 4) + {0 (low half), 1 (high)}.
                     for i in cutlass.range_constexpr(4):
-                        key = key0 + 8 * i + 2 * quad_lane
+                        key = Int32(key0 + 8 * i + 2 * quad_lane)
                         low = Int32(0xFFFF) if key < valid_rows else Int32(0)
                         high = Int32(-65536) if key + 1 < valid_rows else Int32(0)
                         regs[i, b] = regs[i, b] & (low | high)
                 stmatrix_x4(
                     dst_address
-                    + _offset(
-                        width, tile_n, column + store_column, key0 + store_position, store_xor
+                    + Int32(
+                        _offset(
+                            width, tile_n, column + store_column, key0 + store_position, store_xor
+                        )
                     ),
                     [
                         byte_perm(regs[0, b], regs[1, b], select_a),
