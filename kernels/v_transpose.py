@@ -24,6 +24,7 @@ neither instruction has bank conflicts under the 64- or 128-byte swizzles
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -111,6 +112,71 @@ def _offset(rows: int, width: int, row: Int32, col: Int32, row_xor: Int32) -> In
     return (col // atom) * (rows * atom) + row * atom + ((col % atom) ^ row_xor)
 
 
+# A warp's steps whose offsets step_offsets computes once per tile (two registers each, held
+# through the tile); a warp with more (one transposing warp beside gathering ones) computes
+# each step's offsets as it goes.
+MAX_HELD_STEPS = 16
+
+
+def _lane_places(lane: Uint32, tile_n: int, width: int):
+    """(load XOR, store column, store position, store XOR) of a lane: its fixed parts of
+    every step's addresses. Rows step by multiples of 8 (keys by 32, columns by 16), so each
+    lane's XORs are fixed; the row it addresses in the stores is matrix lane // 8's row
+    lane % 8."""
+    store_matrix, store_row = lane // 8, lane % 8
+    # Matrices 0 and 2: column 2r + (r >= 4); 1 and 3: 2r + 1 - (r >= 4) (r: store_row).
+    store_column = 2 * store_row + ((store_row // 4) ^ (store_matrix % 2))
+    store_position = (store_matrix // 2) * 16
+    return _row_xor(lane, width), store_column, store_position, _row_xor(store_column, tile_n)
+
+
+def _step_place(warp: Uint32, j: int, num_warps: int, width: int):
+    """(step index, first key, first column) of a warp's j-th step."""
+    column_steps = width // COLUMNS_PER_STEP
+    step = warp + j * num_warps
+    group = step // column_steps
+    return step, group * KEYS_PER_STEP, (step - group * column_steps) * COLUMNS_PER_STEP
+
+
+def _step_offsets(lane: Uint32, key0, column, places, tile_n: int, width: int):
+    """(load, store) byte offsets of a step within a stage of the FP8 ring and of V^T's."""
+    load_xor, store_column, store_position, store_xor = places
+    return (
+        Int32(_offset(tile_n, width, key0 + lane, column, load_xor)),
+        Int32(_offset(width, tile_n, column + store_column, key0 + store_position, store_xor)),
+    )
+
+
+def _steps_per_warp(num_warps: int, tile_n: int, width: int) -> int:
+    steps = tile_n // KEYS_PER_STEP * (width // COLUMNS_PER_STEP)
+    return (steps + num_warps - 1) // num_warps
+
+
+@cute.jit
+def step_offsets(
+    lane: Int32,
+    warp: Int32,
+    num_warps: cutlass.Constexpr[int],
+    tile_n: cutlass.Constexpr[int],
+    width: cutlass.Constexpr[int],
+):
+    """(2, the warp's steps) Int32 of transpose_block's load and store offsets for lane `lane`
+    of warp `warp`, the same for every block: computed once per tile, a step's addresses are
+    then an add each. None where the warp has more than MAX_HELD_STEPS steps."""
+    per_warp = _steps_per_warp(num_warps, tile_n, width)
+    if cutlass.const_expr(per_warp > MAX_HELD_STEPS):
+        return None
+    # Unsigned: divisions and remainders by powers of two are shifts and masks (Int32's floor
+    # semantics cost a sign fix-up each).
+    lane, warp = Uint32(lane), Uint32(warp)
+    places = _lane_places(lane, tile_n, width)
+    offsets = cute.make_rmem_tensor((2, per_warp), Int32)
+    for j in cutlass.range_constexpr(per_warp):
+        _, key0, column = _step_place(warp, j, num_warps, width)
+        offsets[0, j], offsets[1, j] = _step_offsets(lane, key0, column, places, tile_n, width)
+    return offsets
+
+
 @cute.jit
 def transpose_block(
     src: cute.Tensor,
@@ -122,62 +188,50 @@ def transpose_block(
     tile_n: cutlass.Constexpr[int],
     width: cutlass.Constexpr[int],
     valid_rows: Int32,
+    offsets: Optional[cute.Tensor] = None,
 ):
     """dst (width, tile_n) = src (tile_n, width) transposed, keys permuted within each 32 as
     the module says, by num_warps warps (this one: `warp`, lane `lane`); keys from valid_rows
     on written as zeros (a cache's slots past the sequence may hold anything, NaN included,
     and P is 0 there: 0 * NaN must not reach O). src, dst: the (rows, cols, stages) rings,
-    compact. Each thread then makes its stores visible to the async proxy (the WGMMAs)."""
-    # Lane and warp as unsigned: their divisions and remainders by powers of two are shifts
-    # and masks (Int32's floor semantics cost a sign fix-up each, ~40 instructions a step).
-    lane, warp = Uint32(lane), Uint32(warp)
+    compact; offsets: the warp's step_offsets (None: each step computes its own). Each thread
+    then makes its stores visible to the async proxy (the WGMMAs)."""
+    lane, warp = Uint32(lane), Uint32(warp)  # (as in step_offsets)
     stage_bytes = tile_n * width
     src_address = src.iterator.toint() + stage * stage_bytes
     dst_address = dst.iterator.toint() + stage * stage_bytes
-    column_steps = width // COLUMNS_PER_STEP
-    steps = tile_n // KEYS_PER_STEP * column_steps
+    steps = tile_n // KEYS_PER_STEP * (width // COLUMNS_PER_STEP)
     quad_lane, row_in_matrix = lane % 4, lane // 4
     # The lane's register of matrices 0 and 2 (positions 0..15, 16..31) is V^T row
     # 2r + (r >= 4) of its 16, of 1 and 3 row 2r + 1 - (r >= 4) (r: its row in the matrix).
     select_a = Int32(ODD_COLUMN) if row_in_matrix >= 4 else Int32(EVEN_COLUMN)
     select_b = Int32(EVEN_COLUMN) if row_in_matrix >= 4 else Int32(ODD_COLUMN)
-    # The row this lane addresses in the stores: matrix lane // 8, its row lane % 8.
-    store_matrix, store_row = lane // 8, lane % 8
-    store_high = Int32(1) if store_row >= 4 else Int32(0)
-    store_column = 2 * store_row + store_high
-    if store_matrix % 2 == 1:
-        store_column = 2 * store_row + 1 - store_high
-    store_position = (store_matrix // 2) * 16
-    # Rows step by multiples of 8 (keys by 32, columns by 16): each lane's XOR is fixed.
-    load_xor, store_xor = _row_xor(lane, width), _row_xor(store_column, tile_n)
+    places = None
+    if cutlass.const_expr(offsets is None):
+        places = _lane_places(lane, tile_n, width)
     partial = valid_rows < tile_n
-    per_warp = (steps + num_warps - 1) // num_warps
+    per_warp = _steps_per_warp(num_warps, tile_n, width)
     every_step = steps % num_warps == 0  # (then no warp has a step past the last)
     for first in cutlass.range_constexpr(0, per_warp, BATCH):
         batch = min(BATCH, per_warp - first)
         regs = cute.make_rmem_tensor((4, batch), Int32)
-        # Each step of the batch: (whether this warp has it, its first key, its first column).
-        places = []
+        # Each step of the batch: (whether this warp has it, its first key, its offsets).
+        todo = []
         for b in cutlass.range_constexpr(batch):
-            step = warp + (first + b) * num_warps
-            group = step // column_steps
-            places.append(
-                (
-                    step < steps,
-                    group * KEYS_PER_STEP,
-                    (step - group * column_steps) * COLUMNS_PER_STEP,
-                )
-            )
+            step, key0, column = _step_place(warp, first + b, num_warps, width)
+            if cutlass.const_expr(offsets is None):
+                step_offset = _step_offsets(lane, key0, column, places, tile_n, width)
+            else:
+                step_offset = (offsets[0, first + b], offsets[1, first + b])
+            todo.append((step < steps, key0, step_offset))
         for b in cutlass.range_constexpr(batch):
-            has_step, key0, column = places[b]
+            has_step, _, (load_offset, _) = todo[b]
             if cutlass.const_expr(every_step) or has_step:
-                loaded = ldmatrix_x4_trans(
-                    src_address + Int32(_offset(tile_n, width, key0 + lane, column, load_xor))
-                )
+                loaded = ldmatrix_x4_trans(src_address + load_offset)
                 for i in cutlass.range_constexpr(4):
                     regs[i, b] = loaded[i]
         for b in cutlass.range_constexpr(batch):
-            has_step, key0, column = places[b]
+            has_step, key0, (_, store_offset) = todo[b]
             if cutlass.const_expr(every_step) or has_step:
                 if partial:
                     # regs[i] holds keys key0 + 8i + 2 (lane % 4) + {0 (low half), 1 (high)}.
@@ -187,12 +241,7 @@ def transpose_block(
                         high = Int32(-65536) if key + 1 < valid_rows else Int32(0)
                         regs[i, b] = regs[i, b] & (low | high)
                 stmatrix_x4(
-                    dst_address
-                    + Int32(
-                        _offset(
-                            width, tile_n, column + store_column, key0 + store_position, store_xor
-                        )
-                    ),
+                    dst_address + store_offset,
                     [
                         byte_perm(regs[0, b], regs[1, b], select_a),
                         byte_perm(regs[0, b], regs[1, b], select_b),
@@ -207,7 +256,9 @@ def transpose_block(
 class TransposingBlockLoader(ConvertingBlockLoader):
     """ConvertingBlockLoader's handoff (FP8 ring -> the MMA warps' ring, in the loading
     warps' order) with V's transpose as the work: src (tile_n, dv, stages) FP8, dst (dv, tile_n,
-    stages) FP8."""
+    stages) FP8. offsets: this thread's step_offsets (None: computed per step)."""
+
+    offsets: Optional[cute.Tensor] = None
 
     @cute.jit
     def fill(self, stage: Int32, valid: Int32):
@@ -221,6 +272,7 @@ class TransposingBlockLoader(ConvertingBlockLoader):
             self.tile_n,
             cute.size(self.src, mode=[1]),
             valid,
+            self.offsets,
         )
 
 

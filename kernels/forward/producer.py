@@ -18,7 +18,7 @@ from ..kv_dequant import ConvertingBlockLoader
 from ..paged_kv_gather import GatherPagedBlockLoader
 from ..tile_scheduler import WorkTile
 from ..tma_loads import PairedBlockLoader, TmaBlockLoader, TmaPagedBlockLoader
-from ..v_transpose import SkippedBlockLoader, TransposingBlockLoader
+from ..v_transpose import SkippedBlockLoader, TransposingBlockLoader, step_offsets
 from .facts import Piece
 from .records import CtaBuffers, GmemLoads, ProblemShapes, QLoad, TmaAtoms
 
@@ -138,9 +138,13 @@ class Producer(Piece):
             handoff = functools.partial(self._handoff, thread)
             if const_expr(self.fp8_math):
                 k_loader = SkippedBlockLoader()
+                offsets = step_offsets(
+                    thread % 32, cute.arch.make_warp_uniform(thread // 32),
+                    self.convert_threads // 32, self.config.tile_n, self.variant.head_dim_v,
+                )  # fmt: skip
                 v_loader = handoff(
                     TransposingBlockLoader, buf.sV8, buf.sV, buf.pipeline_v8, buf.pipeline_v,
-                    seqlen_k=seqlen.seqlen_k,
+                    seqlen_k=seqlen.seqlen_k, offsets=offsets,
                 )  # fmt: skip
             else:
                 k_loader = handoff(
@@ -153,11 +157,13 @@ class Producer(Piece):
             k_loader.load(n_block_max - 1, state)
             self._load_kv_blocks(k_loader, v_loader, state, n_block_min, n_block_max)
 
-    def _handoff(self, thread, cls, src, dst, ring8, ring_out, seqlen_k=None):
-        """A converting warp's loader of one ring's blocks (cls: converting or transposing)."""
+    def _handoff(self, thread, cls, src, dst, ring8, ring_out, seqlen_k=None, **fields):
+        """A converting warp's loader of one ring's blocks (cls: converting or transposing,
+        with its own fields)."""
         return cls(
-            src, dst, ring8, ring_out, thread, self.convert_threads, self.config.tile_n, seqlen_k
-        )
+            src, dst, ring8, ring_out, thread, self.convert_threads, self.config.tile_n,
+            seqlen_k, **fields,
+        )  # fmt: skip
 
     @cute.jit
     def _load_kv_blocks(

@@ -1,0 +1,87 @@
+"""kernels/v_transpose.py's addresses, checked on the CPU: the transposing warps' steps,
+simulated byte by byte (ldmatrix.trans, the two byte permutes, stmatrix, each lane's
+addresses from the kernel's own helpers), must write V^T with the module's key permutation,
+every byte once, zeros past the valid keys."""
+
+import random
+
+import pytest
+from flash_cute.kernels import v_transpose as vt
+
+
+def _byte(rows: int, width: int, row: int, col: int) -> int:
+    """Byte offset of (row, col) in a swizzled (rows, width) 8-bit tile."""
+    chunk = col - col % 16
+    return vt._offset(rows, width, row, chunk, vt._row_xor(row, width)) + col % 16
+
+
+def _b16(mem: bytearray, address: int) -> int:
+    return mem[address] | mem[address + 1] << 8
+
+
+def _prmt(a: int, b: int, selector: int) -> int:
+    pool = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+    return sum(pool[(selector >> 4 * k) & 0xF] << 8 * k for k in range(4))
+
+
+def _transpose(src: bytearray, tile_n: int, width: int, num_warps: int, valid: int):
+    """dst as transpose_block leaves it: every warp's steps, lane by lane."""
+    dst = bytearray([0xAA]) * (tile_n * width)  # (poisoned: every byte must be written)
+    steps = tile_n // vt.KEYS_PER_STEP * (width // vt.COLUMNS_PER_STEP)
+    per_warp = vt._steps_per_warp(num_warps, tile_n, width)
+    places = [vt._lane_places(lane, tile_n, width) for lane in range(32)]
+    for warp in range(num_warps):
+        for j in range(per_warp):
+            step, key0, column = vt._step_place(warp, j, num_warps, width)
+            if step >= steps:
+                continue
+            offsets = [
+                vt._step_offsets(lane, key0, column, places[lane], tile_n, width)
+                for lane in range(32)
+            ]
+            regs = []  # regs[lane][i]: matrix i's register
+            for lane in range(32):
+                q, c = lane % 4, lane // 4
+                lane_regs = []
+                for i in range(4):
+                    rows = [int(offsets[8 * i + r][0]) for r in (2 * q, 2 * q + 1)]
+                    lo, hi = (_b16(src, row + 2 * c) for row in rows)
+                    keys = [key0 + 8 * i + 2 * q + e for e in (0, 1)]
+                    lo, hi = (x if key < valid else 0 for x, key in zip((lo, hi), keys))
+                    lane_regs.append(lo | hi << 16)
+                regs.append(lane_regs)
+            for lane in range(32):
+                odd = lane // 4 >= 4
+                sel_a = vt.ODD_COLUMN if odd else vt.EVEN_COLUMN
+                sel_b = vt.EVEN_COLUMN if odd else vt.ODD_COLUMN
+                r = regs[lane]
+                out = [_prmt(r[0], r[1], sel_a), _prmt(r[0], r[1], sel_b)]
+                out += [_prmt(r[2], r[3], sel_a), _prmt(r[2], r[3], sel_b)]
+                for m in range(4):  # matrix m, row lane // 4, elements 2 (lane % 4), +1
+                    address = int(offsets[8 * m + lane // 4][1]) + 4 * (lane % 4)
+                    dst[address : address + 4] = out[m].to_bytes(4, "little")
+    return dst
+
+
+@pytest.mark.parametrize(
+    "tile_n, width, num_warps, valid",
+    [
+        (96, 256, 3, 96),  # d256 prefill
+        (192, 128, 3, 150),  # d128 prefill, a partial last block
+        (128, 64, 3, 128),  # d64 (three MMA warpgroups)
+        (64, 128, 1, 17),  # one transposing warp beside gathering ones
+        (64, 96, 3, 64),
+        (224, 160, 3, 1),
+    ],
+)
+def test_transpose_writes_permuted_v_transpose(tile_n, width, num_warps, valid):
+    rng = random.Random(tile_n * width + valid)
+    src = bytearray(rng.randrange(256) for _ in range(tile_n * width))
+    dst = _transpose(src, tile_n, width, num_warps, valid)
+    for d in range(width):
+        for g in range(0, tile_n, 32):
+            for p in range(32):  # position 16h + 4q + i holds key 16h + 8 (i // 2) + 2q + i % 2
+                h, q, i = p // 16, (p % 16) // 4, p % 4
+                key = g + 16 * h + 8 * (i // 2) + 2 * q + i % 2
+                want = src[_byte(tile_n, width, key, d)] if key < valid else 0
+                assert dst[_byte(width, tile_n, d, g + p)] == want, (d, g, p)
