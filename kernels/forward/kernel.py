@@ -393,7 +393,8 @@ class FlashAttentionForwardSm90(Piece):
             mCounters,
             storage.mbar_sched.data_ptr(),
             storage.next_tile.get_tensor(cute.make_layout(2)),
-            self.num_mma_threads,
+            # (The converting warps follow the tiles too.)
+            self.num_mma_threads + (self.convert_threads if const_expr(self.kv_fp8) else 0),
         )
         pipeline.pipeline_init_arrive()
 
@@ -428,10 +429,16 @@ class FlashAttentionForwardSm90(Piece):
                     q_state.advance()
                     tile_idx, handoff = scheduler.fetch_next(tile_idx, handoff)
                 scheduler.finish()
-            elif const_expr(self.kv_fp8):  # the others, one tile: convert or transpose blocks
-                tile_idx = scheduler.first_tile()
-                if scheduler.is_valid(tile_idx):
-                    self.producer.convert_tile(buffers, scheduler.work_tile(tile_idx), shapes)
+            elif const_expr(self.kv_fp8):  # the others: convert or transpose the blocks
+                state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.config.num_stages
+                )
+                tile_idx, handoff = scheduler.first_tile(), scheduler.consumer_handoff()
+                while scheduler.is_valid(tile_idx):
+                    state = self.producer.convert_tile(
+                        buffers, scheduler.work_tile(tile_idx), shapes, state
+                    )
+                    tile_idx, handoff = scheduler.receive_next(tile_idx, handoff)
         else:
             cute.arch.setmaxregister_increase(self.config.mma_registers)
             tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP

@@ -125,16 +125,21 @@ class Producer(Piece):
         return kv_state
 
     @cute.jit
-    def convert_tile(self, buf: CtaBuffers, tile: WorkTile, shapes: ProblemShapes):
+    def convert_tile(
+        self,
+        buf: CtaBuffers,
+        tile: WorkTile,
+        shapes: ProblemShapes,
+        state: pipeline.PipelineState,
+    ):
         """Converting warps, one tile: each FP8 K and V block the loading warps bring in, in
         their order, into the fp16 rings (kernels/kv_dequant.py); with fp8_math each V block
-        transposed into V^T's ring (kernels/v_transpose.py), K's left in the loads' ring."""
+        transposed into V^T's ring (kernels/v_transpose.py), K's left in the loads' ring.
+        state: the rings' producer state, walked as the loading warps walk theirs; returns it
+        after the tile."""
         seqlen, _, n_block_min, n_block_max = self.tile_problem(tile, shapes)
         if n_block_max > n_block_min:
             thread = cute.arch.thread_idx()[0] - 32 * self.load_warps
-            state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Producer, self.config.num_stages
-            )
             handoff = functools.partial(self._handoff, thread)
             if const_expr(self.fp8_math):
                 k_loader = SkippedBlockLoader()
@@ -155,7 +160,8 @@ class Producer(Piece):
                     seqlen_k=seqlen.seqlen_k,
                 )  # fmt: skip
             k_loader.load(n_block_max - 1, state)
-            self._load_kv_blocks(k_loader, v_loader, state, n_block_min, n_block_max)
+            state = self._load_kv_blocks(k_loader, v_loader, state, n_block_min, n_block_max)
+        return state
 
     def _handoff(self, thread, cls, src, dst, ring8, ring_out, seqlen_k=None, **fields):
         """A converting warp's loader of one ring's blocks (cls: converting or transposing,
