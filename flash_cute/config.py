@@ -656,7 +656,7 @@ def decode_config(
 
 def fp8_kv_config(config: AttentionConfig, head_dim: int, head_dim_v: int) -> AttentionConfig:
     """The form of a table row that reads an FP8 K/V cache (kernels/kv_dequant.py): one CTA
-    per tile (the producer warpgroup's converting warps follow its one tile), one MMA
+    per tile (the plan's rule for the converting warps' kernels), one MMA
     warpgroup of 64 rows, and two stages of both the FP8 and the fp16 rings, on the row's key
     block or, where those do not fit, 64 keys."""
     config = config.replace(
@@ -682,8 +682,8 @@ def fp8_math_config(
     config: AttentionConfig, head_dim: int, head_dim_v: int, decode_like: bool = False
 ) -> AttentionConfig:
     """The form of a table row for FP8 queries, keys and values in e4m3 GEMMs
-    (kernels/v_transpose.py): one CTA per tile (the producer warpgroup's transposing warps
-    follow its one tile; a static persistent grid measured no faster, slower causal), P from
+    (kernels/v_transpose.py): one CTA per tile (a static persistent grid measured no faster,
+    slower causal, at 128 x 128; persistent grids run, unmeasured at these tiles), P from
     registers, O from registers (Q's FP8 tile cannot hold it), and no lagging row max (P must
     stay within e4m3's range: 2^8 at most).
 

@@ -194,9 +194,14 @@ class ForwardVariant(CallShape):
             c.tile_n % self.page_box_rows or self.page_box_rows % 16
         ):
             problems.append("page_box_rows must divide tile_n and be a multiple of 16")
-        if self.kv_dtype is not None and (self.kv_dtype != "float8_e4m3fn" or self.v_in_k):
+        if self.kv_dtype is not None and (
+            self.kv_dtype != "float8_e4m3fn"
+            or self.v_in_k
+            or (self.q_dtype is None and c.scheduler != "single_tile")
+        ):
             problems.append(
-                "an FP8 (float8_e4m3fn) K/V cache runs on separate K and V stages (no v_in_k)"
+                "an FP8 (float8_e4m3fn) K/V cache runs on separate K and V stages (no v_in_k), "
+                "one CTA per tile (scheduler 'single_tile') unless q is FP8 too"
             )
         elif self.q_dtype is not None and not (
             self.q_dtype == self.kv_dtype

@@ -130,6 +130,16 @@ def _lane_places(lane: Uint32, tile_n: int, width: int):
     return _row_xor(lane, width), store_column, store_position, _row_xor(store_column, tile_n)
 
 
+def lane_selectors(lane):
+    """(prmt selector of V^T's register pairs 0-1, of 2-3) of a lane: the lane's register of
+    matrices 0 and 2 (positions 0..15, 16..31) is V^T row 2r + (r >= 4) of its 16, of 1 and 3
+    row 2r + 1 - (r >= 4) (r = lane // 4: its row in the matrix)."""
+    high = (lane // 4) // 4  # (0 or 1: r >= 4)
+    return EVEN_COLUMN + high * (ODD_COLUMN - EVEN_COLUMN), ODD_COLUMN - high * (
+        ODD_COLUMN - EVEN_COLUMN
+    )
+
+
 def _step_place(warp: Uint32, j: int, num_warps: int, width: int):
     """(step index, first key, first column) of a warp's j-th step."""
     column_steps = width // COLUMNS_PER_STEP
@@ -201,16 +211,15 @@ def transpose_block(
     src_address = src.iterator.toint() + stage * stage_bytes
     dst_address = dst.iterator.toint() + stage * stage_bytes
     steps = tile_n // KEYS_PER_STEP * (width // COLUMNS_PER_STEP)
-    quad_lane, row_in_matrix = lane % 4, lane // 4
-    # The lane's register of matrices 0 and 2 (positions 0..15, 16..31) is V^T row
-    # 2r + (r >= 4) of its 16, of 1 and 3 row 2r + 1 - (r >= 4) (r: its row in the matrix).
-    select_a = Int32(ODD_COLUMN) if row_in_matrix >= 4 else Int32(EVEN_COLUMN)
-    select_b = Int32(EVEN_COLUMN) if row_in_matrix >= 4 else Int32(ODD_COLUMN)
+    quad_lane = lane % 4
+    select_a, select_b = (Int32(x) for x in lane_selectors(lane))
     places = None
+    per_warp = _steps_per_warp(num_warps, tile_n, width)
     if cutlass.const_expr(offsets is None):
         places = _lane_places(lane, tile_n, width)
+    else:  # (step_offsets of the same warps, keys and width)
+        assert cute.size(offsets, mode=[1]) == per_warp, "offsets of another shape"
     partial = valid_rows < tile_n
-    per_warp = _steps_per_warp(num_warps, tile_n, width)
     every_step = steps % num_warps == 0  # (then no warp has a step past the last)
     for first in cutlass.range_constexpr(0, per_warp, BATCH):
         batch = min(BATCH, per_warp - first)

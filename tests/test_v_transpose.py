@@ -51,9 +51,7 @@ def _transpose(src: bytearray, tile_n: int, width: int, num_warps: int, valid: i
                     lane_regs.append(lo | hi << 16)
                 regs.append(lane_regs)
             for lane in range(32):
-                odd = lane // 4 >= 4
-                sel_a = vt.ODD_COLUMN if odd else vt.EVEN_COLUMN
-                sel_b = vt.EVEN_COLUMN if odd else vt.ODD_COLUMN
+                sel_a, sel_b = vt.lane_selectors(lane)
                 r = regs[lane]
                 out = [_prmt(r[0], r[1], sel_a), _prmt(r[0], r[1], sel_b)]
                 out += [_prmt(r[2], r[3], sel_a), _prmt(r[2], r[3], sel_b)]
