@@ -112,7 +112,10 @@ def errors():
         q8, k8, v8 = (t[:, :2048] for t in (q8, k8, v8))
         ref, _ = attention_ref(q8.float(), k8.float(), v8.float(), causal=causal)
         naive, _ = attention_ref(q8.float(), k8.float(), v8.float(), causal=causal, p_dtype=FP8)
-        row = {"flash_cute": flash_cute.flash_attn_func(q8, k8, v8, causal=causal)}
+        call = lambda: flash_cute.flash_attn_func(q8, k8, v8, causal=causal)  # noqa: E731
+        row = {"flash_cute": with_config("", call)()}
+        for name in EXPS:  # (a sweep's kernels are checked before they are timed)
+            row[f"flash_cute {name}"] = with_config(name, call)()
         if fa3 is not None:
             row["FA3"] = fa3.flash_attn_func(q8, k8, v8, causal=causal)
         row = {n: ((o[0] if isinstance(o, tuple) else o).float() - ref).abs().max().item()

@@ -288,6 +288,20 @@ class AttentionConfig:
         warpgroups."""
         return min(255, REGISTERS_PER_SM // (self.num_threads * self.ctas_per_sm)) // 8 * 8
 
+    def register_split_problem(self) -> Optional[str]:
+        """Why the setmaxnreg split cannot run (None if it can): warpgroups that take more
+        registers than the CTA got at launch wait in setmaxnreg.inc forever."""
+        total = THREADS_PER_WARPGROUP * (
+            self.producer_registers + self.num_mma_warpgroups * self.mma_registers
+        )
+        pool = self.entry_registers * self.num_threads
+        if total <= pool:
+            return None
+        return (
+            f"register split uses {total} registers per CTA, more than the {pool} a CTA gets "
+            f"at launch ({self.entry_registers} per thread with {self.ctas_per_sm} CTA(s) per SM)"
+        )
+
     def replace(self, **changes) -> "AttentionConfig":
         """A copy with some fields changed (registers re-derived unless given)."""
         if "tile_m" in changes or "ctas_per_sm" in changes or "o_split" in changes:
@@ -422,16 +436,8 @@ class AttentionConfig:
                     f"{name}={value!r} must be a multiple of 8 in [24, 256] (setmaxnreg)"
                 )
         if not problems:
-            total = THREADS_PER_WARPGROUP * (
-                self.producer_registers + self.num_mma_warpgroups * self.mma_registers
-            )
-            pool = self.entry_registers * self.num_threads
-            if total > pool:
-                problems.append(
-                    f"register split uses {total} registers per CTA, more than the {pool} a CTA "
-                    f"gets at launch ({self.entry_registers} per thread with {self.ctas_per_sm} "
-                    "CTA(s) per SM)"
-                )
+            if self.register_split_problem():
+                problems.append(self.register_split_problem())
             acc = self.accumulator_registers(head_dim, head_dim_v)
             if acc > self.mma_registers - REGISTER_HEADROOM:
                 problems.append(
@@ -682,16 +688,17 @@ def fp8_math_config(
     config: AttentionConfig, head_dim: int, head_dim_v: int, decode_like: bool = False
 ) -> AttentionConfig:
     """The form of a table row for FP8 queries, keys and values in e4m3 GEMMs
-    (kernels/v_transpose.py): one CTA per tile (a static persistent grid measured no faster,
-    slower causal, at 128 x 128; persistent grids run, unmeasured at these tiles), P from
-    registers, O from registers (Q's FP8 tile cannot hold it), and no lagging row max (P must
-    stay within e4m3's range: 2^8 at most).
+    (kernels/v_transpose.py): P from registers, O from registers (Q's FP8 tile cannot hold
+    it), and no lagging row max (P must stay within e4m3's range: 2^8 at most).
 
-    Prefill: the widest key blocks whose scores, P and O fit the MMA warps' registers without
-    spills (FP8 GEMMs halve the time a block's GEMMs hide its softmax and transpose behind),
-    two stages of K, of V and of V^T: head dim 64, three MMA warpgroups over 128-key blocks;
-    up to 128, two over 192; above, two over 96 (H100, paper grid at 2k and 16k against 128 x
-    128 / 128 x 64: +8-20%, +9-26%, +17-55%; 224 and 128 keys spill there). Decode-like
+    Prefill: persistent CTAs taking tiles from the dynamic scheduler (H100, paper grid beside
+    one CTA per tile: +2-10% at 15 of 18 points, causal 2k up to +18%; a static grid is
+    slower causal), and the widest key blocks whose scores, P and O fit the MMA warps'
+    registers without spills (FP8 GEMMs halve the time a block's GEMMs hide its softmax and
+    transpose behind), two stages of K, of V and of V^T: head dim 64, three MMA warpgroups
+    over 128-key blocks; up to 128, two over 192; above, two over 96 (H100, paper grid at 2k
+    and 16k against 128 x 128 / 128 x 64: +8-20%, +9-26%, +17-55%; 224 and 128 keys spill
+    there: PERF_NOTES "FP8 math"). Decode-like
     rows: one MMA warpgroup, 64-key blocks in four stages, no intra-warpgroup overlap (which
     holds K's and V's stages through each softmax; H100, GQA 32/8 d128: 2.3 -> 2.8-3.1 TB/s
     contiguous)."""
@@ -700,12 +707,12 @@ def fp8_math_config(
     # 72 elsewhere (72 spill at head dim 256 with one MMA warpgroup, which leaves 128 spare).
     if decode_like:
         shape = dict(tile_m=64, tile_n=64, num_stages=4, intra_wg_overlap=False)
-        shape.update(producer_registers=128, mma_registers=None)
+        shape.update(producer_registers=128, mma_registers=None, scheduler="single_tile")
     else:
         widest = max(head_dim, head_dim_v)
-        shape = dict(tile_m=128, tile_n=96, num_stages=2)
+        shape = dict(tile_m=128, tile_n=96, num_stages=2, scheduler="dynamic_persistent")
         shape.update(producer_registers=72, mma_registers=216)
-        if widest <= 128:  # (216: 192 scores spill 80 bytes with sinks and a window)
+        if widest <= 128:  # (224 at 40 / 232 spills with sinks, a window and packed keys)
             shape.update(tile_n=192, producer_registers=56, mma_registers=224)
         if widest <= 64:  # (three MMA warpgroups: 144 registers each)
             shape.update(tile_m=192, tile_n=128, producer_registers=72, mma_registers=144)
@@ -714,7 +721,6 @@ def fp8_math_config(
         pv_from_registers=True,
         o_split=1,
         split_scores=False,
-        scheduler="single_tile",
         store_o_from_registers=True,
         rescale_threshold=0,
         exp2_on_fma=0,  # (slower at every head dim in 16-bit math; not tried with FP8)

@@ -24,7 +24,6 @@ neither instruction has bank conflicts under the 64- or 128-byte swizzles
 """
 
 from dataclasses import dataclass
-from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -40,7 +39,10 @@ from .kv_dequant import ConvertingBlockLoader
 # and two transposing 258 us, three and one 223, one and three 352.)
 FP8_MATH_GATHER_WARPS = 3
 KEYS_PER_STEP = 32  # a warp's keys per step: one group of V^T's permutation
-BATCH = 2  # steps whose ldmatrix go before their stmatrix (no load waits out a store)
+# Steps whose ldmatrix go before their stmatrix (no load waits out a store); a lone
+# transposing warp, beside gathering warps whose copies hold registers, goes one at a time
+# (two spilled 12 bytes there).
+BATCH = 2
 COLUMNS_PER_STEP = 16  # a warp's head-dim columns per step: one 16-byte ldmatrix row
 # prmt selectors: bytes 0 and 2 of two registers (a column's keys), or bytes 1 and 3.
 EVEN_COLUMN, ODD_COLUMN = 0x6420, 0x7531
@@ -112,24 +114,6 @@ def _offset(rows: int, width: int, row: Int32, col: Int32, row_xor: Int32) -> In
     return (col // atom) * (rows * atom) + row * atom + ((col % atom) ^ row_xor)
 
 
-# A warp's steps whose offsets step_offsets computes once per tile (two registers each, held
-# through the tile); a warp with more (one transposing warp beside gathering ones) computes
-# each step's offsets as it goes.
-MAX_HELD_STEPS = 16
-
-
-def _lane_places(lane: Uint32, tile_n: int, width: int):
-    """(load XOR, store column, store position, store XOR) of a lane: its fixed parts of
-    every step's addresses. Rows step by multiples of 8 (keys by 32, columns by 16), so each
-    lane's XORs are fixed; the row it addresses in the stores is matrix lane // 8's row
-    lane % 8."""
-    store_matrix, store_row = lane // 8, lane % 8
-    # Matrices 0 and 2: column 2r + (r >= 4); 1 and 3: 2r + 1 - (r >= 4) (r: store_row).
-    store_column = 2 * store_row + ((store_row // 4) ^ (store_matrix % 2))
-    store_position = (store_matrix // 2) * 16
-    return _row_xor(lane, width), store_column, store_position, _row_xor(store_column, tile_n)
-
-
 def lane_selectors(lane):
     """(prmt selector of V^T's register pairs 0-1, of 2-3) of a lane: the lane's register of
     matrices 0 and 2 (positions 0..15, 16..31) is V^T row 2r + (r >= 4) of its 16, of 1 and 3
@@ -140,51 +124,76 @@ def lane_selectors(lane):
     )
 
 
-def _step_place(warp: Uint32, j: int, num_warps: int, width: int):
-    """(step index, first key, first column) of a warp's j-th step."""
-    column_steps = width // COLUMNS_PER_STEP
-    step = warp + j * num_warps
-    group = step // column_steps
-    return step, group * KEYS_PER_STEP, (step - group * column_steps) * COLUMNS_PER_STEP
-
-
-def _step_offsets(lane: Uint32, key0, column, places, tile_n: int, width: int):
-    """(load, store) byte offsets of a step within a stage of the FP8 ring and of V^T's."""
-    load_xor, store_column, store_position, store_xor = places
+def _lane_bases(lane: Uint32, tile_n: int, width: int):
+    """(load base, load XOR, store base, store XOR) of a lane: its part of every step's
+    addresses (_step_offsets). Steps move keys by 32 and columns by 16, rows by multiples of
+    8, so each lane's swizzle XORs are fixed: it loads row `lane` of the step's keys, and
+    stores V^T row (store column) of matrix lane // 8's row lane % 8 at key position 0 or 16."""
+    store_matrix, store_row = lane // 8, lane % 8
+    # Matrices 0 and 2: column 2r + (r >= 4); 1 and 3: 2r + 1 - (r >= 4) (r: store_row).
+    store_column = 2 * store_row + ((store_row // 4) ^ (store_matrix % 2))
+    store_position = (store_matrix // 2) * 16
     return (
-        Int32(_offset(tile_n, width, key0 + lane, column, load_xor)),
-        Int32(_offset(width, tile_n, column + store_column, key0 + store_position, store_xor)),
+        lane * _atom_bytes(width),
+        _row_xor(lane, width),
+        store_column * _atom_bytes(tile_n),
+        # (a step's keys start at a multiple of 32: position and XOR bits never carry into it)
+        store_position ^ _row_xor(store_column, tile_n),
     )
 
 
-def _steps_per_warp(num_warps: int, tile_n: int, width: int) -> int:
+def _step_constants(step: int, tile_n: int, width: int):
+    """(load constant, load chunk, store constant, store chunk) of a step (Python ints): a
+    lane's load offset is load constant + load base + (load chunk ^ load XOR), its store
+    offset the same of the store's parts (_lane_bases). The step's first key: step_key0."""
+    key0 = step_key0(step, width)
+    column = step % (width // COLUMNS_PER_STEP) * COLUMNS_PER_STEP
+    atom, atom_t = _atom_bytes(width), _atom_bytes(tile_n)
+    return (
+        (column // atom) * (tile_n * atom) + key0 * atom,
+        column % atom,
+        (key0 // atom_t) * (width * atom_t) + column * atom_t,
+        key0 % atom_t,
+    )
+
+
+def step_key0(step: int, width: int) -> int:
+    """The first of a step's 32 keys (steps go along a key group's columns, then the next)."""
+    return step // (width // COLUMNS_PER_STEP) * KEYS_PER_STEP
+
+
+def _step_offsets(bases, constants):
+    """(load, store) of a lane's step: byte offsets within a stage of the FP8 ring and of
+    V^T's, or addresses where the bases include the stages' (bases: the lane's _lane_bases;
+    constants: the step's _step_constants)."""
+    load_base, load_xor, store_base, store_xor = bases
+    load, load_chunk, store, store_chunk = constants
+    return (
+        load_base + (load_xor ^ load_chunk) + load,
+        store_base + (store_xor ^ store_chunk) + store,
+    )
+
+
+def warp_steps(warp: int, num_warps: int, tile_n: int, width: int):
+    """The steps warp `warp` of num_warps transposes, in order (every num_warps-th: the
+    warps split each block evenly to within a step)."""
     steps = tile_n // KEYS_PER_STEP * (width // COLUMNS_PER_STEP)
-    return (steps + num_warps - 1) // num_warps
+    return range(warp, steps, num_warps)
 
 
-@cute.jit
-def step_offsets(
-    lane: Int32,
-    warp: Int32,
-    num_warps: cutlass.Constexpr[int],
-    tile_n: cutlass.Constexpr[int],
-    width: cutlass.Constexpr[int],
-):
-    """(2, the warp's steps) Int32 of transpose_block's load and store offsets for lane `lane`
-    of warp `warp`, the same for every block: computed once per tile, a step's addresses are
-    then an add each. None where the warp has more than MAX_HELD_STEPS steps."""
-    per_warp = _steps_per_warp(num_warps, tile_n, width)
-    if cutlass.const_expr(per_warp > MAX_HELD_STEPS):
-        return None
-    # Unsigned: divisions and remainders by powers of two are shifts and masks (Int32's floor
-    # semantics cost a sign fix-up each).
-    lane, warp = Uint32(lane), Uint32(warp)
-    places = _lane_places(lane, tile_n, width)
-    offsets = cute.make_rmem_tensor((2, per_warp), Int32)
-    for j in cutlass.range_constexpr(per_warp):
-        _, key0, column = _step_place(warp, j, num_warps, width)
-        offsets[0, j], offsets[1, j] = _step_offsets(lane, key0, column, places, tile_n, width)
-    return offsets
+@dsl_user_op
+def store_zeros_16(address: Int32, *, loc=None, ip=None):
+    """16 zero bytes to shared memory at `address`."""
+    zero = Int32(0).ir_value(loc=loc, ip=ip)
+    llvm.inline_asm(
+        None,
+        [Int32(address).ir_value(loc=loc, ip=ip), zero],
+        "st.shared.v4.b32 [$0], {$1, $1, $1, $1};",
+        "r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 @cute.jit
@@ -198,66 +207,56 @@ def transpose_block(
     tile_n: cutlass.Constexpr[int],
     width: cutlass.Constexpr[int],
     valid_rows: Int32,
-    offsets: Optional[cute.Tensor] = None,
 ):
     """dst (width, tile_n) = src (tile_n, width) transposed, keys permuted within each 32 as
-    the module says, by num_warps warps (this one: `warp`, lane `lane`); keys from valid_rows
-    on written as zeros (a cache's slots past the sequence may hold anything, NaN included,
-    and P is 0 there: 0 * NaN must not reach O). src, dst: the (rows, cols, stages) rings,
-    compact; offsets: the warp's step_offsets (None: each step computes its own). Each thread
-    then makes its stores visible to the async proxy (the WGMMAs)."""
-    lane, warp = Uint32(lane), Uint32(warp)  # (as in step_offsets)
+    the module says, by num_warps warps (this one: `warp`, warp-uniform; lane `lane`); keys
+    from valid_rows on written as zeros (a cache's slots past the sequence may hold anything,
+    NaN included, and P is 0 there: 0 * NaN must not reach O). src, dst: the (rows, cols,
+    stages) rings, compact. Each warp's steps are unrolled on its own branch, so a step's
+    addresses are a lane's bases plus constants: an XOR and an add each, in few registers.
+    Each thread then makes its stores visible to the async proxy (the WGMMAs)."""
+    lane = Uint32(lane)  # (unsigned: divisions by powers of two are shifts)
     stage_bytes = tile_n * width
     src_address = src.iterator.toint() + stage * stage_bytes
     dst_address = dst.iterator.toint() + stage * stage_bytes
-    steps = tile_n // KEYS_PER_STEP * (width // COLUMNS_PER_STEP)
-    quad_lane = lane % 4
+    load_base, load_xor, store_base, store_xor = _lane_bases(lane, tile_n, width)
+    # (a step's addresses: these plus its constants)
+    bases = (
+        Int32(src_address + load_base),
+        Int32(load_xor),
+        Int32(dst_address + store_base),
+        Int32(store_xor),
+    )
     select_a, select_b = (Int32(x) for x in lane_selectors(lane))
-    places = None
-    per_warp = _steps_per_warp(num_warps, tile_n, width)
-    if cutlass.const_expr(offsets is None):
-        places = _lane_places(lane, tile_n, width)
-    else:  # (step_offsets of the same warps, keys and width)
-        assert cute.size(offsets, mode=[1]) == per_warp, "offsets of another shape"
-    partial = valid_rows < tile_n
-    every_step = steps % num_warps == 0  # (then no warp has a step past the last)
-    for first in cutlass.range_constexpr(0, per_warp, BATCH):
-        batch = min(BATCH, per_warp - first)
-        regs = cute.make_rmem_tensor((4, batch), Int32)
-        # Each step of the batch: (whether this warp has it, its first key, its offsets).
-        todo = []
-        for b in cutlass.range_constexpr(batch):
-            step, key0, column = _step_place(warp, first + b, num_warps, width)
-            if cutlass.const_expr(offsets is None):
-                step_offset = _step_offsets(lane, key0, column, places, tile_n, width)
-            else:
-                step_offset = (offsets[0, first + b], offsets[1, first + b])
-            todo.append((step < steps, key0, step_offset))
-        for b in cutlass.range_constexpr(batch):
-            has_step, _, (load_offset, _) = todo[b]
-            if cutlass.const_expr(every_step) or has_step:
-                loaded = ldmatrix_x4_trans(src_address + load_offset)
-                for i in cutlass.range_constexpr(4):
-                    regs[i, b] = loaded[i]
-        for b in cutlass.range_constexpr(batch):
-            has_step, key0, (_, store_offset) = todo[b]
-            if cutlass.const_expr(every_step) or has_step:
-                if partial:
-                    # regs[i] holds keys key0 + 8i + 2 (lane % 4) + {0 (low half), 1 (high)}.
-                    for i in cutlass.range_constexpr(4):
-                        key = Int32(key0 + 8 * i + 2 * quad_lane)
-                        low = Int32(0xFFFF) if key < valid_rows else Int32(0)
-                        high = Int32(-65536) if key + 1 < valid_rows else Int32(0)
-                        regs[i, b] = regs[i, b] & (low | high)
-                stmatrix_x4(
-                    dst_address + store_offset,
-                    [
-                        byte_perm(regs[0, b], regs[1, b], select_a),
-                        byte_perm(regs[0, b], regs[1, b], select_b),
-                        byte_perm(regs[2, b], regs[3, b], select_a),
-                        byte_perm(regs[2, b], regs[3, b], select_b),
-                    ],
-                )
+    for w in cutlass.range_constexpr(num_warps):
+        if warp == w:
+            steps = list(warp_steps(w, num_warps, tile_n, width))
+            places = [_step_constants(step, tile_n, width) for step in steps]
+            if valid_rows < tile_n:
+                # Rows past the sequence zeroed in the FP8 stage first (each lane its own
+                # 16 bytes of each of its steps' loads), so the steps need no masks; a loop,
+                # not unrolled (a tile's last block only), in few registers.
+                for j in cutlass.range(len(steps), unroll=1):
+                    step = Uint32(j) * num_warps + w
+                    key = step // (width // COLUMNS_PER_STEP) * KEYS_PER_STEP + lane
+                    if Int32(key) >= valid_rows:
+                        column = step % (width // COLUMNS_PER_STEP) * COLUMNS_PER_STEP
+                        store_zeros_16(src_address + _offset(tile_n, width, key, column, bases[1]))
+                cute.arch.sync_warp()
+            size = BATCH if num_warps > 1 else 1
+            for first in cutlass.range_constexpr(0, len(steps), size):
+                batch = places[first : first + size]
+                regs = [ldmatrix_x4_trans(_step_offsets(bases, place)[0]) for place in batch]
+                for place, r in zip(batch, regs):
+                    stmatrix_x4(
+                        _step_offsets(bases, place)[1],
+                        [
+                            byte_perm(r[0], r[1], select_a),
+                            byte_perm(r[0], r[1], select_b),
+                            byte_perm(r[2], r[3], select_a),
+                            byte_perm(r[2], r[3], select_b),
+                        ],
+                    )
     cute.arch.fence_view_async_shared()  # generic-proxy stores -> the WGMMAs' reads
 
 
@@ -265,9 +264,7 @@ def transpose_block(
 class TransposingBlockLoader(ConvertingBlockLoader):
     """ConvertingBlockLoader's handoff (FP8 ring -> the MMA warps' ring, in the loading
     warps' order) with V's transpose as the work: src (tile_n, dv, stages) FP8, dst (dv, tile_n,
-    stages) FP8. offsets: this thread's step_offsets (None: computed per step)."""
-
-    offsets: Optional[cute.Tensor] = None
+    stages) FP8."""
 
     @cute.jit
     def fill(self, stage: Int32, valid: Int32):
@@ -281,7 +278,6 @@ class TransposingBlockLoader(ConvertingBlockLoader):
             self.tile_n,
             cute.size(self.src, mode=[1]),
             valid,
-            self.offsets,
         )
 
 

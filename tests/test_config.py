@@ -15,6 +15,7 @@ from flash_cute.config import (
     PAIR_CONFIGS,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
+    fp8_math_config,
 )
 
 
@@ -256,3 +257,21 @@ def test_new_head_dims():
         assert config.validate(head_dim, "bfloat16", 512, v_in_k) is config
         assert decode_config(head_dim, "bfloat16", 512, v_in_k) == config
     assert default_config(64, "float16", False, head_dim_v=512).tile_n == 64
+
+
+def test_register_split_beyond_the_launch_pool_is_refused_by_config_and_kernel():
+    """setmaxnreg.inc waits forever for registers the CTA never got (a sweep's 32 / 240 over
+    two MMA warpgroups hung the GPU): validate refuses it, and so does the kernel built from a
+    plan changed after validation."""
+    from flash_cute.kernels.forward.kernel import FlashAttentionForwardSm90
+
+    from flash_cute.plan import ForwardVariant
+
+    good = fp8_math_config(default_config(128, "bfloat16", False), 128, 128)
+    assert good.register_split_problem() is None
+    bad = good.replace(producer_registers=32, mma_registers=240)
+    assert "65536 registers per CTA" in bad.register_split_problem()
+    with pytest.raises(ValueError, match="register split"):
+        bad.validate(128)
+    with pytest.raises(ValueError, match="register split"):
+        FlashAttentionForwardSm90(ForwardVariant("bfloat16", 128, False, config=bad))

@@ -1,7 +1,7 @@
 """kernels/v_transpose.py's addresses, checked on the CPU: the transposing warps' steps,
-simulated byte by byte (ldmatrix.trans, the two byte permutes, stmatrix, each lane's
-addresses from the kernel's own helpers), must write V^T with the module's key permutation,
-every byte once, zeros past the valid keys."""
+simulated byte by byte (the zeroing of rows past the valid keys, ldmatrix.trans, the two
+byte permutes, stmatrix, each lane's addresses from the kernel's own helpers), must write
+V^T with the module's key permutation, every byte once, zeros past the valid keys."""
 
 import random
 
@@ -25,29 +25,31 @@ def _prmt(a: int, b: int, selector: int) -> int:
 
 
 def _transpose(src: bytearray, tile_n: int, width: int, num_warps: int, valid: int):
-    """dst as transpose_block leaves it: every warp's steps, lane by lane."""
+    """dst as transpose_block leaves it: every warp's steps, lane by lane (src: the FP8
+    stage, whose rows from `valid` on the warps zero first)."""
     dst = bytearray([0xAA]) * (tile_n * width)  # (poisoned: every byte must be written)
-    steps = tile_n // vt.KEYS_PER_STEP * (width // vt.COLUMNS_PER_STEP)
-    per_warp = vt._steps_per_warp(num_warps, tile_n, width)
-    places = [vt._lane_places(lane, tile_n, width) for lane in range(32)]
+    bases = [vt._lane_bases(lane, tile_n, width) for lane in range(32)]
     for warp in range(num_warps):
-        for j in range(per_warp):
-            step, key0, column = vt._step_place(warp, j, num_warps, width)
-            if step >= steps:
-                continue
-            offsets = [
-                vt._step_offsets(lane, key0, column, places[lane], tile_n, width)
-                for lane in range(32)
-            ]
+        steps = list(vt.warp_steps(warp, num_warps, tile_n, width))
+        offsets = {
+            step: [vt._step_offsets(bases[lane], vt._step_constants(step, tile_n, width))
+                   for lane in range(32)]
+            for step in steps
+        }  # fmt: skip
+        if valid < tile_n:
+            for step in steps:
+                for lane in range(32):
+                    if vt.step_key0(step, width) + lane >= valid:
+                        load = offsets[step][lane][0]
+                        src[load : load + 16] = bytes(16)
+        for step in steps:
             regs = []  # regs[lane][i]: matrix i's register
             for lane in range(32):
                 q, c = lane % 4, lane // 4
                 lane_regs = []
                 for i in range(4):
-                    rows = [int(offsets[8 * i + r][0]) for r in (2 * q, 2 * q + 1)]
+                    rows = [offsets[step][8 * i + r][0] for r in (2 * q, 2 * q + 1)]
                     lo, hi = (_b16(src, row + 2 * c) for row in rows)
-                    keys = [key0 + 8 * i + 2 * q + e for e in (0, 1)]
-                    lo, hi = (x if key < valid else 0 for x, key in zip((lo, hi), keys))
                     lane_regs.append(lo | hi << 16)
                 regs.append(lane_regs)
             for lane in range(32):
@@ -56,7 +58,7 @@ def _transpose(src: bytearray, tile_n: int, width: int, num_warps: int, valid: i
                 out = [_prmt(r[0], r[1], sel_a), _prmt(r[0], r[1], sel_b)]
                 out += [_prmt(r[2], r[3], sel_a), _prmt(r[2], r[3], sel_b)]
                 for m in range(4):  # matrix m, row lane // 4, elements 2 (lane % 4), +1
-                    address = int(offsets[8 * m + lane // 4][1]) + 4 * (lane % 4)
+                    address = offsets[step][8 * m + lane // 4][1] + 4 * (lane % 4)
                     dst[address : address + 4] = out[m].to_bytes(4, "little")
     return dst
 
@@ -75,7 +77,7 @@ def _transpose(src: bytearray, tile_n: int, width: int, num_warps: int, valid: i
 def test_transpose_writes_permuted_v_transpose(tile_n, width, num_warps, valid):
     rng = random.Random(tile_n * width + valid)
     src = bytearray(rng.randrange(256) for _ in range(tile_n * width))
-    dst = _transpose(src, tile_n, width, num_warps, valid)
+    dst = _transpose(bytearray(src), tile_n, width, num_warps, valid)
     for d in range(width):
         for g in range(0, tile_n, 32):
             for p in range(32):  # position 16h + 4q + i holds key 16h + 8 (i // 2) + 2q + i % 2

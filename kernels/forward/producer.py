@@ -18,7 +18,7 @@ from ..kv_dequant import ConvertingBlockLoader
 from ..paged_kv_gather import GatherPagedBlockLoader
 from ..tile_scheduler import WorkTile
 from ..tma_loads import PairedBlockLoader, TmaBlockLoader, TmaPagedBlockLoader
-from ..v_transpose import SkippedBlockLoader, TransposingBlockLoader, step_offsets
+from ..v_transpose import SkippedBlockLoader, TransposingBlockLoader
 from .facts import Piece
 from .records import CtaBuffers, GmemLoads, ProblemShapes, QLoad, TmaAtoms
 
@@ -143,13 +143,9 @@ class Producer(Piece):
             handoff = functools.partial(self._handoff, thread)
             if const_expr(self.fp8_math):
                 k_loader = SkippedBlockLoader()
-                offsets = step_offsets(
-                    thread % 32, cute.arch.make_warp_uniform(thread // 32),
-                    self.convert_threads // 32, self.config.tile_n, self.variant.head_dim_v,
-                )  # fmt: skip
                 v_loader = handoff(
                     TransposingBlockLoader, buf.sV8, buf.sV, buf.pipeline_v8, buf.pipeline_v,
-                    seqlen_k=seqlen.seqlen_k, offsets=offsets,
+                    seqlen_k=seqlen.seqlen_k,
                 )  # fmt: skip
             else:
                 k_loader = handoff(
