@@ -17,12 +17,10 @@ import functools
 import os
 import statistics
 
-os.environ["FLASH_CUTE_DISK_CACHE"] = "0"  # (transposer batches share variant keys)
-import flash_cute.kernels.v_transpose as v_transpose
 import torch
 
 import flash_cute
-from flash_cute import bench, compile_cache, timing
+from flash_cute import bench, timing
 
 try:
     import fa3_fwd_interface as fa3
@@ -40,23 +38,17 @@ EXPS = [e for e in os.environ.get("EXP", "").split(",") if e]
 
 
 def swept(name, fn):
-    """fn with the FP8-math config changed by name's knobs (bench.fp8_math_knobs), in a kernel
-    cache of its own (the transposer's batch is not in the kernel key); the plan's own config
-    back after each call."""
-    changes, batch = bench.fp8_math_knobs(name)
-    batch = v_transpose.BATCH if batch is None else batch
-    cache, default_batch = {}, v_transpose.BATCH
+    """fn with the FP8-math config changed by name's knobs (bench.fp8_math_knobs); the plan's
+    own config back after each call."""
+    changes = bench.fp8_math_knobs(name)
     plans = flash_cute.flash_attn_with_kvcache.entry_point.plans
 
     def run():
-        saved = compile_cache._cache
         bench.set_fp8_math_changes(changes, plans)
-        compile_cache._cache, v_transpose.BATCH = cache, batch
         try:
             return fn()
         finally:
             bench.set_fp8_math_changes({}, plans)
-            compile_cache._cache, v_transpose.BATCH = saved, default_batch
 
     return run
 

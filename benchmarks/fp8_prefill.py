@@ -41,7 +41,7 @@ EXPS = [e for e in os.environ.get("EXP", "").split(",") if e]
 
 def use_knobs(name):
     """The plan's FP8-math config from now on with `name`'s knobs ("" for the plan's own)."""
-    bench.set_fp8_math_changes(bench.fp8_math_knobs(name)[0] if name else {}, FUNC_PLANS)
+    bench.set_fp8_math_changes(bench.fp8_math_knobs(name) if name else {}, FUNC_PLANS)
 
 
 def with_config(name, fn):

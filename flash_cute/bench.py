@@ -572,12 +572,12 @@ def run_varlen_mixed() -> str:
 _PLAN_FP8_MATH_CONFIG = None  # plan.fp8_math_config as the plan has it
 
 
-def fp8_math_knobs(name: str) -> tuple:
-    """(config changes, the transposer's batch or None) of an FP8-math sweep name: parts
+def fp8_math_knobs(name: str) -> dict:
+    """The config changes of an FP8-math sweep name: parts
     joined by "+", each mN tile_m, nN tile_n, stN num_stages, rP/M producer and MMA
     registers, ppN pingpong, ovN intra_wg_overlap (0 also drops the O rescale before P V,
-    which needs it), dyn / static a persistent scheduler, bN the transposer's batch."""
-    changes, batch = {}, None
+    which needs it), dyn / static a persistent scheduler, bN transpose_batch."""
+    changes = {}
     for part in name.split("+"):
         kind = part.rstrip("0123456789/")
         value = part[len(kind) :]
@@ -592,10 +592,10 @@ def fp8_math_knobs(name: str) -> tuple:
         elif kind == "ov":
             changes.update(intra_wg_overlap=bool(int(value)), rescale_o_before_pv=False)
         elif kind == "b":
-            batch = int(value)
+            changes["transpose_batch"] = int(value)
         else:
             raise ValueError(f"unknown FP8-math knob {part!r} in {name!r}")
-    return changes, batch
+    return changes
 
 
 def set_fp8_math_changes(changes: dict, plans) -> None:

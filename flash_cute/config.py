@@ -147,6 +147,8 @@ class AttentionConfig:
         page-table entries a producer thread reads before it issues their copies (1-32; 1: each
         read just before its copy). Above 1 the entries take registers: producer_registers
         >= 128. The plan sets it (plan.GATHER_LOOKAHEAD) where the producer has them.
+    transpose_batch: FP8 math: steps of a warp transposing V whose loads go before their
+        stores (1-4; kernels/v_transpose.py); each holds four registers of the producer's.
     """
 
     tile_m: int
@@ -170,6 +172,7 @@ class AttentionConfig:
     split_scores: bool = False
     trace: bool = False
     gather_lookahead: int = 1
+    transpose_batch: int = 2
 
     def __post_init__(self):
         for name in (
@@ -182,6 +185,7 @@ class AttentionConfig:
             "rescale_threshold",
             "o_split",
             "gather_lookahead",
+            "transpose_batch",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -421,6 +425,8 @@ class AttentionConfig:
             )
         if self.rescale_o_before_pv and not self.intra_wg_overlap:
             problems.append("rescale_o_before_pv needs intra_wg_overlap")
+        if not 1 <= self.transpose_batch <= 4:
+            problems.append(f"transpose_batch={self.transpose_batch} must be in [1, 4]")
         if not 1 <= self.gather_lookahead <= 32:
             problems.append(f"gather_lookahead={self.gather_lookahead} must be in [1, 32]")
         elif self.gather_lookahead > 1 and self.producer_registers < 128:
@@ -702,7 +708,7 @@ def fp8_math_config(
     rows: one MMA warpgroup, 64-key blocks in four stages, no intra-warpgroup overlap (which
     holds K's and V's stages through each softmax; H100, GQA 32/8 d128: 2.3 -> 2.8-3.1 TB/s
     contiguous)."""
-    # Registers: the transposing warps hold BATCH ldmatrix results (kernels/v_transpose.py),
+    # Registers: the transposing warps hold transpose_batch ldmatrix results (v_transpose.py),
     # the loading warp a varlen tile's bounds; 24 spill, 56 suffice beside 192-key blocks,
     # 72 elsewhere (72 spill at head dim 256 with one MMA warpgroup, which leaves 128 spare).
     if decode_like:

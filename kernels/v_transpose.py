@@ -39,10 +39,6 @@ from .kv_dequant import ConvertingBlockLoader
 # and two transposing 258 us, three and one 223, one and three 352.)
 FP8_MATH_GATHER_WARPS = 3
 KEYS_PER_STEP = 32  # a warp's keys per step: one group of V^T's permutation
-# Steps whose ldmatrix go before their stmatrix (no load waits out a store); a lone
-# transposing warp, beside gathering warps whose copies hold registers, goes one at a time
-# (two spilled 12 bytes there).
-BATCH = 2
 COLUMNS_PER_STEP = 16  # a warp's head-dim columns per step: one 16-byte ldmatrix row
 # prmt selectors: bytes 0 and 2 of two registers (a column's keys), or bytes 1 and 3.
 EVEN_COLUMN, ODD_COLUMN = 0x6420, 0x7531
@@ -174,6 +170,13 @@ def _step_offsets(bases, constants):
     )
 
 
+def _batch_size(batch: int, num_warps: int) -> int:
+    """Steps whose loads go before their stores (no load waits out a store): `batch`, but one
+    for a lone transposing warp beside gathering warps, whose copies hold registers (two
+    spilled 12 bytes there)."""
+    return batch if num_warps > 1 else 1
+
+
 def warp_steps(warp: int, num_warps: int, tile_n: int, width: int):
     """The steps warp `warp` of num_warps transposes, in order (every num_warps-th: the
     warps split each block evenly to within a step)."""
@@ -207,6 +210,7 @@ def transpose_block(
     tile_n: cutlass.Constexpr[int],
     width: cutlass.Constexpr[int],
     valid_rows: Int32,
+    batch: cutlass.Constexpr[int],
 ):
     """dst (width, tile_n) = src (tile_n, width) transposed, keys permuted within each 32 as
     the module says, by num_warps warps (this one: `warp`, warp-uniform; lane `lane`); keys
@@ -228,6 +232,7 @@ def transpose_block(
         Int32(store_xor),
     )
     select_a, select_b = (Int32(x) for x in lane_selectors(lane))
+    size = _batch_size(batch, num_warps)
     for w in cutlass.range_constexpr(num_warps):
         if warp == w:
             steps = list(warp_steps(w, num_warps, tile_n, width))
@@ -243,11 +248,10 @@ def transpose_block(
                         column = step % (width // COLUMNS_PER_STEP) * COLUMNS_PER_STEP
                         store_zeros_16(src_address + _offset(tile_n, width, key, column, bases[1]))
                 cute.arch.sync_warp()
-            size = BATCH if num_warps > 1 else 1
             for first in cutlass.range_constexpr(0, len(steps), size):
-                batch = places[first : first + size]
-                regs = [ldmatrix_x4_trans(_step_offsets(bases, place)[0]) for place in batch]
-                for place, r in zip(batch, regs):
+                batch_places = places[first : first + size]
+                regs = [ldmatrix_x4_trans(_step_offsets(bases, place)[0]) for place in batch_places]
+                for place, r in zip(batch_places, regs):
                     stmatrix_x4(
                         _step_offsets(bases, place)[1],
                         [
@@ -264,7 +268,9 @@ def transpose_block(
 class TransposingBlockLoader(ConvertingBlockLoader):
     """ConvertingBlockLoader's handoff (FP8 ring -> the MMA warps' ring, in the loading
     warps' order) with V's transpose as the work: src (tile_n, dv, stages) FP8, dst (dv, tile_n,
-    stages) FP8."""
+    stages) FP8; batch: AttentionConfig.transpose_batch."""
+
+    batch: int = 2
 
     @cute.jit
     def fill(self, stage: Int32, valid: Int32):
@@ -278,6 +284,7 @@ class TransposingBlockLoader(ConvertingBlockLoader):
             self.tile_n,
             cute.size(self.src, mode=[1]),
             valid,
+            self.batch,
         )
 
 

@@ -223,14 +223,12 @@ def test_fp8_math_knobs_parse_every_form():
     """(The FP8 benchmarks' sweep names: benchmarks/fp8_prefill.py and fp8_decode.py.)"""
     from flash_cute.bench import fp8_math_knobs
 
-    changes, batch = fp8_math_knobs("m192+n128+st3+r72/144+pp0+ov0+dyn+b4")
-    assert batch == 4
-    assert changes == dict(
+    assert fp8_math_knobs("m192+n128+st3+r72/144+pp0+ov0+dyn+b4") == dict(
         tile_m=192, tile_n=128, num_stages=3, producer_registers=72, mma_registers=144,
         pingpong=False, intra_wg_overlap=False, rescale_o_before_pv=False,
-        scheduler="dynamic_persistent",
+        scheduler="dynamic_persistent", transpose_batch=4,
     )  # fmt: skip
-    assert fp8_math_knobs("static") == ({"scheduler": "static_persistent"}, None)
+    assert fp8_math_knobs("static") == {"scheduler": "static_persistent"}
     with pytest.raises(ValueError, match="unknown FP8-math knob 'x3'"):
         fp8_math_knobs("n64+x3")
 

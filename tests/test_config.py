@@ -127,6 +127,8 @@ def test_smem_estimate_matches_layout():
         (dict(tile_m=64, tile_n=128, pingpong=False, gather_lookahead=0), 128, r"\[1, 32\]"),
         (dict(tile_m=64, tile_n=128, pingpong=False, gather_lookahead=33), 128, r"\[1, 32\]"),
         (dict(tile_m=128, tile_n=128, gather_lookahead=16), 128, "producer_registers >= 128"),
+        (dict(tile_m=128, tile_n=128, transpose_batch=0), 128, r"transpose_batch=0 .*\[1, 4\]"),
+        (dict(tile_m=128, tile_n=128, transpose_batch=5), 128, r"\[1, 4\]"),
     ],
 )
 def test_invalid_configs_are_refused(kwargs, head_dim, message):

@@ -145,7 +145,7 @@ class Producer(Piece):
                 k_loader = SkippedBlockLoader()
                 v_loader = handoff(
                     TransposingBlockLoader, buf.sV8, buf.sV, buf.pipeline_v8, buf.pipeline_v,
-                    seqlen_k=seqlen.seqlen_k,
+                    seqlen_k=seqlen.seqlen_k, batch=self.config.transpose_batch,
                 )  # fmt: skip
             else:
                 k_loader = handoff(
