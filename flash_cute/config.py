@@ -148,7 +148,8 @@ class AttentionConfig:
         read just before its copy). Above 1 the entries take registers: producer_registers
         >= 128. The plan sets it (plan.GATHER_LOOKAHEAD) where the producer has them.
     transpose_batch: FP8 math: steps of a warp transposing V whose loads go before their
-        stores (1-4; kernels/v_transpose.py); each holds four registers of the producer's.
+        stores (1-4; kernels/v_transpose.py); each holds four registers of the producer's. A
+        lone transposing warp (beside gathering warps) always goes one step at a time.
     """
 
     tile_m: int
@@ -442,8 +443,9 @@ class AttentionConfig:
                     f"{name}={value!r} must be a multiple of 8 in [24, 256] (setmaxnreg)"
                 )
         if not problems:
-            if self.register_split_problem():
-                problems.append(self.register_split_problem())
+            split_problem = self.register_split_problem()
+            if split_problem:
+                problems.append(split_problem)
             acc = self.accumulator_registers(head_dim, head_dim_v)
             if acc > self.mma_registers - REGISTER_HEADROOM:
                 problems.append(
@@ -718,7 +720,7 @@ def fp8_math_config(
         widest = max(head_dim, head_dim_v)
         shape = dict(tile_m=128, tile_n=96, num_stages=2, scheduler="dynamic_persistent")
         shape.update(producer_registers=72, mma_registers=216)
-        if widest <= 128:  # (224 at 40 / 232 spills with sinks, a window and packed keys)
+        if widest <= 128:  # (128 x 224 at 40 / 232 spills with sinks, a window, packed keys)
             shape.update(tile_n=192, producer_registers=56, mma_registers=224)
         if widest <= 64:  # (three MMA warpgroups: 144 registers each)
             shape.update(tile_m=192, tile_n=128, producer_registers=72, mma_registers=144)

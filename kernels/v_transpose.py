@@ -133,7 +133,8 @@ def _lane_bases(lane: Uint32, tile_n: int, width: int):
         lane * _atom_bytes(width),
         _row_xor(lane, width),
         store_column * _atom_bytes(tile_n),
-        # (a step's keys start at a multiple of 32: position and XOR bits never carry into it)
+        # (a step's keys start at a multiple of 32 and the position is 0 or 16: adding it sets
+        # a free bit, so the store's XOR applies to position and key bits alike)
         store_position ^ _row_xor(store_column, tile_n),
     )
 
@@ -168,6 +169,17 @@ def _step_offsets(bases, constants):
         load_base + (load_xor ^ load_chunk) + load,
         store_base + (store_xor ^ store_chunk) + store,
     )
+
+
+def _zeroed_key(step, lane, width: int):
+    """The key (FP8 ring row) a lane reads in a step: zeroed first past the sequence."""
+    return step // (width // COLUMNS_PER_STEP) * KEYS_PER_STEP + lane
+
+
+def _zeroed_offset(step, key, load_xor, tile_n: int, width: int):
+    """The byte offset of that row's 16 bytes in the step (load_xor: the lane's)."""
+    column = step % (width // COLUMNS_PER_STEP) * COLUMNS_PER_STEP
+    return _offset(tile_n, width, key, column, load_xor)
 
 
 def _batch_size(batch: int, num_warps: int) -> int:
@@ -243,10 +255,11 @@ def transpose_block(
                 # not unrolled (a tile's last block only), in few registers.
                 for j in cutlass.range(len(steps), unroll=1):
                     step = Uint32(j) * num_warps + w
-                    key = step // (width // COLUMNS_PER_STEP) * KEYS_PER_STEP + lane
+                    key = _zeroed_key(step, lane, width)
                     if Int32(key) >= valid_rows:
-                        column = step % (width // COLUMNS_PER_STEP) * COLUMNS_PER_STEP
-                        store_zeros_16(src_address + _offset(tile_n, width, key, column, bases[1]))
+                        store_zeros_16(
+                            src_address + _zeroed_offset(step, key, bases[1], tile_n, width)
+                        )
                 cute.arch.sync_warp()
             for first in cutlass.range_constexpr(0, len(steps), size):
                 batch_places = places[first : first + size]

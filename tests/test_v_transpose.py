@@ -36,12 +36,14 @@ def _transpose(src: bytearray, tile_n: int, width: int, num_warps: int, valid: i
                    for lane in range(32)]
             for step in steps
         }  # fmt: skip
-        if valid < tile_n:
-            for step in steps:
+        if valid < tile_n:  # (the kernel's zeroing loop, on its helpers)
+            for j in range(len(steps)):
+                step = j * num_warps + warp
                 for lane in range(32):
-                    if vt.step_key0(step, width) + lane >= valid:
-                        load = offsets[step][lane][0]
-                        src[load : load + 16] = bytes(16)
+                    key = vt._zeroed_key(step, lane, width)
+                    if key >= valid:
+                        zero = vt._zeroed_offset(step, key, bases[lane][1], tile_n, width)
+                        src[zero : zero + 16] = bytes(16)
         for step in steps:
             regs = []  # regs[lane][i]: matrix i's register
             for lane in range(32):
@@ -72,6 +74,8 @@ def _transpose(src: bytearray, tile_n: int, width: int, num_warps: int, valid: i
         (64, 128, 1, 17),  # one transposing warp beside gathering ones
         (64, 96, 3, 64),
         (224, 160, 3, 1),
+        (128, 256, 3, 32),  # d256 at 128 keys, a partial block of one key group
+        (96, 256, 3, 95),
     ],
 )
 def test_transpose_writes_permuted_v_transpose(tile_n, width, num_warps, valid):
