@@ -89,3 +89,19 @@ def test_transpose_writes_permuted_v_transpose(tile_n, width, num_warps, valid):
                 key = g + 16 * h + 8 * (i // 2) + 2 * q + i % 2
                 want = src[_byte(tile_n, width, key, d)] if key < valid else 0
                 assert dst[_byte(width, tile_n, d, g + p)] == want, (d, g, p)
+
+
+@pytest.mark.parametrize("tile_n", [64, 96, 128, 192, 224])
+@pytest.mark.parametrize("width", [64, 96, 128, 256])
+def test_steps_have_no_bank_conflicts(tile_n, width):
+    """Each ldmatrix and stmatrix matrix's 8 rows of 16 bytes fall in 8 distinct 16-byte bank
+    groups (one shared-memory wavefront), under every swizzle the rings take (32-byte at 96-key
+    V^T rows and 96-wide heads)."""
+    bases = [vt._lane_bases(lane, tile_n, width) for lane in range(32)]
+    for step in range(tile_n // vt.KEYS_PER_STEP * (width // vt.COLUMNS_PER_STEP)):
+        constants = vt._step_constants(step, tile_n, width)
+        offsets = [vt._step_offsets(bases[lane], constants) for lane in range(32)]
+        for kind in (0, 1):  # the load's rows, the store's
+            for m in range(4):  # matrix m's rows: lanes 8m .. 8m + 7
+                groups = {offsets[8 * m + r][kind] % 128 // 16 for r in range(8)}
+                assert len(groups) == 8, (step, kind, m)
