@@ -681,6 +681,7 @@ def fp8_kv_config(config: AttentionConfig, head_dim: int, head_dim_v: int) -> At
         pv_from_registers=True,
         scheduler="single_tile",
         num_stages=2,
+        ctas_per_sm=1,  # (the register split below assumes the whole file)
         rescale_o_before_pv=config.rescale_o_before_pv and config.intra_wg_overlap,
         # The converting warps hold up to 16 pieces of 16 values per thread and block (two
         # of them, beside two gathering warps); 96 registers spilled with three warps' 11.
@@ -729,6 +730,7 @@ def fp8_math_config(
         pv_from_registers=True,
         o_split=1,
         split_scores=False,
+        ctas_per_sm=1,  # (short-window rows take 3; the register splits assume the whole file)
         store_o_from_registers=True,
         rescale_threshold=0,
         exp2_on_fma=0,  # (slower at every head dim in 16-bit math; not tried with FP8)

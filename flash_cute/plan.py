@@ -233,6 +233,9 @@ class ForwardVariant(CallShape):
             problems.append("leftpad_k offsets padded cache rows or gathered pages")
         if self.kv_batch_idx and self.kv_layout == "packed":
             problems.append("kv_batch_idx picks padded cache rows or page-table rows")
+        split_problem = c.register_split_problem()
+        if split_problem:  # (else setmaxnreg.inc waits forever)
+            problems.append(split_problem)
         if c.tile_m % self.pack_gqa_ratio:
             problems.append("pack_gqa_ratio must divide tile_m")
         if self.split and c.scheduler != "single_tile":

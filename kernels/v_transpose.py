@@ -23,7 +23,7 @@ neither instruction has bank conflicts under the 32-, 64- or 128-byte swizzles
 (kernels/hopper_mma.make_row_major_smem_layout; tests/test_v_transpose.py checks every step).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cutlass
 import cutlass.cute as cute
@@ -142,9 +142,8 @@ def _lane_bases(lane: Uint32, tile_n: int, width: int):
 def _step_constants(step: int, tile_n: int, width: int):
     """(load constant, load chunk, store constant, store chunk) of a step (Python ints): a
     lane's load offset is load constant + load base + (load chunk ^ load XOR), its store
-    offset the same of the store's parts (_lane_bases). The step's first key: step_key0."""
-    key0 = step_key0(step, width)
-    column = step % (width // COLUMNS_PER_STEP) * COLUMNS_PER_STEP
+    offset the same of the store's parts (_lane_bases)."""
+    key0, column = _step_place(step, width)
     atom, atom_t = _atom_bytes(width), _atom_bytes(tile_n)
     return (
         (column // atom) * (tile_n * atom) + key0 * atom,
@@ -154,9 +153,16 @@ def _step_constants(step: int, tile_n: int, width: int):
     )
 
 
-def step_key0(step: int, width: int) -> int:
-    """The first of a step's 32 keys (steps go along a key group's columns, then the next)."""
-    return step // (width // COLUMNS_PER_STEP) * KEYS_PER_STEP
+def _step_place(step, width: int):
+    """(first key, first column) of a step's 32 keys x 16 columns (steps go along a key
+    group's columns, then the next group's); a Python int or a DSL value."""
+    column_steps = width // COLUMNS_PER_STEP
+    return step // column_steps * KEYS_PER_STEP, step % column_steps * COLUMNS_PER_STEP
+
+
+def step_count(tile_n: int, width: int) -> int:
+    """Steps of a (tile_n, width) block."""
+    return tile_n // KEYS_PER_STEP * (width // COLUMNS_PER_STEP)
 
 
 def _step_offsets(bases, constants):
@@ -173,13 +179,12 @@ def _step_offsets(bases, constants):
 
 def _zeroed_key(step, lane, width: int):
     """The key (FP8 ring row) a lane reads in a step: zeroed first past the sequence."""
-    return step // (width // COLUMNS_PER_STEP) * KEYS_PER_STEP + lane
+    return _step_place(step, width)[0] + lane
 
 
 def _zeroed_offset(step, key, load_xor, tile_n: int, width: int):
     """The byte offset of that row's 16 bytes in the step (load_xor: the lane's)."""
-    column = step % (width // COLUMNS_PER_STEP) * COLUMNS_PER_STEP
-    return _offset(tile_n, width, key, column, load_xor)
+    return _offset(tile_n, width, key, _step_place(step, width)[1], load_xor)
 
 
 def _batch_size(batch: int, num_warps: int) -> int:
@@ -192,8 +197,7 @@ def _batch_size(batch: int, num_warps: int) -> int:
 def warp_steps(warp: int, num_warps: int, tile_n: int, width: int):
     """The steps warp `warp` of num_warps transposes, in order (every num_warps-th: the
     warps split each block evenly to within a step)."""
-    steps = tile_n // KEYS_PER_STEP * (width // COLUMNS_PER_STEP)
-    return range(warp, steps, num_warps)
+    return range(warp, step_count(tile_n, width), num_warps)
 
 
 @dsl_user_op
@@ -283,7 +287,7 @@ class TransposingBlockLoader(ConvertingBlockLoader):
     warps' order) with V's transpose as the work: src (tile_n, dv, stages) FP8, dst (dv, tile_n,
     stages) FP8; batch: AttentionConfig.transpose_batch."""
 
-    batch: int = 2
+    batch: int = field(kw_only=True)  # (no default: the config's is the one)
 
     @cute.jit
     def fill(self, stage: Int32, valid: Int32):

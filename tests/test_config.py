@@ -263,8 +263,8 @@ def test_new_head_dims():
 
 def test_register_split_beyond_the_launch_pool_is_refused_by_config_and_kernel():
     """setmaxnreg.inc waits forever for registers the CTA never got (a sweep's 32 / 240 over
-    two MMA warpgroups hung the GPU): validate refuses it, and so does the kernel built from a
-    plan changed after validation."""
+    two MMA warpgroups hung the GPU): validate refuses it, and so does the ForwardVariant a
+    kernel is built from (configs a plan or a sweep changed after validation)."""
     from flash_cute.kernels.forward.kernel import FlashAttentionForwardSm90
 
     from flash_cute.plan import ForwardVariant

@@ -98,7 +98,7 @@ def test_steps_have_no_bank_conflicts(tile_n, width):
     groups (one shared-memory wavefront), under every swizzle the rings take (32-byte at 96-key
     V^T rows and 96-wide heads)."""
     bases = [vt._lane_bases(lane, tile_n, width) for lane in range(32)]
-    for step in range(tile_n // vt.KEYS_PER_STEP * (width // vt.COLUMNS_PER_STEP)):
+    for step in range(vt.step_count(tile_n, width)):
         constants = vt._step_constants(step, tile_n, width)
         offsets = [vt._step_offsets(bases[lane], constants) for lane in range(32)]
         for kind in (0, 1):  # the load's rows, the store's

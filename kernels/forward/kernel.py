@@ -129,11 +129,6 @@ class FlashAttentionForwardSm90(Piece):
 
     def __init__(self, variant):
         super().__init__(ForwardFacts(variant))  # (the facts read as attributes: self.config)
-        # (checked here too: a plan's later changes, or a sweep's, must not build a kernel that
-        # hangs in setmaxnreg)
-        split_problem = variant.config.register_split_problem()
-        if split_problem:
-            raise ValueError(split_problem)
         self.host = HostSetup(self.facts)
         self.producer = Producer(self.facts)
         self.mainloop = Mainloop(self.facts)
