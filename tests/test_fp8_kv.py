@@ -79,6 +79,8 @@ def test_expanded_scalar_descales_pass_the_checks():
         (default_config(64, "float16", False, 8192), 64, 64),
         (decode_config(256, "bfloat16"), 256, 256),
         (decode_config(192, "bfloat16", 128), 192, 128),
+        # A short window's row runs three CTAs per SM; the FP8 forms' register splits take one.
+        (default_config(64, "bfloat16", False, 8192, 101), 64, 64),
     ],
 )
 def test_fp8_form_of_table_rows_fits(config, head_dim, head_dim_v):
