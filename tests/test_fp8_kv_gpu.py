@@ -129,10 +129,15 @@ def test_fp8_decode(case, descale):
 
 @pytest.mark.parametrize("page_size", [None, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fp8_chunked_prefill(page_size, dtype):
-    """113 new queries per sequence against an FP8 cache holding them (prefill in chunks)."""
-    gen = torch.Generator(device="cuda").manual_seed(stable_seed("fp8 prefill", page_size, dtype))
-    batch, capacity, nheads, nheads_kv, head_dim, seqlen_q = 3, 4097, 16, 4, 128, 113
+@pytest.mark.parametrize("head_dim, mask", [(128, {}), (64, dict(window_size=(100, 0)))])
+def test_fp8_chunked_prefill(page_size, dtype, head_dim, mask):
+    """113 new queries per sequence against an FP8 cache holding them (prefill in chunks). A
+    short window at head dim 64 takes the short-window table row (three CTAs per SM), whose
+    FP8 form must run one."""
+    gen = torch.Generator(device="cuda").manual_seed(
+        stable_seed("fp8 prefill", page_size, dtype, head_dim)
+    )
+    batch, capacity, nheads, nheads_kv, seqlen_q = 3, 4097, 16, 4, 113
     lengths = [4097, 1000, 113]
     k_cache, v_cache, table = fp8_cache(batch, capacity, nheads_kv, head_dim, page_size, gen)
     k_pad, v_pad = padded(k_cache, table, capacity), padded(v_cache, table, capacity)
@@ -143,9 +148,9 @@ def test_fp8_chunked_prefill(page_size, dtype):
     out = torch.full_like(q, float("nan"))
     flash_cute.flash_attn_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=torch.tensor(lengths, device="cuda", dtype=torch.int32),
-        page_table=table, causal=True, out=out, k_descale=kd, v_descale=vd,
+        page_table=table, causal=True, out=out, k_descale=kd, v_descale=vd, **mask,
     )  # fmt: skip
-    check_against_dequantized(q, out, k_pad, v_pad, kd, vd, lengths, True)
+    check_against_dequantized(q, out, k_pad, v_pad, kd, vd, lengths, True, mask=mask)
 
 
 MASKS = {
