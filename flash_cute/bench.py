@@ -576,7 +576,8 @@ def fp8_math_knobs(name: str) -> dict:
     """The config changes of an FP8-math sweep name: parts
     joined by "+", each mN tile_m, nN tile_n, stN num_stages, rP/M producer and MMA
     registers, ppN pingpong, ovN intra_wg_overlap (0 also drops the O rescale before P V,
-    which needs it), dyn / static a persistent scheduler, bN transpose_batch."""
+    which needs it), dyn / static a persistent scheduler, bN transpose_batch, fmaN exp2_on_fma
+    (N of every 16 exponentials on the FMA pipe)."""
     changes = {}
     for part in name.split("+"):
         kind = part.rstrip("0123456789/")
@@ -593,6 +594,8 @@ def fp8_math_knobs(name: str) -> dict:
             changes.update(intra_wg_overlap=bool(int(value)), rescale_o_before_pv=False)
         elif kind == "b":
             changes["transpose_batch"] = int(value)
+        elif kind == "fma":
+            changes["exp2_on_fma"] = int(value)
         else:
             raise ValueError(f"unknown FP8-math knob {part!r} in {name!r}")
     return changes

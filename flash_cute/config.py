@@ -694,7 +694,11 @@ def fp8_kv_config(config: AttentionConfig, head_dim: int, head_dim_v: int) -> At
 
 
 def fp8_math_config(
-    config: AttentionConfig, head_dim: int, head_dim_v: int, decode_like: bool = False
+    config: AttentionConfig,
+    head_dim: int,
+    head_dim_v: int,
+    decode_like: bool = False,
+    causal: bool = False,
 ) -> AttentionConfig:
     """The form of a table row for FP8 queries, keys and values in e4m3 GEMMs
     (kernels/v_transpose.py): P from registers, O from registers (Q's FP8 tile cannot hold
@@ -710,21 +714,29 @@ def fp8_math_config(
     there: PERF_NOTES "FP8 math"). Decode-like
     rows: one MMA warpgroup, 64-key blocks in four stages, no intra-warpgroup overlap (which
     holds K's and V's stages through each softmax; H100, GQA 32/8 d128: 2.3 -> 2.8-3.1 TB/s
-    contiguous)."""
+    contiguous).
+
+    causal: the rows are causal or local. Unmasked rows up to head dim 128 take 3 of every 16
+    exponentials on the FMA pipe (exp2_on_fma): an FP8 block's GEMMs take as long as its
+    exponentials on the MUFU there (H100, d128 non-causal, three interleaved runs: +1-11%;
+    causal -5..+4%, d64 -1..+6%: left off)."""
     # Registers: the transposing warps hold transpose_batch ldmatrix results (v_transpose.py),
     # the loading warp a varlen tile's bounds; 24 spill, 56 suffice beside 192-key blocks,
     # 72 elsewhere (72 spill at head dim 256 with one MMA warpgroup, which leaves 128 spare).
+    # (exp2_on_fma: slower at every head dim in 16-bit math; in FP8 only where causal says.)
     if decode_like:
-        shape = dict(tile_m=64, tile_n=64, num_stages=4, intra_wg_overlap=False)
+        shape = dict(tile_m=64, tile_n=64, num_stages=4, intra_wg_overlap=False, exp2_on_fma=0)
         shape.update(producer_registers=128, mma_registers=None, scheduler="single_tile")
     else:
         widest = max(head_dim, head_dim_v)
         shape = dict(tile_m=128, tile_n=96, num_stages=2, scheduler="dynamic_persistent")
-        shape.update(producer_registers=72, mma_registers=216)
+        shape.update(producer_registers=72, mma_registers=216, exp2_on_fma=0)
         if widest <= 128:  # (128 x 224 at 40 / 232 spills with sinks, a window, packed keys)
             shape.update(tile_n=192, producer_registers=56, mma_registers=224)
+            shape.update(exp2_on_fma=0 if causal else 3)
         if widest <= 64:  # (three MMA warpgroups: 144 registers each)
             shape.update(tile_m=192, tile_n=128, producer_registers=72, mma_registers=144)
+            shape.update(exp2_on_fma=0)
     # (Without the overlap, plan._effective_config drops rescale_o_before_pv.)
     return config.replace(
         pv_from_registers=True,
@@ -733,7 +745,6 @@ def fp8_math_config(
         ctas_per_sm=1,  # (short-window rows take 3; the register splits assume the whole file)
         store_o_from_registers=True,
         rescale_threshold=0,
-        exp2_on_fma=0,  # (slower at every head dim in 16-bit math; not tried with FP8)
         **shape,
     )
 

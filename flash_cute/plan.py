@@ -437,7 +437,11 @@ def plan_forward(
     fp8_math = caller_config is None and serves_fp8_math(problem)
     if fp8_math:
         config = fp8_math_config(
-            config, problem.head_dim, problem.head_dim_v, decode_like=decode_like
+            config,
+            problem.head_dim,
+            problem.head_dim_v,
+            decode_like=decode_like,
+            causal=bool(causal or local),
         )
     elif problem.kv_dtype is not None and caller_config is None:
         config = fp8_kv_config(config, problem.head_dim, problem.head_dim_v)
