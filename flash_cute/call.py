@@ -40,8 +40,9 @@ class Call:
     dequantization scales (the FP8-math kernels take them; the forward path folds them into
     k_descale where q is converted). kv_length: one int key count for every sequence
     (seqused_k: a (batch,) tensor of them). decode_rows: whether few query rows per kv head
-    take the decode table (flash_attn_func's padded calls keep the prefill table). The public
-    functions' docstrings say the rest.
+    take the decode table (flash_attn_func's padded calls keep the prefill table). sm_margin:
+    SMs the launch leaves free (FlashAttention-3's): its plan sees the others only. The
+    public functions' docstrings say the rest.
     """
 
     q: torch.Tensor
@@ -75,6 +76,7 @@ class Call:
     num_splits: int = 1
     pack_gqa: Optional[bool] = None
     decode_rows: bool = True
+    sm_margin: int = 0
 
     def replace(self, **changes) -> Call:
         return dataclasses.replace(self, **changes)
@@ -174,12 +176,12 @@ ROLES = {
     "num_splits": Role("host", "num_splits"),
     "pack_gqa": Role("host", "pack_gqa"),
     "decode_rows": Role("host", "decode_rows"),
+    "sm_margin": Role("host", "sm_margin"),
     "scheduler_metadata": Role("metadata", "num_splits"),
     # FlashAttention-3's arguments flash_cute does not serve yet, and its backward options.
     "rotary_cos": Role("unserved"),
     "rotary_sin": Role("unserved"),
     "cu_seqlens_k_new": Role("unserved"),
-    "sm_margin": Role("unserved"),
     "deterministic": Role("ignored"),
     "rotary_interleaved": Role("ignored"),
     # FlashAttention-3 reads it only with rotary_cos (refused above).

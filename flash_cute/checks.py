@@ -278,6 +278,17 @@ def check_host_int(name: str, value) -> int:
     return value
 
 
+def sms_left(sm_margin, num_sms: int) -> int:
+    """The SMs a launch may plan for: num_sms less sm_margin (a non-negative int below
+    num_sms: FlashAttention-3's argument, SMs left to kernels running beside this one)."""
+    sm_margin = check_host_int("sm_margin", sm_margin)
+    if sm_margin >= num_sms:
+        raise ValueError(
+            f"sm_margin must leave at least one of the device's {num_sms} SMs, got {sm_margin}"
+        )
+    return num_sms - sm_margin
+
+
 def check_num_splits(num_splits) -> int:
     num_splits = check_host_int("num_splits", num_splits)
 

@@ -218,10 +218,9 @@ class EntryPoint:
             elif kind == "metadata":
                 key.append(f"None if {name} is None else _metadata_splits({name})")
             elif kind == "unserved":
-                if self.signature.parameters[name].default is None:
-                    unserved.append(name)  # (one chained test for all of them, below)
-                else:  # 0 (sm_margin): any other value takes the checks, which refuse it
-                    key.append(f"{name} == 0")
+                if self.signature.parameters[name].default is not None:
+                    raise ValueError(f"unserved {name} must default to None")
+                unserved.append(name)  # (one chained test for all of them, below)
             elif kind not in ("out", "ignored"):
                 raise ValueError(f"unknown role kind {kind!r} of {name}")
         if unserved:  # True only when every one of them is None

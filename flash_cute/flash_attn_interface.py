@@ -11,7 +11,8 @@ Call its first pass runs through the shared forward path, so a replay costs what
 one does. An argument flash_cute does not serve yet raises NotImplementedError naming it;
 nothing falls back to other math. Descales are read where their operands are FP8 and ignored
 otherwise, as FlashAttention-3 ignores them (vLLM passes all three on every call).
-Extensions, keyword-only: `learnable_sink` (per-head sink logits, gpt-oss's `s_aux`). There
+`sm_margin` leaves that many SMs free: persistent grids and split counts are sized from the
+others. Extensions, keyword-only: `learnable_sink` (per-head sink logits, gpt-oss's `s_aux`). There
 is no backward pass: `deterministic` (a backward option) is accepted and has no effect.
 
 Split counts: flash_cute chooses a call's split count on the host from shapes alone, so every
@@ -264,7 +265,7 @@ def get_scheduler_metadata(
     device that also carries the count on the host. Pass it as scheduler_metadata to fix that
     count for the call, and for every replay of a CUDA graph that captured it. The call is
     described as flash_attn_with_kvcache describes its own (on meta tensors of these sizes)."""
-    refuse_unserved((("cu_seqlens_k_new", cu_seqlens_k_new), ("sm_margin", sm_margin)))
+    refuse_unserved((("cu_seqlens_k_new", cu_seqlens_k_new),))
     # max_seqlen_k_new only describes the call (FA3's tests pass it without new keys); a call
     # that appends keys is refused by flash_attn_with_kvcache itself.
     checks.check_host_int("max_seqlen_k_new", max_seqlen_k_new)
@@ -306,6 +307,7 @@ def get_scheduler_metadata(
     problem = describe(call, flash_attn_with_kvcache.entry_point.names)
     device = cache_seqlens.device
     sms = num_sms(device.index if device.index is not None else current_device())
+    sms = checks.sms_left(sm_margin, sms)
     plan = plan_forward(problem, sms, None, checks.check_num_splits(num_splits), pack_gqa)
     metadata = torch.tensor([plan.num_splits], dtype=torch.int32, device=device)
     metadata.flash_cute_num_splits = plan.num_splits

@@ -217,12 +217,11 @@ def run(call: Call, names: dict, plans: PlanCache, key):
         lse_shape = (problem.nheads, problem.total_q)
     else:
         lse_shape = (problem.batch, problem.nheads, problem.max_seqlen_q)
+    device_index = q.device.index if q.device.index is not None else current_device()
+    sms = checks.sms_left(call.sm_margin, runtime.num_sms(device_index))
     plan = None
     if out.numel() > 0:
-        device_index = q.device.index if q.device.index is not None else current_device()
-        plan = plan_forward(
-            problem, runtime.num_sms(device_index), config, num_splits, pack_gqa, call.decode_rows
-        )
+        plan = plan_forward(problem, sms, config, num_splits, pack_gqa, call.decode_rows)
     if plan is None or plan.variant is None:  # no rows, or no keys anywhere: nothing to launch
         out.zero_()
         if not problem.writes_lse:

@@ -298,7 +298,6 @@ def _q_k():
 @pytest.mark.parametrize(
     "call, names",
     [
-        (lambda q, k: fa3.flash_attn_func(q, k, k, sm_margin=4), ["sm_margin"]),
         (lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, k=k, v=k), ["k", "v"]),
         (
             lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, rotary_cos=q, rotary_sin=q),
@@ -308,7 +307,6 @@ def _q_k():
             lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, cu_seqlens_k_new=int32(0, 1)),
             ["cu_seqlens_k_new"],
         ),  # noqa: E501
-        (lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, sm_margin=2), ["sm_margin"]),
     ],
 )
 def test_unserved_arguments_raise_by_name(natives, call, names):
@@ -328,6 +326,11 @@ def test_scheduler_metadata_fixes_split_count(natives, monkeypatch):
     splits = int(meta[0])
     assert splits > 1 and meta.flash_cute_num_splits == splits  # a long cache, batch 2: split
     assert int(fa3.get_scheduler_metadata(2, 1, 65536, 32, 8, 128, lens, num_splits=5)[0]) == 5
+    # sm_margin: the heuristic shares out the SMs left (fewer: fewer splits fill them).
+    fewer = fa3.get_scheduler_metadata(2, 1, 65536, 32, 8, 128, lens, causal=True, sm_margin=100)
+    assert 1 <= int(fewer[0]) < splits
+    with pytest.raises(ValueError, match="sm_margin"):
+        fa3.get_scheduler_metadata(2, 1, 65536, 32, 8, 128, lens, sm_margin=132)
     q, cache = tensors(2, 1, 32, 128), tensors(2, 64, 8, 128)
     fa3.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens, scheduler_metadata=meta)
     assert natives[-1].num_splits == splits

@@ -141,6 +141,7 @@ class Scenario:
     def make_call(self):
         """A call (a thunk) with this scenario's next key counts."""
         n = self.next_length()
+        margin = self.rng.choice([0, 0, 16, 100])  # (FlashAttention-3's sm_margin, per call)
         if self.kind in ("func", "fa3_func"):
             k, v = self.k, self.v
             if self.page_table is not None or self.fp8:
@@ -158,6 +159,7 @@ class Scenario:
                 self.q, k, v, causal=self.causal, window_size=list(self.window),
                 attention_chunk=self.chunk, softcap=self.softcap, num_splits=self.splits or 1,
                 pack_gqa=self.pack_gqa, return_attn_probs=self.lse, learnable_sink=self.sink_t,
+                sm_margin=margin,
             )  # fmt: skip
         lengths = n if self.int_lengths else int32([max(0, n - i) for i in range(self.batch)])
         if self.kind == "varlen":
@@ -175,7 +177,7 @@ class Scenario:
                 k_descale=self.descale, v_descale=self.descale, causal=self.causal,
                 window_size=self.window, attention_chunk=self.chunk, softcap=self.softcap,
                 num_splits=self.splits, pack_gqa=self.pack_gqa,
-                return_softmax_lse=self.lse, learnable_sink=self.sink_t,
+                return_softmax_lse=self.lse, learnable_sink=self.sink_t, sm_margin=margin,
             )  # fmt: skip
         v = self.k[..., : self.v.shape[-1]] if self.qv and self.rng.random() < 0.5 else self.v
         return lambda: flash_cute.flash_attn_with_kvcache(

@@ -323,6 +323,33 @@ def test_calls_launch_through_the_plans_they_build(fake_gpu, monkeypatch):
         flash_cute.flash_attn_with_kvcache(qd, cache, cache, 5000)
 
 
+def test_sm_margin_sizes_persistent_grids_from_the_sms_left(fake_gpu):
+    """FlashAttention-3's sm_margin: a launch plans for the SMs it leaves (its persistent grid
+    caps at that many CTAs per SM's share); each margin replays a plan of its own, and the
+    margin is checked."""
+    from flash_cute import flash_attn_interface as fa3
+
+    bf16 = torch.bfloat16
+    q, k = torch.randn(2, 1000, 8, 128, dtype=bf16), torch.randn(2, 1000, 8, 128, dtype=bf16)
+    sms = []  # per call: the persistent grid's cap over CTAs per SM
+    for margin in (0, 32, 0, 131, 32):
+        before = {v: len(kernel.calls) for v, kernel in fake_gpu.items()}
+        fa3.flash_attn_func(q, k, k, causal=True, sm_margin=margin)
+        ((variant, kernel),) = [
+            (v, kern) for v, kern in fake_gpu.items() if len(kern.calls) > before.get(v, 0)
+        ]
+        assert variant.config.scheduler != "single_tile"
+        sent = kernel.calls[-1]
+        names = SHORT.args if len(sent) == len(SHORT.args) else FULL.args
+        sms.append(dict(zip(names, sent))["max_ctas"] / variant.config.ctas_per_sm)
+    assert sms == [132, 100, 132, 1, 100]
+    assert len(fa3.flash_attn_func.entry_point.plans) == 3
+    with pytest.raises(ValueError, match="sm_margin must leave at least one"):
+        fa3.flash_attn_func(q, k, k, sm_margin=132)
+    with pytest.raises(TypeError, match="sm_margin must be a Python int"):
+        fa3.flash_attn_func(q, k, k, sm_margin=2.0)
+
+
 def test_calls_with_nothing_to_compute_launch_nothing(fake_gpu):
     bf16 = torch.bfloat16
     qd = torch.randn(3, 1, 32, 128, dtype=bf16)

@@ -154,3 +154,25 @@ def test_mla_split_and_its_combine_launch_are_traced():
     # Packed GQA: each tile holds 64 of the kv head's 128 q heads; its head is the group.
     expected = [(0, g, 0, s) for g in range(heads // 64) for s in range(splits)]
     check_tiles(forward, expected)
+
+
+@pytest.mark.parametrize("margin", [0, 100])
+def test_sm_margin_caps_the_persistent_grid(margin):
+    """FlashAttention-3's sm_margin: a persistent launch runs on at most (SMs - margin) x CTAs
+    per SM CTAs, and its output is bit-identical to the whole GPU's (no split: each tile's
+    math does not depend on the CTA that runs it)."""
+    from flash_cute import flash_attn_interface as fa3
+
+    gen = torch.Generator(device="cuda").manual_seed(margin)
+    q, k, v = (
+        torch.randn(2, 2000, 8, 128, device="cuda", dtype=BF16, generator=gen) for _ in range(3)
+    )
+    whole = fa3.flash_attn_func(q, k, v, causal=True)
+    with trace.record() as rec:
+        out = fa3.flash_attn_func(q, k, v, causal=True, sm_margin=margin)
+    (launch,) = rec.launches
+    assert launch.config.scheduler != "single_tile"
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    ctas = set(launch.table()["cta"].tolist())
+    assert len(ctas) <= (sms - margin) * launch.config.ctas_per_sm
+    assert torch.equal(out, whole)
