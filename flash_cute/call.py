@@ -129,6 +129,9 @@ class Role:
         it (vLLM passes all three on every call); flash_cute's own functions take them as
         optional (a descale of a 16-bit operand then raises);
     unserved: refused by name unless left at its default (None, or 0 / False);
+    append: a KVAppend field whose presence makes the call append to its cache first
+        (flash_cute.kv_append; such calls are not replayed: the key holds only whether all of
+        them are None); append_option: a KVAppend field read only when the call appends;
     ignored: accepted and without effect (FlashAttention-3's backward options).
     """
 
@@ -178,14 +181,15 @@ ROLES = {
     "decode_rows": Role("host", "decode_rows"),
     "sm_margin": Role("host", "sm_margin"),
     "scheduler_metadata": Role("metadata", "num_splits"),
-    # FlashAttention-3's arguments flash_cute does not serve yet, and its backward options.
-    "rotary_cos": Role("unserved"),
-    "rotary_sin": Role("unserved"),
-    "cu_seqlens_k_new": Role("unserved"),
+    # flash_attn_with_kvcache's appends (flash_cute.kv_append.KVAppend; its k and v are
+    # overridden to these roles there).
+    "rotary_cos": Role("append", "rotary_cos"),
+    "rotary_sin": Role("append", "rotary_sin"),
+    "cu_seqlens_k_new": Role("append", "cu_seqlens_k_new"),
+    "rotary_seqlens": Role("append_option", "rotary_seqlens"),
+    "rotary_interleaved": Role("append_option", "rotary_interleaved"),
+    # FlashAttention-3's backward options.
     "deterministic": Role("ignored"),
-    "rotary_interleaved": Role("ignored"),
-    # FlashAttention-3 reads it only with rotary_cos (refused above).
-    "rotary_seqlens": Role("ignored"),
 }
 UNSERVED = Role("unserved")
 

@@ -33,7 +33,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import forward, ops
+from . import forward, kv_append, ops
 from .call import (
     DESCALED_OPERAND,
     KERNEL_CALL_FIELDS,
@@ -45,6 +45,7 @@ from .call import (
     window_pair,
 )
 from .checks import FP8_DTYPES
+from .kv_append import KVAppend
 from .runtime import PlanCache, current_device
 
 # What the compiled function raises for an argument its fake tensors do not admit (TVM-FFI's
@@ -110,9 +111,10 @@ class EntryPoint:
     # ------------------------------------------------------------------------------------
 
     def call_of(self, values: tuple) -> Call:
-        """The Call of one call's arguments (in signature order); refuses unserved arguments
-        and missing required ones by name."""
-        fields, unserved, metadata, fp8_descales = {}, [], None, []
+        """(The Call of one call's arguments (in signature order), whether it appended to its
+        cache first: kv_append, which also rotates q); refuses unserved arguments and missing
+        required ones by name."""
+        fields, unserved, metadata, fp8_descales, append = {}, [], None, [], {}
         for name, value in zip(self.params, values):
             role = self.roles[name]
             kind = role.kind
@@ -120,6 +122,8 @@ class EntryPoint:
                 continue
             if kind == "unserved":
                 unserved.append((name, value))
+            elif kind in ("append", "append_option"):
+                append[role.field] = value
             elif kind == "lengths":
                 if value is None or isinstance(value, torch.Tensor):
                     fields["seqused_k"] = value
@@ -143,18 +147,27 @@ class EntryPoint:
                 fields[field] = value
         if metadata is not None and not fields.get("num_splits"):
             fields["num_splits"] = metadata_splits(metadata)
+        appends = KVAppend(**append)
+        if appends.requested():
+            if torch.compiler.is_compiling():
+                raise NotImplementedError(
+                    "flash_cute does not serve appending k and v (or rotary) inside a "
+                    "torch.compile trace yet; call flash_attn_with_kvcache eagerly"
+                )
+            fields = kv_append.apply(appends, fields)
         call = Call(**fields)
-        return call if self.adjust is None else self.adjust(call)
+        return (call if self.adjust is None else self.adjust(call)), appends.requested()
 
     def first_call(self, key, values: tuple):
         """A call no plan replays: the checks, the plan step, a launch plan (kept under key
-        when the call can be replayed), the launch."""
-        result = forward.run(self.call_of(values), self.names, self.plans, key)
+        when the call can be replayed: not one that appended to its cache), the launch."""
+        call, appended = self.call_of(values)
+        result = forward.run(call, self.names, self.plans, None if appended else key)
         return result if self.finish is None else self.finish(result)
 
     def traced(self, values: tuple):
         """A call inside a torch.compile trace: the custom op (flash_cute::forward)."""
-        result = ops.traced_forward(self.call_of(values))
+        result = ops.traced_forward(self.call_of(values)[0])
         return result if self.finish is None else self.finish(result)
 
     # ------------------------------------------------------------------------------------
@@ -217,11 +230,11 @@ class EntryPoint:
                 key.append(name)
             elif kind == "metadata":
                 key.append(f"None if {name} is None else _metadata_splits({name})")
-            elif kind == "unserved":
+            elif kind in ("unserved", "append"):
                 if self.signature.parameters[name].default is not None:
-                    raise ValueError(f"unserved {name} must default to None")
+                    raise ValueError(f"{kind} {name} must default to None")
                 unserved.append(name)  # (one chained test for all of them, below)
-            elif kind not in ("out", "ignored"):
+            elif kind not in ("out", "ignored", "append_option"):
                 raise ValueError(f"unknown role kind {kind!r} of {name}")
         if unserved:  # True only when every one of them is None
             key.append(" is ".join(unserved) + " is None")

@@ -31,7 +31,7 @@ from typing import Optional, Union
 import torch
 
 from . import checks, interface
-from .call import FA3_DESCALES, UNSERVED, Call, refuse_unserved, window_pair
+from .call import FA3_DESCALES, Call, Role, window_pair
 from .entry import entry_point
 from .forward import describe
 from .plan import plan_forward
@@ -186,7 +186,7 @@ def _with_accumulators(result):
 
 @entry_point(
     PlanCache(),
-    overrides={"k": UNSERVED, "v": UNSERVED, **FA3_DESCALES},
+    overrides={"k": Role("append", "k"), "v": Role("append", "v"), **FA3_DESCALES},
     finish=_with_accumulators,
 )
 def flash_attn_with_kvcache(
@@ -232,9 +232,16 @@ def flash_attn_with_kvcache(
     (batch, nheads, seqlen_q) or (nheads, total_q) fp32, the accumulators empty (flash_cute
     merges split partials inside the launch). An FP8 cache (float8_e4m3fn k_cache, v_cache)
     takes k_descale, v_descale (batch, nheads_kv) float32; FP8 q (with an FP8 cache) also
-    q_descale, and out is bfloat16 (or out's float16). rotary_seqlens matters only with rotary_cos,
-    which flash_cute does not serve yet (refused); alone it is ignored, as FlashAttention-3
-    ignores it. See flash_cute.flash_attn_with_kvcache."""
+    q_descale, and out is bfloat16 (or out's float16).
+
+    k, v (batch, seqlen_new, nheads_kv, headdim), or (total_new, nheads_kv, headdim) with
+    cu_seqlens_k_new (batch + 1,) int32: rows appended to the cache at cache_seqlens (a (batch,)
+    int32 tensor or an int), which the call then attends over too (flash_cute.kv_append);
+    rotary_cos, rotary_sin (seqlen_ro, rotary_dim / 2) rotate q and the new keys at positions
+    from rotary_seqlens (default cache_seqlens), interleaved or not. rotary_seqlens and
+    rotary_interleaved matter only with rotary_cos (as in FlashAttention-3). Appending calls are
+    not replayed from launch plans, nor served inside torch.compile yet.
+    See flash_cute.flash_attn_with_kvcache."""
 
 
 def get_scheduler_metadata(
@@ -265,9 +272,8 @@ def get_scheduler_metadata(
     device that also carries the count on the host. Pass it as scheduler_metadata to fix that
     count for the call, and for every replay of a CUDA graph that captured it. The call is
     described as flash_attn_with_kvcache describes its own (on meta tensors of these sizes)."""
-    refuse_unserved((("cu_seqlens_k_new", cu_seqlens_k_new),))
-    # max_seqlen_k_new only describes the call (FA3's tests pass it without new keys); a call
-    # that appends keys is refused by flash_attn_with_kvcache itself.
+    # cu_seqlens_k_new and max_seqlen_k_new describe an append, which leaves the plan's
+    # decisions alone (they follow the cache's capacity).
     checks.check_host_int("max_seqlen_k_new", max_seqlen_k_new)
     if page_size is not None:
         checks.check_host_int("page_size", page_size)

@@ -8,7 +8,8 @@ import einops). The script copies them into a work directory, applies PATCHES (e
 a feature flash_cute does not serve yet, named in its reason), writes a flash_attn_interface
 module there that is flash_cute's, and runs pytest on the forward cases the spec names
 (output, varlen, kvcache, combine) with FlashAttention-3's own switches off for what flash_cute
-does not serve: backward, appending K/V (with rotary). FP8 cases run (flash_cute serves FP8
+does not serve: backward. Appending K/V (with rotary where flash_attn.layers.rotary imports,
+FlashAttention-3's reference for it) and FP8 cases run (flash_cute serves FP8
 q, k, v in e4m3 math with FlashAttention-3's error; head dims e4m3 math does not take, such as
 80 or 192 / 128, in 16-bit math, below it).
 
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     patches = prepare(args.fa3_hopper, work, args.sample)
     env = dict(os.environ)
-    for switch in ("BACKWARD", "APPENDKV") + (("LOCAL",) if args.no_local else ()):
+    for switch in ("BACKWARD",) + (("LOCAL",) if args.no_local else ()):
         env[f"FLASH_ATTENTION_DISABLE_{switch}"] = "TRUE"
     if "-k" not in pytest_args:
         pytest_args = ["-k", SELECT, *pytest_args]

@@ -52,8 +52,8 @@ def test_every_parameter_has_a_role_and_enters_the_path(function):
     assert point.params == tuple(inspect.signature(function).parameters)
     for name in point.params:
         role = point.roles[name]
-        assert role is ROLES.get(name) or role.kind in ("unserved", "fp8_descale")
-        if role.kind not in ("ignored",):
+        assert role is ROLES.get(name) or role.kind in ("unserved", "fp8_descale", "append")
+        if role.kind not in ("ignored", "append_option"):  # (options: read only with an append)
             assert name in point.source  # (the key, the launch or the record)
 
 

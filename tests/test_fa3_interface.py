@@ -295,28 +295,6 @@ def _q_k():
     return tensors(1, 4, 2, 64), tensors(1, 4, 2, 64)
 
 
-@pytest.mark.parametrize(
-    "call, names",
-    [
-        (lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, k=k, v=k), ["k", "v"]),
-        (
-            lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, rotary_cos=q, rotary_sin=q),
-            ["rotary_cos", "rotary_sin"],
-        ),
-        (
-            lambda q, k: fa3.flash_attn_with_kvcache(q, k, k, cu_seqlens_k_new=int32(0, 1)),
-            ["cu_seqlens_k_new"],
-        ),  # noqa: E501
-    ],
-)
-def test_unserved_arguments_raise_by_name(natives, call, names):
-    with pytest.raises(NotImplementedError) as err:
-        call(*_q_k())
-    for name in names:
-        assert name in str(err.value)
-    assert not natives
-
-
 def test_scheduler_metadata_fixes_split_count(natives, monkeypatch):
     monkeypatch.setattr(fa3, "num_sms", lambda index: 132)
     monkeypatch.setattr(fa3, "current_device", lambda: 0)

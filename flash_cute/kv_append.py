@@ -1,0 +1,250 @@
+"""New keys and values appended to a KV cache before the attention reads it: FlashAttention-3's
+`flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=..., cu_seqlens_k_new=...)`.
+
+Sequence b's new rows go to the cache slots cache_seqlens[b] .. cache_seqlens[b] + new_b - 1 of
+its cache row (cache_batch_idx[b], or b; through the page table for paged caches), and the call
+then attends over the cache up to there (from cache_leftpad[b]). With rotary_cos and rotary_sin
+(seqlen_ro, rotary_dim / 2) the new keys are rotated before they are written, at positions
+rotary_seqlens[b] + i (rotary_seqlens defaults to cache_seqlens), and so are the queries: row i
+at rotary_seqlens[b] + i where the mask is causal or local, every row at rotary_seqlens[b]
+otherwise (FlashAttention-3's convention). Interleaved rotary pairs dims (2j, 2j + 1), the
+other form (j, j + rotary_dim / 2); dims past rotary_dim are left as they are.
+
+The update runs as a few PyTorch operations on the call's stream ahead of the attention launch
+(no host synchronization, so CUDA-graph capture takes it); rotations are computed in float32 and
+rounded once to the cache's dtype. A row whose slot lies past the cache's capacity (or past
+its page table's width) is dropped rather than written out of bounds. Calls that append are
+not replayed from a launch plan (each takes the checked path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import checks
+
+# The arguments whose presence makes a call append (the others only shape how).
+TRIGGERS = ("k", "v", "rotary_cos", "rotary_sin", "cu_seqlens_k_new")
+
+
+@dataclass(frozen=True)
+class KVAppend:
+    """The append arguments of one flash_attn_with_kvcache call (FlashAttention-3's names).
+
+    k, v: (batch, seqlen_new, nheads_kv, d / dv), or (total_new, nheads_kv, d / dv) with
+    cu_seqlens_k_new (batch + 1,) int32; the cache's dtype. rotary_cos, rotary_sin: (seqlen_ro,
+    rotary_dim / 2). rotary_seqlens: (batch,) int32 rotary positions of the first new row."""
+
+    k: Optional[torch.Tensor] = None
+    v: Optional[torch.Tensor] = None
+    rotary_cos: Optional[torch.Tensor] = None
+    rotary_sin: Optional[torch.Tensor] = None
+    cu_seqlens_k_new: Optional[torch.Tensor] = None
+    rotary_seqlens: Optional[torch.Tensor] = None
+    rotary_interleaved: bool = True
+
+    def requested(self) -> bool:
+        return any(getattr(self, name) is not None for name in TRIGGERS)
+
+
+APPEND_FIELDS = tuple(f.name for f in dataclasses.fields(KVAppend))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool):
+    """x (..., d) rotated over its first 2 * cos.shape[-1] dims; cos, sin broadcast to
+    (..., rotary_dim / 2) float32. Returns float32."""
+    half = cos.shape[-1]
+    x = x.float()
+    if interleaved:
+        x0, x1 = x[..., : 2 * half : 2], x[..., 1 : 2 * half : 2]
+    else:
+        x0, x1 = x[..., :half], x[..., half : 2 * half]
+    r0, r1 = x0 * cos - x1 * sin, x0 * sin + x1 * cos
+    rotated = torch.stack((r0, r1), dim=-1).flatten(-2) if interleaved else torch.cat((r0, r1), -1)
+    return torch.cat((rotated, x[..., 2 * half :]), dim=-1)
+
+
+def _angles(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """table (seqlen_ro, rotary_dim / 2) rows at positions (any shape), float32; positions past
+    the table read its last row (out-of-range positions are the caller's error, as in
+    FlashAttention-3, but never an out-of-bounds read)."""
+    return table.float()[positions.clamp(0, table.shape[0] - 1)]
+
+
+def _check(append: KVAppend, k_cache, v_cache, batch: int) -> tuple:
+    """Checks; returns (per-sequence new-row counts and first rows (batch,) int64, each new
+    row's sequence (total_new,) int64 and index within it, k and v as (total_new, nheads_kv,
+    d / dv))."""
+    a = append
+    if (a.k is None) != (a.v is None):
+        raise ValueError("k and v (the keys and values to append) must be given together")
+    if a.k is None:
+        given = [n for n in TRIGGERS if getattr(a, n) is not None]
+        raise ValueError(
+            f"{', '.join(given)} need k and v to append (rotary applies to q and the new keys, "
+            "as in FlashAttention-3)"
+        )
+    if (a.rotary_cos is None) != (a.rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    for name, new, cache in (("k", a.k, k_cache), ("v", a.v, v_cache)):
+        if not isinstance(new, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(new).__name__}")
+        if new.dtype != cache.dtype or new.device != cache.device:
+            raise ValueError(
+                f"{name} must have its cache's dtype and device ({cache.dtype}, {cache.device}), "
+                f"got {new.dtype}, {new.device}"
+            )
+        if new.shape[-2:] != cache.shape[-2:]:
+            raise ValueError(
+                f"{name} must have its cache's (nheads_kv, head dim) {tuple(cache.shape[-2:])}, "
+                f"got {tuple(new.shape)}"
+            )
+    device = k_cache.device
+    if a.cu_seqlens_k_new is not None:
+        checks._check_int32_vector(
+            "cu_seqlens_k_new", a.cu_seqlens_k_new, batch + 1, "new rows' offsets per sequence"
+        )
+        if a.k.dim() != 3 or a.v.dim() != 3 or a.k.shape[0] != a.v.shape[0]:
+            raise ValueError(
+                "with cu_seqlens_k_new, k and v must be (total_new, nheads_kv, head dim), got "
+                f"{tuple(a.k.shape)} and {tuple(a.v.shape)}"
+            )
+        cu = a.cu_seqlens_k_new.to(device=device, dtype=torch.int64)
+        counts = cu[1:] - cu[:-1]
+        token = torch.arange(a.k.shape[0], device=device)
+        rows = torch.searchsorted(cu[1:], token, right=True).clamp(max=batch - 1)
+        # Rows past cu_seqlens_k_new[batch] belong to no sequence: they repeat the last
+        # sequence's last row (or write nothing new where it has none).
+        index = torch.minimum(token - cu[rows], (counts[rows] - 1).clamp(min=0))
+        return counts, cu[:-1], rows, index, a.k, a.v
+    if a.k.dim() != 4 or a.k.shape[:2] != a.v.shape[:2] or a.k.shape[0] != batch:
+        raise ValueError(
+            f"k and v must be (batch={batch}, seqlen_new, nheads_kv, head dim), got "
+            f"{tuple(a.k.shape)} and {tuple(a.v.shape)}"
+        )
+    seqlen_new = a.k.shape[1]
+    counts = torch.full((batch,), seqlen_new, device=device, dtype=torch.int64)
+    rows = torch.arange(batch, device=device).repeat_interleave(seqlen_new)
+    index = torch.arange(seqlen_new, device=device).repeat(batch)
+    base = torch.arange(batch, device=device) * seqlen_new
+    flat = (a.k.reshape(-1, *a.k.shape[2:]), a.v.reshape(-1, *a.v.shape[2:]))
+    return counts, base, rows, index, *flat
+
+
+def _rotary_tables(a: KVAppend, head_dim: int, device):
+    for name in ("rotary_cos", "rotary_sin"):
+        t = getattr(a, name)
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a (seqlen_ro, rotary_dim / 2) float tensor")
+        if t.device != device:
+            raise ValueError(f"{name} must be on the cache's device {device}, got {t.device}")
+    if a.rotary_cos.shape != a.rotary_sin.shape:
+        raise ValueError(
+            f"rotary_cos and rotary_sin must have one shape, got {tuple(a.rotary_cos.shape)} "
+            f"and {tuple(a.rotary_sin.shape)}"
+        )
+    if not 0 < 2 * a.rotary_cos.shape[1] <= head_dim:
+        raise ValueError(
+            f"rotary_dim (2 x rotary_cos.shape[1] = {2 * a.rotary_cos.shape[1]}) must be in "
+            f"(0, head dim {head_dim}]"
+        )
+    return a.rotary_cos, a.rotary_sin
+
+
+def apply(append: KVAppend, fields: dict) -> dict:
+    """Write the new rows into the cache (and rotate the queries); returns the Call fields
+    with q the rotated queries and seqused_k each sequence's length after the append.
+
+    fields: the Call fields of the call (q, k and v the caches, seqused_k or kv_length the
+    lengths before the append, page_table, kv_batch_idx, leftpad_k, cu_seqlens_q, causal,
+    window_size, attention_chunk)."""
+    q, k_cache, v_cache = fields["q"], fields["k"], fields["v"]
+    page_table, batch_idx = fields.get("page_table"), fields.get("kv_batch_idx")
+    cu_q = fields.get("cu_seqlens_q")
+    if fields.get("cu_seqlens_k") is not None:
+        raise ValueError("k and v append to a padded or paged cache, not to packed keys")
+    if not isinstance(q, torch.Tensor) or not isinstance(k_cache, torch.Tensor):
+        raise TypeError("q, k_cache and v_cache must be tensors")
+    if cu_q is not None:
+        checks._check_int32_vector("cu_seqlens_q", cu_q, None, "query offsets per sequence")
+        batch = cu_q.shape[0] - 1
+    else:
+        batch = q.shape[0]
+    counts, base, rows, index, k_new, v_new = _check(append, k_cache, v_cache, batch)
+    device = k_cache.device
+    lengths = fields.get("seqused_k")
+    if lengths is None:
+        if fields.get("kv_length") is None:
+            raise ValueError(
+                "appending k and v needs cache_seqlens (where each sequence's new rows go)"
+            )
+        length = checks.check_host_int("cache_seqlens", fields["kv_length"])
+        start = torch.full((batch,), length, device=device, dtype=torch.int64)
+    else:
+        checks._check_int32_vector("cache_seqlens", lengths, batch, "keys per sequence")
+        start = lengths.to(device=device, dtype=torch.int64)
+    position = start[rows] + index  # each new row's cache slot within its sequence
+
+    # Rotary: the new keys and the queries.
+    if append.rotary_cos is not None:
+        cos, sin = _rotary_tables(append, q.shape[-1], device)
+        if append.rotary_seqlens is not None:
+            checks._check_int32_vector(
+                "rotary_seqlens", append.rotary_seqlens, batch, "rotary position per sequence"
+            )
+            offset = append.rotary_seqlens.to(device=device, dtype=torch.int64)
+        else:
+            offset = start
+        k_pos = offset[rows] + index
+        k_new = _rotate(
+            k_new, _angles(cos, k_pos)[:, None], _angles(sin, k_pos)[:, None],
+            append.rotary_interleaved,
+        ).to(k_cache.dtype)  # fmt: skip
+        window = fields.get("window_size", (-1, -1))
+        per_row = (
+            bool(fields.get("causal"))
+            or (isinstance(window, tuple) and max(window) >= 0)
+            or bool(fields.get("attention_chunk"))
+        )
+        if cu_q is not None:
+            token = torch.arange(q.shape[0], device=device)
+            cu = cu_q.to(device=device, dtype=torch.int64)
+            seq = torch.searchsorted(cu[1:], token, right=True).clamp(max=batch - 1)
+            q_pos = offset[seq] + ((token - cu[seq]) if per_row else 0)
+            q_cos, q_sin = _angles(cos, q_pos)[:, None], _angles(sin, q_pos)[:, None]
+        else:
+            steps = (
+                torch.arange(q.shape[1], device=device)
+                if per_row
+                else torch.zeros(q.shape[1], device=device, dtype=torch.int64)
+            )
+            q_pos = offset[:, None] + steps[None, :]
+            q_cos, q_sin = _angles(cos, q_pos)[:, :, None], _angles(sin, q_pos)[:, :, None]
+        q = _rotate(q, q_cos, q_sin, append.rotary_interleaved).to(q.dtype)
+
+    # The writes. A row past the capacity (or the page table's width) is sent to a slot that
+    # is there (the last one, or its offset in the last page) and writes what that slot
+    # ends up holding: the new row written there, if one is, or its old content. Every
+    # write to a slot then writes one value, whatever order they land in.
+    cache_row = rows if batch_idx is None else batch_idx.to(device=device, dtype=torch.int64)[rows]
+    if page_table is None:
+        slot = position.clamp(max=k_cache.shape[1] - 1)
+        where = (cache_row, slot)
+    else:
+        page_size, width = k_cache.shape[1], page_table.shape[1]
+        last_page = torch.div(position, page_size, rounding_mode="floor") >= width
+        slot = torch.where(last_page, (width - 1) * page_size + position % page_size, position)
+        table = page_table.to(device=device, dtype=torch.int64)
+        page = table[cache_row, torch.div(slot, page_size, rounding_mode="floor")]
+        where = (page, slot % page_size)
+    landing = slot - start[rows]  # the index of the new row written to this slot, if any
+    new_there = (landing >= 0) & (landing < counts[rows])
+    source = (base[rows] + landing).clamp(0, k_new.shape[0] - 1)
+    for cache, new in ((k_cache, k_new), (v_cache, v_new)):
+        cache.index_put_(where, torch.where(new_there[:, None, None], new[source], cache[where]))
+    fields = dict(fields, q=q, seqused_k=(start + counts).to(torch.int32), kv_length=None)
+    return fields

@@ -1,0 +1,204 @@
+"""Appending keys and values to a KV cache (flash_cute.kv_append, FlashAttention-3's k, v,
+rotary_cos, ... of flash_attn_with_kvcache) on the CPU, against a row-by-row reference: the
+cache after the call (the untouched rows bit-identical), the rotated queries and the lengths
+the attention then reads."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from flash_cute import flash_attn_interface as fa3
+from flash_cute import forward
+from flash_cute.kv_append import KVAppend, apply
+
+
+def rotate_one(x, cos, sin, interleaved):
+    """One vector x (d,) rotated over its first 2 * len(cos) dims, in float64."""
+    x, cos, sin = x.double(), cos.double(), sin.double()
+    out, half = x.clone(), cos.shape[0]
+    for j in range(half):
+        a, b = (2 * j, 2 * j + 1) if interleaved else (j, j + half)
+        out[a] = x[a] * cos[j] - x[b] * sin[j]
+        out[b] = x[a] * sin[j] + x[b] * cos[j]
+    return out
+
+
+def reference(q, k_cache, v_cache, append, lengths, page_table=None, batch_idx=None, cu_q=None,
+              per_row=True):  # fmt: skip
+    """(q rotated, k_cache, v_cache after the append, lengths after it), row by row."""
+    a = append
+    q, k_cache, v_cache = q.clone(), k_cache.clone(), v_cache.clone()
+    batch = len(lengths)
+    cu_new = a.cu_seqlens_k_new
+    for b in range(batch):
+        if cu_new is None:
+            new_k, new_v = a.k[b], a.v[b]
+        else:
+            new_k, new_v = a.k[cu_new[b] : cu_new[b + 1]], a.v[cu_new[b] : cu_new[b + 1]]
+        offset = int((a.rotary_seqlens if a.rotary_seqlens is not None else lengths)[b])
+        row = b if batch_idx is None else int(batch_idx[b])
+        for i in range(new_k.shape[0]):
+            pos = int(lengths[b]) + i
+            kk = new_k[i]
+            if a.rotary_cos is not None:
+                c, s = a.rotary_cos[offset + i], a.rotary_sin[offset + i]
+                kk = torch.stack([rotate_one(kk[h], c, s, a.rotary_interleaved)
+                                  for h in range(kk.shape[0])]).to(kk.dtype)  # fmt: skip
+            if page_table is None:
+                if pos < k_cache.shape[1]:
+                    k_cache[row, pos], v_cache[row, pos] = kk, new_v[i]
+            else:
+                ps = k_cache.shape[1]
+                if pos // ps < page_table.shape[1]:
+                    page = int(page_table[row, pos // ps])
+                    k_cache[page, pos % ps], v_cache[page, pos % ps] = kk, new_v[i]
+        if a.rotary_cos is not None:
+            rows = range(cu_q[b], cu_q[b + 1]) if cu_q is not None else range(q.shape[1])
+            for n, r in enumerate(rows):
+                p = offset + (n if per_row else 0)
+                c, s = a.rotary_cos[p], a.rotary_sin[p]
+                view = q[r] if cu_q is not None else q[b, r]
+                for h in range(view.shape[0]):
+                    view[h] = rotate_one(view[h], c, s, a.rotary_interleaved).to(q.dtype)
+    if cu_new is None:
+        counts = [a.k.shape[1]] * batch
+    else:
+        counts = [int(cu_new[b + 1] - cu_new[b]) for b in range(batch)]
+    return q, k_cache, v_cache, [int(lengths[b]) + counts[b] for b in range(batch)]
+
+
+def int32(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+CASES = list(
+    itertools.product(
+        [None, 4],  # page size
+        [False, True],  # cache_batch_idx
+        [False, True],  # varlen new rows (cu_seqlens_k_new)
+        [0, 8, 16],  # rotary_dim (of head dim 16)
+        [False, True],  # interleaved
+        [False, True],  # causal (queries rotated per row)
+    )
+)
+
+
+@pytest.mark.parametrize("page_size, has_batch_idx, varlen_new, rotary_dim, interleaved, causal",
+                         CASES)  # fmt: skip
+def test_append_matches_row_by_row(page_size, has_batch_idx, varlen_new, rotary_dim, interleaved,
+                                   causal):  # fmt: skip
+    gen = torch.Generator().manual_seed(hash((page_size, has_batch_idx, varlen_new)) % 1000)
+    batch, hkv, h, d, capacity, seqlen_q = 3, 2, 4, 16, 22, 5
+    rows = batch * 2 if has_batch_idx else batch
+    if page_size is None:
+        k_cache = torch.randn(rows, capacity, hkv, d, generator=gen)
+        page_table = None
+    else:
+        pages = rows * (capacity // page_size)  # (5 pages a row: 20 slots)
+        k_cache = torch.randn(pages, page_size, hkv, d, generator=gen)
+        page_table = torch.randperm(pages, generator=gen).int().reshape(rows, -1)
+    v_cache = torch.randn(k_cache.shape, generator=gen)
+    lengths = int32(3, 0, 19)  # the last sequence's new rows run past the capacity: dropped
+    if varlen_new:
+        cu_new = int32(0, 2, 7, 11)  # (a 12th row past the last sequence writes nothing)
+        k, v = (torch.randn(12, hkv, d, generator=gen) for _ in range(2))
+    else:
+        cu_new = None
+        k, v = (torch.randn(batch, 4, hkv, d, generator=gen) for _ in range(2))
+    q = torch.randn(batch, seqlen_q, h, d, generator=gen)
+    cos = sin = None
+    if rotary_dim:
+        angle = torch.rand(40, rotary_dim // 2, generator=gen) * 2 * math.pi
+        cos, sin = torch.cos(angle), torch.sin(angle)
+    batch_idx = torch.randperm(rows, generator=gen)[:batch].int() if has_batch_idx else None
+    append = KVAppend(k, v, cos, sin, cu_new, None, interleaved)
+    want = reference(q, k_cache, v_cache, append, lengths, page_table, batch_idx, per_row=causal)
+    fields = dict(q=q, k=k_cache.clone(), v=v_cache.clone(), seqused_k=lengths,
+                  page_table=page_table, kv_batch_idx=batch_idx, causal=causal)  # fmt: skip
+    got = apply(append, fields)
+    assert torch.allclose(got["q"], want[0], atol=1e-6)
+    assert torch.allclose(got["k"], want[1], atol=1e-6)
+    assert torch.equal(got["v"], want[2])
+    assert got["seqused_k"].tolist() == want[3] and got["seqused_k"].dtype == torch.int32
+    untouched = (want[1] == k_cache).all(-1).all(-1)  # rows the append leaves: bit-identical
+    assert torch.equal(got["k"][untouched], k_cache[untouched])
+
+
+def test_varlen_queries_and_int_lengths_and_bf16():
+    """Packed queries rotate per sequence; an int cache_seqlens is every sequence's; a bf16
+    cache gets the float32 rotation rounded once."""
+    gen = torch.Generator().manual_seed(5)
+    batch, hkv, h, d = 2, 1, 2, 32
+    k_cache = torch.randn(batch, 16, hkv, d, generator=gen).bfloat16()
+    v_cache = torch.randn(batch, 16, hkv, d, generator=gen).bfloat16()
+    k, v = (torch.randn(batch, 3, hkv, d, generator=gen).bfloat16() for _ in range(2))
+    cu_q = int32(0, 1, 4)
+    q = torch.randn(4, h, d, generator=gen).bfloat16()
+    angle = torch.rand(20, 8, generator=gen) * 6.0
+    cos, sin = torch.cos(angle).bfloat16(), torch.sin(angle).bfloat16()
+    append = KVAppend(k, v, cos, sin, rotary_interleaved=False)
+    want = reference(q, k_cache, v_cache, append, [5, 5], cu_q=cu_q, per_row=True)
+    got = apply(append, dict(q=q, k=k_cache.clone(), v=v_cache.clone(), kv_length=5,
+                             cu_seqlens_q=cu_q, causal=True))  # fmt: skip
+    ulp = 2.0**-7  # (float32 against float64 rotation: at most one bf16 rounding apart)
+    assert ((got["q"].float() - want[0].float()).abs() <= ulp * want[0].float().abs() + 1e-6).all()
+    assert ((got["k"].float() - want[1].float()).abs() <= ulp * want[1].float().abs() + 1e-6).all()
+    assert torch.equal(got["v"], want[2]) and got["seqused_k"].tolist() == [8, 8]
+
+
+@pytest.fixture
+def natives(monkeypatch):
+    calls = []
+
+    def run(call, names, plans, key):
+        calls.append((call, key))
+        return ("out", "lse") if call.return_lse else "out"
+
+    monkeypatch.setattr(forward, "run", run)
+    return calls
+
+
+def test_fa3_kvcache_appends_then_attends_without_replay(natives):
+    q = torch.randn(2, 1, 4, 64).bfloat16()
+    cache = torch.zeros(2, 32, 2, 64).bfloat16()
+    k = torch.randn(2, 1, 2, 64).bfloat16()
+    fa3.flash_attn_with_kvcache(q, cache, cache.clone(), k, k, cache_seqlens=int32(3, 7))
+    (call, key), = natives  # fmt: skip
+    assert key is None  # (an appending call is not replayed: its plan would skip the append)
+    assert call.seqused_k.tolist() == [4, 8]
+    assert torch.equal(cache[0, 3], k[0, 0]) and torch.equal(cache[1, 7], k[1, 0])
+    fa3.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=int32(3, 7))
+    assert natives[-1][1] is not None  # (no append: replayable)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(k="k"), ValueError, "k and v .* must be given together"),
+        (dict(rotary_cos="cos", rotary_sin="cos"), ValueError, "need k and v"),
+        (dict(k="k", v="k", rotary_cos="cos"), ValueError, "rotary_cos and rotary_sin"),
+        (dict(k="k", v="k", cache_seqlens=None), ValueError, "needs cache_seqlens"),
+        (dict(k="k8", v="k8"), ValueError, "k must have its cache's dtype"),
+        (dict(k="k3", v="k3"), ValueError, r"k and v must be \(batch=2"),
+        (dict(k="k", v="k", rotary_cos="wide", rotary_sin="wide"), ValueError, "rotary_dim"),
+        (dict(k="k", v="k", cu_seqlens_k_new="cu"), ValueError, "total_new"),
+    ],
+)
+def test_append_arguments_are_checked_by_name(natives, kwargs, error, match):
+    q = torch.randn(2, 1, 4, 64).bfloat16()
+    cache = torch.zeros(2, 32, 2, 64).bfloat16()
+    named = {
+        "k": torch.randn(2, 1, 2, 64).bfloat16(),
+        "k8": torch.randn(2, 1, 2, 64).float(),
+        "k3": torch.randn(3, 1, 2, 64).bfloat16(),
+        "cos": torch.ones(40, 16),
+        "wide": torch.ones(40, 40),
+        "cu": int32(0, 1, 2),
+    }
+    args = dict(cache_seqlens=int32(3, 7))
+    args.update({n: named.get(v, v) if isinstance(v, str) else v for n, v in kwargs.items()})
+    with pytest.raises(error, match=match):
+        fa3.flash_attn_with_kvcache(q, cache, cache, **args)
+    assert not natives
