@@ -19,7 +19,6 @@ not replayed from a launch plan (each takes the checked path).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -49,9 +48,6 @@ class KVAppend:
 
     def requested(self) -> bool:
         return any(getattr(self, name) is not None for name in TRIGGERS)
-
-
-APPEND_FIELDS = tuple(f.name for f in dataclasses.fields(KVAppend))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool):
