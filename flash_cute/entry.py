@@ -154,9 +154,14 @@ class EntryPoint:
                     "flash_cute does not serve appending k and v (or rotary) inside a "
                     "torch.compile trace yet; call flash_attn_with_kvcache eagerly"
                 )
+            # The call's own checks first (the append changes q's values and the lengths,
+            # not what they check): a refused call leaves the cache as it was.
+            forward.check(self._adjusted(Call(**fields)), self.names)
             fields = kv_append.apply(appends, fields)
-        call = Call(**fields)
-        return (call if self.adjust is None else self.adjust(call)), appends.requested()
+        return self._adjusted(Call(**fields)), appends.requested()
+
+    def _adjusted(self, call: Call) -> Call:
+        return call if self.adjust is None else self.adjust(call)
 
     def first_call(self, key, values: tuple):
         """A call no plan replays: the checks, the plan step, a launch plan (kept under key

@@ -198,9 +198,10 @@ def describe(call: Call, names: Optional[dict] = None) -> Problem:
     return problem
 
 
-def run(call: Call, names: dict, plans: PlanCache, key):
-    """Check, plan and launch one call; keep its launch plan in `plans` under `key` when it can
-    be replayed (key None: never). Returns out, or (out, lse) with call.return_lse."""
+def check(call: Call, names: dict) -> tuple:
+    """Every check of one call that needs no launch: (problem, scale_log2, config,
+    num_splits, pack_gqa, sms: the SMs its plan may use). kv_append runs them before it
+    writes to the cache."""
     problem = describe(call, names)
     checks.check_grid(problem.nheads, problem.batch)
     scale_log2 = checks.softmax_scale_log2(call.softmax_scale, problem.head_dim)
@@ -211,14 +212,22 @@ def run(call: Call, names: dict, plans: PlanCache, key):
     pack_gqa = checks.check_optional_bool(names.get("pack_gqa", "pack_gqa"), call.pack_gqa)
     checks.check_cuda([(names.get(f, f), t) for f, t in call.tensors() if f != "out"])
     checks.check_hopper(call.q.device)
+    device_index = call.q.device.index
+    device_index = device_index if device_index is not None else current_device()
+    sms = checks.sms_left(call.sm_margin, runtime.num_sms(device_index))
+    return problem, scale_log2, config, num_splits, pack_gqa, sms
+
+
+def run(call: Call, names: dict, plans: PlanCache, key):
+    """Check, plan and launch one call; keep its launch plan in `plans` under `key` when it can
+    be replayed (key None: never). Returns out, or (out, lse) with call.return_lse."""
+    problem, scale_log2, config, num_splits, pack_gqa, sms = check(call, names)
     q, k, v, qv = call.q, call.k, call.v, call.qv
     out = checks.output_for(call.out, q, k, v)
     if problem.varlen_q:
         lse_shape = (problem.nheads, problem.total_q)
     else:
         lse_shape = (problem.batch, problem.nheads, problem.max_seqlen_q)
-    device_index = q.device.index if q.device.index is not None else current_device()
-    sms = checks.sms_left(call.sm_margin, runtime.num_sms(device_index))
     plan = None
     if out.numel() > 0:
         plan = plan_forward(problem, sms, config, num_splits, pack_gqa, call.decode_rows)

@@ -64,17 +64,23 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
     return torch.cat((rotated, x[..., 2 * half :]), dim=-1)
 
 
+def _same_device(name: str, t: torch.Tensor, device) -> None:
+    """The cache's device (a copy from elsewhere would synchronize, and break a capture)."""
+    if t.device != device:
+        raise ValueError(f"{name} must be on the cache's device {device}, got {t.device}")
+
+
 def _angles(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """table (seqlen_ro, rotary_dim / 2) rows at positions (any shape), float32; positions past
-    the table read its last row (out-of-range positions are the caller's error, as in
-    FlashAttention-3, but never an out-of-bounds read)."""
+    """table (seqlen_ro, rotary_dim / 2) rows at positions (any shape), float32; a position
+    outside the table (rotary_seqlens past the cache, an error of the caller's) reads its
+    nearest row rather than out of bounds."""
     return table.float()[positions.clamp(0, table.shape[0] - 1)]
 
 
 def _check(append: KVAppend, k_cache, v_cache, batch: int) -> tuple:
-    """Checks; returns (per-sequence new-row counts and first rows (batch,) int64, each new
-    row's sequence (total_new,) int64 and index within it, k and v as (total_new, nheads_kv,
-    d / dv))."""
+    """Checks; returns (per-sequence new-row counts (batch,) int64, each new row's sequence
+    (total_new,) int64 and index within it, k and v as (total_new, nheads_kv, d / dv), and
+    which rows belong to a sequence (None: all))."""
     a = append
     if (a.k is None) != (a.v is None):
         raise ValueError("k and v (the keys and values to append) must be given together")
@@ -86,6 +92,8 @@ def _check(append: KVAppend, k_cache, v_cache, batch: int) -> tuple:
         )
     if (a.rotary_cos is None) != (a.rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together")
+    if not isinstance(a.rotary_interleaved, bool):
+        raise TypeError(f"rotary_interleaved must be a bool, got {a.rotary_interleaved!r}")
     for name, new, cache in (("k", a.k, k_cache), ("v", a.v, v_cache)):
         if not isinstance(new, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(new).__name__}")
@@ -109,14 +117,15 @@ def _check(append: KVAppend, k_cache, v_cache, batch: int) -> tuple:
                 "with cu_seqlens_k_new, k and v must be (total_new, nheads_kv, head dim), got "
                 f"{tuple(a.k.shape)} and {tuple(a.v.shape)}"
             )
-        cu = a.cu_seqlens_k_new.to(device=device, dtype=torch.int64)
-        counts = cu[1:] - cu[:-1]
+        _same_device("cu_seqlens_k_new", a.cu_seqlens_k_new, device)
+        cu = a.cu_seqlens_k_new.long()
+        counts = (cu[1:] - cu[:-1]).clamp(min=0)
         token = torch.arange(a.k.shape[0], device=device)
         rows = torch.searchsorted(cu[1:], token, right=True).clamp(max=batch - 1)
-        # Rows past cu_seqlens_k_new[batch] belong to no sequence: they repeat the last
-        # sequence's last row (or write nothing new where it has none).
-        index = torch.minimum(token - cu[rows], (counts[rows] - 1).clamp(min=0))
-        return counts, cu[:-1], rows, index, a.k, a.v
+        # Rows before cu_seqlens_k_new[0] or from cu_seqlens_k_new[batch] on belong to no
+        # sequence (FlashAttention-3 reads only the rows in between).
+        belongs = (token >= cu[0]) & (token < cu[-1])
+        return counts, rows, token - cu[rows], a.k, a.v, belongs
     if a.k.dim() != 4 or a.k.shape[:2] != a.v.shape[:2] or a.k.shape[0] != batch:
         raise ValueError(
             f"k and v must be (batch={batch}, seqlen_new, nheads_kv, head dim), got "
@@ -126,12 +135,11 @@ def _check(append: KVAppend, k_cache, v_cache, batch: int) -> tuple:
     counts = torch.full((batch,), seqlen_new, device=device, dtype=torch.int64)
     rows = torch.arange(batch, device=device).repeat_interleave(seqlen_new)
     index = torch.arange(seqlen_new, device=device).repeat(batch)
-    base = torch.arange(batch, device=device) * seqlen_new
     flat = (a.k.reshape(-1, *a.k.shape[2:]), a.v.reshape(-1, *a.v.shape[2:]))
-    return counts, base, rows, index, *flat
+    return counts, rows, index, *flat, None
 
 
-def _rotary_tables(a: KVAppend, head_dim: int, device):
+def _rotary_tables(a: KVAppend, head_dim: int, capacity: int, device):
     for name in ("rotary_cos", "rotary_sin"):
         t = getattr(a, name)
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.dtype.is_floating_point:
@@ -142,6 +150,11 @@ def _rotary_tables(a: KVAppend, head_dim: int, device):
         raise ValueError(
             f"rotary_cos and rotary_sin must have one shape, got {tuple(a.rotary_cos.shape)} "
             f"and {tuple(a.rotary_sin.shape)}"
+        )
+    if a.rotary_cos.shape[0] < capacity:
+        raise ValueError(
+            f"rotary_cos and rotary_sin must have a row per cache slot ({capacity}), got "
+            f"{a.rotary_cos.shape[0]}"
         )
     if not 0 < 2 * a.rotary_cos.shape[1] <= head_dim:
         raise ValueError(
@@ -170,8 +183,13 @@ def apply(append: KVAppend, fields: dict) -> dict:
         batch = cu_q.shape[0] - 1
     else:
         batch = q.shape[0]
-    counts, base, rows, index, k_new, v_new = _check(append, k_cache, v_cache, batch)
+    counts, rows, index, k_new, v_new, belongs = _check(append, k_cache, v_cache, batch)
     device = k_cache.device
+    if page_table is None:
+        capacity = k_cache.shape[1]
+    else:
+        _same_device("page_table", page_table, device)
+        capacity = page_table.shape[1] * k_cache.shape[1]
     lengths = fields.get("seqused_k")
     if lengths is None:
         if fields.get("kv_length") is None:
@@ -182,17 +200,19 @@ def apply(append: KVAppend, fields: dict) -> dict:
         start = torch.full((batch,), length, device=device, dtype=torch.int64)
     else:
         checks._check_int32_vector("cache_seqlens", lengths, batch, "keys per sequence")
-        start = lengths.to(device=device, dtype=torch.int64)
+        _same_device("cache_seqlens", lengths, device)
+        start = lengths.long()
     position = start[rows] + index  # each new row's cache slot within its sequence
 
     # Rotary: the new keys and the queries.
     if append.rotary_cos is not None:
-        cos, sin = _rotary_tables(append, q.shape[-1], device)
+        cos, sin = _rotary_tables(append, q.shape[-1], capacity, device)
         if append.rotary_seqlens is not None:
             checks._check_int32_vector(
                 "rotary_seqlens", append.rotary_seqlens, batch, "rotary position per sequence"
             )
-            offset = append.rotary_seqlens.to(device=device, dtype=torch.int64)
+            _same_device("rotary_seqlens", append.rotary_seqlens, device)
+            offset = append.rotary_seqlens.long()
         else:
             offset = start
         k_pos = offset[rows] + index
@@ -200,15 +220,16 @@ def apply(append: KVAppend, fields: dict) -> dict:
             k_new, _angles(cos, k_pos)[:, None], _angles(sin, k_pos)[:, None],
             append.rotary_interleaved,
         ).to(k_cache.dtype)  # fmt: skip
-        window = fields.get("window_size", (-1, -1))
-        per_row = (
-            bool(fields.get("causal"))
-            or (isinstance(window, tuple) and max(window) >= 0)
-            or bool(fields.get("attention_chunk"))
-        )
+        # FlashAttention-3's rule: per row where the mask is causal or local, a window side
+        # that covers every key or query counting as none.
+        left, right = fields.get("window_size", (-1, -1))
+        seqlen_q = fields.get("max_seqlen_q") if cu_q is not None else q.shape[1]
+        local = (0 <= left < capacity - 1) or (0 <= right < (seqlen_q or 1) - 1)
+        per_row = bool(fields.get("causal")) or local or bool(fields.get("attention_chunk"))
         if cu_q is not None:
             token = torch.arange(q.shape[0], device=device)
-            cu = cu_q.to(device=device, dtype=torch.int64)
+            _same_device("cu_seqlens_q", cu_q, device)
+            cu = cu_q.long()
             seq = torch.searchsorted(cu[1:], token, right=True).clamp(max=batch - 1)
             q_pos = offset[seq] + ((token - cu[seq]) if per_row else 0)
             q_cos, q_sin = _angles(cos, q_pos)[:, None], _angles(sin, q_pos)[:, None]
@@ -222,25 +243,32 @@ def apply(append: KVAppend, fields: dict) -> dict:
             q_cos, q_sin = _angles(cos, q_pos)[:, :, None], _angles(sin, q_pos)[:, :, None]
         q = _rotate(q, q_cos, q_sin, append.rotary_interleaved).to(q.dtype)
 
-    # The writes. A row past the capacity (or the page table's width) is sent to a slot that
-    # is there (the last one, or its offset in the last page) and writes what that slot
-    # ends up holding: the new row written there, if one is, or its old content. Every
-    # write to a slot then writes one value, whatever order they land in.
-    cache_row = rows if batch_idx is None else batch_idx.to(device=device, dtype=torch.int64)[rows]
+    # The writes. Every row's coordinates are clamped into the cache; a row whose real slot
+    # is not there (past the capacity or the page table, a cache row or page out of range, a
+    # packed row of no sequence) repeats the write of the first row whose slot is (or, with
+    # none, writes its clamped slot's own content back): no write leaves the cache, and the
+    # writes to one slot all carry one value, whatever order they land in.
+    cache_row = rows
+    if batch_idx is not None:
+        _same_device("cache_batch_idx", batch_idx, device)
+        cache_row = batch_idx.long()[rows]
+    ok = position >= 0
     if page_table is None:
-        slot = position.clamp(max=k_cache.shape[1] - 1)
-        where = (cache_row, slot)
+        ok = ok & (position < capacity) & (cache_row >= 0) & (cache_row < k_cache.shape[0])
+        where = (cache_row.clamp(0, k_cache.shape[0] - 1), position.clamp(0, capacity - 1))
     else:
-        page_size, width = k_cache.shape[1], page_table.shape[1]
-        last_page = torch.div(position, page_size, rounding_mode="floor") >= width
-        slot = torch.where(last_page, (width - 1) * page_size + position % page_size, position)
-        table = page_table.to(device=device, dtype=torch.int64)
-        page = table[cache_row, torch.div(slot, page_size, rounding_mode="floor")]
-        where = (page, slot % page_size)
-    landing = slot - start[rows]  # the index of the new row written to this slot, if any
-    new_there = (landing >= 0) & (landing < counts[rows])
-    source = (base[rows] + landing).clamp(0, k_new.shape[0] - 1)
+        page_size, (table_rows, width) = k_cache.shape[1], page_table.shape
+        page_index = torch.div(position, page_size, rounding_mode="floor")
+        ok = ok & (page_index < width) & (cache_row >= 0) & (cache_row < table_rows)
+        page = page_table.long()[cache_row.clamp(0, table_rows - 1), page_index.clamp(0, width - 1)]
+        ok = ok & (page >= 0) & (page < k_cache.shape[0])
+        where = (page.clamp(0, k_cache.shape[0] - 1), position.clamp(min=0) % page_size)
+    if belongs is not None:
+        ok = ok & belongs
+    first = torch.argmax(ok.to(torch.int32))  # the first row with a real slot (0: none)
+    where = tuple(torch.where(ok, c, c[first]) for c in where)
     for cache, new in ((k_cache, k_new), (v_cache, v_new)):
-        cache.index_put_(where, torch.where(new_there[:, None, None], new[source], cache[where]))
+        stand_in = torch.where(ok[first], new[first], cache[tuple(c[first] for c in where)])
+        cache.index_put_(where, torch.where(ok[:, None, None], new, stand_in))
     fields = dict(fields, q=q, seqused_k=(start + counts).to(torch.int32), kv_length=None)
     return fields

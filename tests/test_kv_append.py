@@ -149,7 +149,9 @@ def test_varlen_queries_and_int_lengths_and_bf16():
 
 
 @pytest.fixture
-def natives(monkeypatch):
+def natives(fake_gpu, monkeypatch):
+    """The Calls (and keys) flash_attn_with_kvcache hands the forward path, which is not run
+    (its checks are: fake_gpu lets CPU tensors through them)."""
     calls = []
 
     def run(call, names, plans, key):
@@ -202,3 +204,95 @@ def test_append_arguments_are_checked_by_name(natives, kwargs, error, match):
     with pytest.raises(error, match=match):
         fa3.flash_attn_with_kvcache(q, cache, cache, **args)
     assert not natives
+
+
+def _small(gen, batch=2, capacity=16, hkv=1, d=16, new=2):
+    k_cache = torch.randn(batch, capacity, hkv, d, generator=gen)
+    v_cache = torch.randn(batch, capacity, hkv, d, generator=gen)
+    k, v = (torch.randn(batch, new, hkv, d, generator=gen) for _ in range(2))
+    angle = torch.rand(capacity + 8, d // 2, generator=gen) * 6.0
+    return k_cache, v_cache, k, v, torch.cos(angle), torch.sin(angle)
+
+
+@pytest.mark.parametrize(
+    "mask, per_row",
+    [
+        (dict(causal=True), True),
+        (dict(), False),
+        (dict(window_size=(2, -1)), True),  # (a window narrower than the keys: local)
+        (dict(window_size=(-1, 5)), False),  # (wider than 3 queries: FA3 drops it)
+        (dict(window_size=(15, -1)), False),  # (covers all 16 slots: dropped too)
+        (dict(attention_chunk=4), True),
+    ],
+)
+def test_query_positions_follow_the_mask_and_rotary_seqlens(mask, per_row):
+    """Queries rotate per row where FlashAttention-3's mask is causal or local (a window side
+    covering everything counts as none), at rotary_seqlens when given."""
+    gen = torch.Generator().manual_seed(11)
+    k_cache, v_cache, k, v, cos, sin = _small(gen)
+    q = torch.randn(2, 3, 2, 16, generator=gen)
+    offsets = int32(9, 1)
+    append = KVAppend(k, v, cos, sin, rotary_seqlens=offsets, rotary_interleaved=False)
+    lengths = int32(4, 6)
+    want = reference(q, k_cache, v_cache, append, lengths, per_row=per_row)
+    got = apply(append, dict(q=q, k=k_cache.clone(), v=v_cache.clone(), seqused_k=lengths,
+                             **mask))  # fmt: skip
+    assert torch.allclose(got["q"], want[0], atol=1e-6)
+    assert torch.allclose(got["k"], want[1], atol=1e-6)  # (keys at rotary_seqlens + i)
+    # Packed queries: the same positions per sequence.
+    cu_q = int32(0, 3, 6)
+    packed = apply(append, dict(q=q.reshape(6, 2, 16), k=k_cache.clone(), v=v_cache.clone(),
+                                seqused_k=lengths, cu_seqlens_q=cu_q, max_seqlen_q=3,
+                                **mask))  # fmt: skip
+    assert torch.allclose(packed["q"], want[0].reshape(6, 2, 16), atol=1e-6)
+
+
+def test_rows_without_a_real_slot_write_nothing():
+    """Packed rows outside cu_seqlens_k_new's range, negative lengths, cache rows out of range:
+    no exception, no write outside the cache, every other slot as the reference leaves it."""
+    gen = torch.Generator().manual_seed(12)
+    k_cache, v_cache, _, _, _, _ = _small(gen, batch=3)
+    k, v = (torch.randn(7, 1, 16, generator=gen) for _ in range(2))
+    cu_new = int32(1, 3, 3, 5)  # rows 0, 5 and 6 belong to no sequence; sequence 1 has none
+    lengths = int32(2, 4, 15)  # sequence 2's second row falls past the capacity (16)
+    batch_idx = int32(2, 0, 1)
+    append = KVAppend(k, v, cu_seqlens_k_new=cu_new)
+    fields = dict(q=torch.randn(3, 1, 2, 16, generator=gen), k=k_cache.clone(), v=v_cache.clone())
+    got = apply(append, dict(fields, seqused_k=lengths, kv_batch_idx=batch_idx))
+    want_k = k_cache.clone()
+    want_k[2, 2:4] = k[1:3]  # sequence 0 -> cache row 2, slots 2, 3
+    want_k[1, 15] = k[3]  # sequence 2 -> cache row 1, slot 15 (slot 16 dropped)
+    assert torch.equal(got["k"], want_k) and got["seqused_k"].tolist() == [4, 4, 17]
+    bad = apply(KVAppend(k[:2], v[:2], cu_seqlens_k_new=int32(0, 1, 1, 2)),
+                dict(q=torch.randn(3, 1, 2, 16), k=k_cache.clone(), v=v_cache.clone(),
+                     seqused_k=int32(-3, 0, 2), kv_batch_idx=int32(0, 1, 7)))  # fmt: skip
+    assert torch.equal(bad["k"], k_cache)  # (a negative length, a row past the cache's 3)
+
+
+def test_a_refused_call_leaves_the_cache_alone(natives):
+    q = torch.randn(2, 1, 4, 64).bfloat16()
+    cache = torch.zeros(2, 32, 2, 64).bfloat16()
+    k = torch.randn(2, 1, 2, 64).bfloat16()
+    with pytest.raises(ValueError, match="softcap"):
+        fa3.flash_attn_with_kvcache(q, cache, cache, k, k, cache_seqlens=int32(3, 7), softcap=-1.0)
+    assert not cache.any() and not natives
+    with pytest.raises(ValueError, match="a row per cache slot"):
+        short = torch.ones(8, 16)
+        fa3.flash_attn_with_kvcache(
+            q, cache, cache, k, k, rotary_cos=short, rotary_sin=short, cache_seqlens=int32(3, 7)
+        )
+    with pytest.raises(TypeError, match="rotary_interleaved must be a bool"):
+        fa3.flash_attn_with_kvcache(q, cache, cache, k, k, rotary_cos=torch.ones(32, 16),
+                                    rotary_sin=torch.ones(32, 16), cache_seqlens=int32(3, 7),
+                                    rotary_interleaved=None)  # fmt: skip
+    assert not cache.any() and not natives
+
+
+def test_appends_are_refused_inside_torch_compile(natives, monkeypatch):
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    q = torch.randn(2, 1, 4, 64).bfloat16()
+    cache = torch.zeros(2, 32, 2, 64).bfloat16()
+    k = torch.randn(2, 1, 2, 64).bfloat16()
+    with pytest.raises(NotImplementedError, match="torch.compile"):
+        fa3.flash_attn_with_kvcache(q, cache, cache, k, k, cache_seqlens=int32(3, 7))
+    assert not cache.any()
