@@ -265,10 +265,11 @@ def apply(append: KVAppend, fields: dict) -> dict:
         where = (page.clamp(0, k_cache.shape[0] - 1), position.clamp(min=0) % page_size)
     if belongs is not None:
         ok = ok & belongs
+    if ok.numel() == 0:  # (no new rows: seqlen_new 0)
+        return dict(fields, q=q, seqused_k=(start + counts).to(torch.int32), kv_length=None)
     first = torch.argmax(ok.to(torch.int32))  # the first row with a real slot (0: none)
     where = tuple(torch.where(ok, c, c[first]) for c in where)
     for cache, new in ((k_cache, k_new), (v_cache, v_new)):
         stand_in = torch.where(ok[first], new[first], cache[tuple(c[first] for c in where)])
         cache.index_put_(where, torch.where(ok[:, None, None], new, stand_in))
-    fields = dict(fields, q=q, seqused_k=(start + counts).to(torch.int32), kv_length=None)
-    return fields
+    return dict(fields, q=q, seqused_k=(start + counts).to(torch.int32), kv_length=None)

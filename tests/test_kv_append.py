@@ -296,3 +296,11 @@ def test_appends_are_refused_inside_torch_compile(natives, monkeypatch):
     with pytest.raises(NotImplementedError, match="torch.compile"):
         fa3.flash_attn_with_kvcache(q, cache, cache, k, k, cache_seqlens=int32(3, 7))
     assert not cache.any()
+
+
+def test_no_new_rows_append_nothing():
+    gen = torch.Generator().manual_seed(13)
+    k_cache, v_cache, k, v, _, _ = _small(gen, new=0)
+    got = apply(KVAppend(k, v), dict(q=torch.randn(2, 1, 1, 16), k=k_cache.clone(),
+                                     v=v_cache.clone(), seqused_k=int32(3, 5)))  # fmt: skip
+    assert torch.equal(got["k"], k_cache) and got["seqused_k"].tolist() == [3, 5]
