@@ -74,7 +74,7 @@ def _angles(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """table (seqlen_ro, rotary_dim / 2) rows at positions (any shape), float32; a position
     outside the table (rotary_seqlens past the cache, an error of the caller's) reads its
     nearest row rather than out of bounds."""
-    return table.float()[positions.clamp(0, table.shape[0] - 1)]
+    return table[positions.clamp(0, table.shape[0] - 1)].float()  # (the rows only: not the table)
 
 
 def _check(append: KVAppend, k_cache, v_cache, batch: int) -> tuple:
@@ -260,7 +260,7 @@ def apply(append: KVAppend, fields: dict) -> dict:
         page_size, (table_rows, width) = k_cache.shape[1], page_table.shape
         page_index = torch.div(position, page_size, rounding_mode="floor")
         ok = ok & (page_index < width) & (cache_row >= 0) & (cache_row < table_rows)
-        page = page_table.long()[cache_row.clamp(0, table_rows - 1), page_index.clamp(0, width - 1)]
+        page = page_table[cache_row.clamp(0, table_rows - 1), page_index.clamp(0, width - 1)].long()
         ok = ok & (page >= 0) & (page < k_cache.shape[0])
         where = (page.clamp(0, k_cache.shape[0] - 1), position.clamp(min=0) % page_size)
     if belongs is not None:
