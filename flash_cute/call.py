@@ -128,7 +128,6 @@ class Role:
         dequantizes (DESCALED_OPERAND) is FP8 and dropped otherwise, as FlashAttention-3 drops
         it (vLLM passes all three on every call); flash_cute's own functions take them as
         optional (a descale of a 16-bit operand then raises);
-    unserved: refused by name unless left at its default (None, or 0 / False);
     append: a KVAppend field whose presence makes the call append to its cache first
         (flash_cute.kv_append; such calls are not replayed: the key holds only whether all of
         them are None); append_option: a KVAppend field read only when the call appends;
@@ -191,19 +190,6 @@ ROLES = {
     # FlashAttention-3's backward options.
     "deterministic": Role("ignored"),
 }
-UNSERVED = Role("unserved")
-
-
-def refuse_unserved(named) -> None:
-    """NotImplementedError naming every (name, value) of an unserved argument that is not left
-    at its default (None, or 0 / False)."""
-    given = [n for n, v in named if v is not None and not (type(v) in (int, bool) and not v)]
-    if given:
-        raise NotImplementedError(
-            f"flash_cute does not serve {', '.join(given)} yet (FlashAttention-3 arguments "
-            "outside its feature set); leave them at their defaults"
-        )
-
 
 # The Call field each descale dequantizes; FlashAttention-3's module takes them as FA3_DESCALES.
 DESCALED_OPERAND = {"q_descale": "q", "k_descale": "k", "v_descale": "k"}

@@ -723,20 +723,19 @@ def fp8_math_config(
     # Registers: the transposing warps hold transpose_batch ldmatrix results (v_transpose.py),
     # the loading warp a varlen tile's bounds; 24 spill, 56 suffice beside 192-key blocks,
     # 72 elsewhere (72 spill at head dim 256 with one MMA warpgroup, which leaves 128 spare).
-    # (exp2_on_fma: slower at every head dim in 16-bit math; in FP8 only where causal says.)
     if decode_like:
-        shape = dict(tile_m=64, tile_n=64, num_stages=4, intra_wg_overlap=False, exp2_on_fma=0)
+        shape = dict(tile_m=64, tile_n=64, num_stages=4, intra_wg_overlap=False)
         shape.update(producer_registers=128, mma_registers=None, scheduler="single_tile")
     else:
         widest = max(head_dim, head_dim_v)
         shape = dict(tile_m=128, tile_n=96, num_stages=2, scheduler="dynamic_persistent")
-        shape.update(producer_registers=72, mma_registers=216, exp2_on_fma=0)
+        shape.update(producer_registers=72, mma_registers=216)
         if widest <= 128:  # (128 x 224 at 40 / 232 spills with sinks, a window, packed keys)
             shape.update(tile_n=192, producer_registers=56, mma_registers=224)
-            shape.update(exp2_on_fma=0 if causal else 3)
         if widest <= 64:  # (three MMA warpgroups: 144 registers each)
             shape.update(tile_m=192, tile_n=128, producer_registers=72, mma_registers=144)
-            shape.update(exp2_on_fma=0)
+    # (exp2_on_fma: slower at every head dim in 16-bit math; in FP8, unmasked 96-128 only.)
+    fma_exponentials = not decode_like and not causal and 64 < max(head_dim, head_dim_v) <= 128
     # (Without the overlap, plan._effective_config drops rescale_o_before_pv.)
     return config.replace(
         pv_from_registers=True,
@@ -745,6 +744,7 @@ def fp8_math_config(
         ctas_per_sm=1,  # (short-window rows take 3; the register splits assume the whole file)
         store_o_from_registers=True,
         rescale_threshold=0,
+        exp2_on_fma=3 if fma_exponentials else 0,
         **shape,
     )
 

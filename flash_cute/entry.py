@@ -41,7 +41,6 @@ from .call import (
     Call,
     Role,
     metadata_splits,
-    refuse_unserved,
     window_pair,
 )
 from .checks import FP8_DTYPES
@@ -112,17 +111,15 @@ class EntryPoint:
 
     def call_of(self, values: tuple) -> Call:
         """(The Call of one call's arguments (in signature order), whether it appended to its
-        cache first: kv_append, which also rotates q); refuses unserved arguments and missing
-        required ones by name."""
-        fields, unserved, metadata, fp8_descales, append = {}, [], None, [], {}
+        cache first: kv_append, which also rotates q); refuses missing required arguments by
+        name."""
+        fields, metadata, fp8_descales, append = {}, None, [], {}
         for name, value in zip(self.params, values):
             role = self.roles[name]
             kind = role.kind
             if kind == "ignored":
                 continue
-            if kind == "unserved":
-                unserved.append((name, value))
-            elif kind in ("append", "append_option"):
+            if kind in ("append", "append_option"):
                 append[role.field] = value
             elif kind == "lengths":
                 if value is None or isinstance(value, torch.Tensor):
@@ -137,7 +134,6 @@ class EntryPoint:
                 fields[role.field] = window_pair(value)
             else:
                 fields[role.field] = value
-        refuse_unserved(unserved)
         for name in self.required:
             if values[self.params.index(name)] is None:
                 raise TypeError(f"{self.name} needs {name} (got None)")
@@ -183,7 +179,7 @@ class EntryPoint:
         roles, params = self.roles, self.params
         q, k, v = [n for n in params if roles[n].kind == "tensor"]
         out = next((n for n in params if roles[n].kind == "out"), None)
-        prologue, key, accept, slots, unserved = [], [], [], {}, []
+        prologue, key, accept, slots, appends = [], [], [], {}, []
         for name in params:
             role = roles[name]
             kind = role.kind
@@ -235,14 +231,14 @@ class EntryPoint:
                 key.append(name)
             elif kind == "metadata":
                 key.append(f"None if {name} is None else _metadata_splits({name})")
-            elif kind in ("unserved", "append"):
+            elif kind == "append":
                 if self.signature.parameters[name].default is not None:
-                    raise ValueError(f"{kind} {name} must default to None")
-                unserved.append(name)  # (one chained test for all of them, below)
+                    raise ValueError(f"append {name} must default to None")
+                appends.append(name)  # (one chained test for all of them, below)
             elif kind not in ("out", "ignored", "append_option"):
                 raise ValueError(f"unknown role kind {kind!r} of {name}")
-        if unserved:  # True only when every one of them is None
-            key.append(" is ".join(unserved) + " is None")
+        if appends:  # True only when every one of them is None (no append)
+            key.append(" is ".join(appends) + " is None")
         # Without out, whether q is contiguous picks how out is allocated; with out, the strides
         # size the overlap check (LaunchPlan.usable).
         strides = f"{q}.stride(), {k}.stride(), {v}.stride()"

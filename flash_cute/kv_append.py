@@ -109,9 +109,7 @@ def _check(append: KVAppend, k_cache, v_cache, batch: int) -> tuple:
             )
     device = k_cache.device
     if a.cu_seqlens_k_new is not None:
-        checks._check_int32_vector(
-            "cu_seqlens_k_new", a.cu_seqlens_k_new, batch + 1, "new rows' offsets per sequence"
-        )
+        checks.check_cu_seqlens("cu_seqlens_k_new", a.cu_seqlens_k_new, batch)
         if a.k.dim() != 3 or a.v.dim() != 3 or a.k.shape[0] != a.v.shape[0]:
             raise ValueError(
                 "with cu_seqlens_k_new, k and v must be (total_new, nheads_kv, head dim), got "
@@ -144,8 +142,7 @@ def _rotary_tables(a: KVAppend, head_dim: int, capacity: int, device):
         t = getattr(a, name)
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.dtype.is_floating_point:
             raise ValueError(f"{name} must be a (seqlen_ro, rotary_dim / 2) float tensor")
-        if t.device != device:
-            raise ValueError(f"{name} must be on the cache's device {device}, got {t.device}")
+        _same_device(name, t, device)
     if a.rotary_cos.shape != a.rotary_sin.shape:
         raise ValueError(
             f"rotary_cos and rotary_sin must have one shape, got {tuple(a.rotary_cos.shape)} "
@@ -170,25 +167,19 @@ def apply(append: KVAppend, fields: dict) -> dict:
 
     fields: the Call fields of the call (q, k and v the caches, seqused_k or kv_length the
     lengths before the append, page_table, kv_batch_idx, leftpad_k, cu_seqlens_q, causal,
-    window_size, attention_chunk)."""
+    window_size, attention_chunk), which forward.check has passed (their types, shapes and
+    devices); this checks the append's own arguments."""
     q, k_cache, v_cache = fields["q"], fields["k"], fields["v"]
     page_table, batch_idx = fields.get("page_table"), fields.get("kv_batch_idx")
     cu_q = fields.get("cu_seqlens_q")
     if fields.get("cu_seqlens_k") is not None:
         raise ValueError("k and v append to a padded or paged cache, not to packed keys")
-    if not isinstance(q, torch.Tensor) or not isinstance(k_cache, torch.Tensor):
-        raise TypeError("q, k_cache and v_cache must be tensors")
-    if cu_q is not None:
-        checks._check_int32_vector("cu_seqlens_q", cu_q, None, "query offsets per sequence")
-        batch = cu_q.shape[0] - 1
-    else:
-        batch = q.shape[0]
+    batch = cu_q.shape[0] - 1 if cu_q is not None else q.shape[0]
     counts, rows, index, k_new, v_new, belongs = _check(append, k_cache, v_cache, batch)
     device = k_cache.device
     if page_table is None:
         capacity = k_cache.shape[1]
     else:
-        _same_device("page_table", page_table, device)
         capacity = page_table.shape[1] * k_cache.shape[1]
     lengths = fields.get("seqused_k")
     if lengths is None:
@@ -199,8 +190,6 @@ def apply(append: KVAppend, fields: dict) -> dict:
         length = checks.check_host_int("cache_seqlens", fields["kv_length"])
         start = torch.full((batch,), length, device=device, dtype=torch.int64)
     else:
-        checks._check_int32_vector("cache_seqlens", lengths, batch, "keys per sequence")
-        _same_device("cache_seqlens", lengths, device)
         start = lengths.long()
     position = start[rows] + index  # each new row's cache slot within its sequence
 
@@ -208,7 +197,7 @@ def apply(append: KVAppend, fields: dict) -> dict:
     if append.rotary_cos is not None:
         cos, sin = _rotary_tables(append, q.shape[-1], capacity, device)
         if append.rotary_seqlens is not None:
-            checks._check_int32_vector(
+            checks.check_seqused(
                 "rotary_seqlens", append.rotary_seqlens, batch, "rotary position per sequence"
             )
             _same_device("rotary_seqlens", append.rotary_seqlens, device)
@@ -228,7 +217,6 @@ def apply(append: KVAppend, fields: dict) -> dict:
         per_row = bool(fields.get("causal")) or local or bool(fields.get("attention_chunk"))
         if cu_q is not None:
             token = torch.arange(q.shape[0], device=device)
-            _same_device("cu_seqlens_q", cu_q, device)
             cu = cu_q.long()
             seq = torch.searchsorted(cu[1:], token, right=True).clamp(max=batch - 1)
             q_pos = offset[seq] + ((token - cu[seq]) if per_row else 0)
@@ -250,7 +238,6 @@ def apply(append: KVAppend, fields: dict) -> dict:
     # writes to one slot all carry one value, whatever order they land in.
     cache_row = rows
     if batch_idx is not None:
-        _same_device("cache_batch_idx", batch_idx, device)
         cache_row = batch_idx.long()[rows]
     ok = position >= 0
     if page_table is None:
