@@ -254,9 +254,12 @@ def apply(append: KVAppend, fields: dict) -> dict:
         ok = ok & belongs
     if ok.numel() == 0:  # (no new rows: seqlen_new 0)
         return dict(fields, q=q, seqused_k=(start + counts).to(torch.int32), kv_length=None)
-    first = torch.argmax(ok.to(torch.int32))  # the first row with a real slot (0: none)
+    # The first row with a real slot (0: none), as a one-element index: a 0-d tensor index
+    # would read its value on the host, which a graph capture cannot.
+    first = torch.argmax(ok.to(torch.int32)).view(1)
     where = tuple(torch.where(ok, c, c[first]) for c in where)
     for cache, new in ((k_cache, k_new), (v_cache, v_new)):
-        stand_in = torch.where(ok[first], new[first], cache[tuple(c[first] for c in where)])
+        first_ok = ok[first][:, None, None]
+        stand_in = torch.where(first_ok, new[first], cache[tuple(c[first] for c in where)])
         cache.index_put_(where, torch.where(ok[:, None, None], new, stand_in))
     return dict(fields, q=q, seqused_k=(start + counts).to(torch.int32), kv_length=None)

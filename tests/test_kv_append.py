@@ -126,6 +126,33 @@ def test_append_matches_row_by_row(page_size, has_batch_idx, varlen_new, rotary_
     assert torch.equal(got["k"][untouched], k_cache[untouched])
 
 
+@pytest.mark.parametrize("page_size, has_batch_idx, varlen_new, rotary_dim, interleaved, causal",
+                         CASES[::5])  # fmt: skip
+def test_append_reads_no_value_on_the_host(page_size, has_batch_idx, varlen_new, rotary_dim,
+                                           interleaved, causal):  # fmt: skip
+    """The append runs on meta tensors, which have no values: it never reads one on the host
+    (a graph capture cannot, and a read would sync every decode step)."""
+    batch, hkv, h, d, capacity, rows = 3, 2, 4, 16, 20, 6
+    meta = dict(device="meta")
+    if page_size is None:
+        k_cache, page_table = torch.empty(rows, capacity, hkv, d, **meta), None
+    else:
+        k_cache = torch.empty(rows * 5, page_size, hkv, d, **meta)
+        page_table = torch.empty(rows, 5, dtype=torch.int32, **meta)
+    n_new = (12,) if varlen_new else (batch, 4)
+    k, v = (torch.empty(*n_new, hkv, d, **meta) for _ in range(2))
+    cu_new = torch.empty(batch + 1, dtype=torch.int32, **meta) if varlen_new else None
+    cos = sin = None
+    if rotary_dim:
+        cos, sin = (torch.empty(40, rotary_dim // 2, **meta) for _ in range(2))
+    batch_idx = torch.empty(batch, dtype=torch.int32, **meta) if has_batch_idx else None
+    fields = dict(q=torch.empty(batch, 5, h, d, **meta), k=k_cache, v=torch.empty_like(k_cache),
+                  seqused_k=torch.empty(batch, dtype=torch.int32, **meta),
+                  page_table=page_table, kv_batch_idx=batch_idx, causal=causal)  # fmt: skip
+    got = apply(KVAppend(k, v, cos, sin, cu_new, None, interleaved), fields)
+    assert got["q"].shape == fields["q"].shape and got["seqused_k"].shape == (batch,)
+
+
 def test_varlen_queries_and_int_lengths_and_bf16():
     """Packed queries rotate per sequence; an int cache_seqlens is every sequence's; a bf16
     cache gets the float32 rotation rounded once."""
