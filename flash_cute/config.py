@@ -23,12 +23,21 @@ SUPPORTED_DTYPES = ("float16", "bfloat16")
 # K's columns when v is a view of k's leading columns (ForwardVariant.v_in_k).
 WIDE_HEAD_DIMS = (512, 576)
 WIDE_HEAD_DIM_V = 512
+# FlashAttention-3's qv form (q and k the rope part, d <= 64; qv and v the latent, dv >= 256):
+# the kernels see one head of d + dv columns, qv's and v's first. The V head dims whose halves
+# (one per MMA warpgroup, o_split) are whole 64-column swizzle atoms, and the rope width after
+# them: one whole atom (narrower ones compile but read wrong on an H100).
+QV_HEAD_DIMS_V = (256, 384, 512)
+QV_ROPE_DIMS = (64,)
 
 
-def check_head_dims(head_dim: int, head_dim_v: Optional[int] = None) -> None:
+def check_head_dims(head_dim: int, head_dim_v: Optional[int] = None, v_in_k: bool = False) -> None:
     """ValueError unless the kernels take q/k's head dim and V's (default: the same): each a
-    multiple of 16 up to 256 in any pair (whether a config fits is validate's), or V's 512 with
-    q/k's of those or 512 / 576."""
+    multiple of 16 up to 256 in any pair (whether a config fits is validate's), V's 512 with
+    q/k's of those or 512 / 576, or with V read from K's columns (v_in_k: qv, or a latent
+    cache) one of QV_HEAD_DIMS_V with q/k's that plus one of QV_ROPE_DIMS."""
+    if v_in_k and head_dim_v in QV_HEAD_DIMS_V and head_dim - head_dim_v in QV_ROPE_DIMS:
+        return
     if head_dim not in HEAD_DIMS + WIDE_HEAD_DIMS:
         raise ValueError(
             f"head_dim must be a multiple of 16 up to 256 or one of {WIDE_HEAD_DIMS}, got "
@@ -397,7 +406,7 @@ class AttentionConfig:
     ) -> "AttentionConfig":
         """Raise ValueError if this config cannot run for head_dim/dtype (and V's head dim
         head_dim_v, default head_dim; v_in_k: V read from K's stages); return self."""
-        check_head_dims(head_dim, head_dim_v)
+        check_head_dims(head_dim, head_dim_v, v_in_k)
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
@@ -655,9 +664,9 @@ def decode_config(
     """The config for decode-like problems (few query rows per kv head); with a V head dim
     head_dim_v other than head_dim, the row of the larger one (or the next larger one with a
     row); V above 256: wide_config."""
-    check_head_dims(head_dim, head_dim_v)
+    check_head_dims(head_dim, head_dim_v, v_in_k)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    if head_dim_v > 256:
+    if max(head_dim, head_dim_v) > 256:
         return wide_config(head_dim, head_dim_v, v_in_k)
     try:
         return DECODE_CONFIGS[(table_head_dim(max(head_dim, head_dim_v)), dtype)]
@@ -765,9 +774,9 @@ def default_config(
     other than head_dim takes its pair's row (PAIR_CONFIGS), or the larger head dim's; V
     above 256 wide_config. A head dim without a row takes the next larger one's
     (table_head_dim)."""
-    check_head_dims(head_dim, head_dim_v)
+    check_head_dims(head_dim, head_dim_v, v_in_k)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    if head_dim_v > 256:
+    if max(head_dim, head_dim_v) > 256:
         return wide_config(head_dim, head_dim_v, v_in_k)
     if head_dim_v != head_dim:
         pair = PAIR_CONFIGS.get((head_dim, head_dim_v, dtype, bool(causal)))

@@ -193,7 +193,7 @@ def describe(call: Call, names: Optional[dict] = None) -> Problem:
         learnable_sink=checks.check_learnable_sink(call.learnable_sink, nheads),
     )
     # (get_scheduler_metadata describes calls too: these hold for every described call)
-    configs.check_head_dims(problem.head_dim, problem.head_dim_v)
+    configs.check_head_dims(problem.head_dim, problem.head_dim_v, problem.v_in_k or problem.qv)
     checks.check_gqa(problem.nheads, problem.nheads_kv)
     return problem
 
@@ -279,8 +279,8 @@ def kernel_call_args(call: Call) -> tuple:
 
 
 def _check_qv(qv, q: torch.Tensor, v: torch.Tensor, kv_dtype: Optional[str]) -> None:
-    """qv (FlashAttention-3's absorbed MLA): like q with v's head dim, q's dtype; served with
-    the wide heads, on a 16-bit cache."""
+    """qv (FlashAttention-3's absorbed MLA): like q with v's head dim, q's dtype, on a 16-bit
+    cache; FlashAttention-3 takes q's head dim <= 64 and v's 256-512."""
     if qv is None:
         return
     if kv_dtype is not None:
@@ -289,11 +289,13 @@ def _check_qv(qv, q: torch.Tensor, v: torch.Tensor, kv_dtype: Optional[str]) -> 
         )
     checks.check_tensor("qv", qv, q.dim(), "q's shape with v's head dim")
     checks.check_same_dtype("qv", qv, "q", q)
-    if q.shape[-1] + v.shape[-1] not in configs.WIDE_HEAD_DIMS:
+    d, dv = q.shape[-1], v.shape[-1]
+    if d > 64 or dv < 256:
+        raise ValueError(f"qv takes q's head dim <= 64 and v's >= 256, got {d} and {dv}")
+    if d not in configs.QV_ROPE_DIMS or dv not in configs.QV_HEAD_DIMS_V:
         raise NotImplementedError(
-            f"flash_cute serves qv with q's and v's head dims summing to one of "
-            f"{configs.WIDE_HEAD_DIMS} (absorbed MLA: 64 + 512), got {q.shape[-1]} + "
-            f"{v.shape[-1]}"
+            f"flash_cute serves qv with q's head dim one of {configs.QV_ROPE_DIMS} and v's one "
+            f"of {configs.QV_HEAD_DIMS_V} (absorbed MLA: 64 + 512), got {d} + {dv}"
         )
     if tuple(qv.shape) != (*q.shape[:-1], v.shape[-1]):
         raise ValueError(

@@ -90,7 +90,8 @@ def flash_attn_func(
             and lse = its sink.
         qv: FlashAttention-3's absorbed-MLA form: (..., nheads, headdim_v) like q with v's
             head dim; the scores are q k^T + qv v^T (q and k then hold the rope part, e.g.
-            64 against v's 512) and the default scale 1/sqrt(headdim + headdim_v).
+            64 against v's 512) and the default scale 1/sqrt(headdim + headdim_v). headdim
+            64 with headdim_v 256, 384 or 512.
         q_descale, k_descale, v_descale: with FP8 (float8_e4m3fn) q, k and v, (batch,
             nheads_kv) float32 dequantization scales (stride 0 allowed; None: 1), as
             FlashAttention-3 takes them: the scores are (q k^T) * q_descale * k_descale *

@@ -405,8 +405,20 @@ def test_v_in_k_is_a_view_of_k_leading_columns():
     assert not _v_in_k(cache[..., :256], cache[..., :128])  # served pairs load V themselves
 
 
-def test_qv_needs_q_and_v_head_dims_summing_to_576():
-    q, k, v = (torch.randn(1, 4, 8, 64, dtype=torch.bfloat16) for _ in range(3))
-    qv = torch.randn(1, 4, 8, 64, dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="qv with q's and v's head dims summing"):
+@pytest.mark.parametrize(
+    "d, dv, error, match",
+    [
+        (64, 64, ValueError, "qv takes q's head dim <= 64 and v's >= 256, got 64 and 64"),
+        (96, 512, ValueError, "qv takes q's head dim <= 64 and v's >= 256, got 96 and 512"),
+        (32, 512, NotImplementedError, r"q's head dim one of \(64,\).* got 32 \+ 512"),
+        (64, 320, NotImplementedError, r"v's one of \(256, 384, 512\).* got 64 \+ 320"),
+    ],
+)
+def test_qv_head_dims_are_fa3s_and_the_unserved_ones_named(d, dv, error, match):
+    """FlashAttention-3 takes qv with q's head dim <= 64 and v's 256-512: others are a
+    ValueError; those flash_cute does not serve (q's not 64, v's halves not whole 64-column
+    atoms) a NotImplementedError naming the pair."""
+    q, k = (torch.randn(1, 4, 8, d, dtype=torch.bfloat16) for _ in range(2))
+    v, qv = (torch.randn(1, 4, 8, dv, dtype=torch.bfloat16) for _ in range(2))
+    with pytest.raises(error, match=match):
         flash_cute.flash_attn_func(q, k, v, qv=qv)

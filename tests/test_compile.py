@@ -466,6 +466,11 @@ MLA_KEYS = [
     _mla(192, 128, False, kind="decode", page_size=64),
     _mla(64, 256, False, kind="decode", page_size=1),
     _mla(128, 64, varlen_q=True, total_q=4096, kv_layout="packed", seqused_k=True),
+    # FlashAttention-3's qv at its other pairs (q's head dim <= 64, v's 256-512): prefill and
+    # paged decode, the kernels' head dim d + dv.
+    _mla(64 + 256, 256, qv=True, nheads_kv=4),
+    _mla(64 + 384, 384, False, kind="decode", page_size=64, qv=True),
+    _mla(64 + 256, 256, kind="decode", page_size=1, qv=True, dtype="float16"),
 ]
 
 

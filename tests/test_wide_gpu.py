@@ -274,3 +274,47 @@ def test_api_mla_varlen_speculative_decoding(form, num_splits):
             [out[s : s + n].unsqueeze(0)], None, [refs[b][:, 4 - n :]], [lowps[b][:, 4 - n :]],
             None,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("d_rope, dv", [(64, 256), (64, 384), (64, 512)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_api_serves_qv_at_every_pair(d_rope, dv, causal):
+    """qv at the pairs FlashAttention-3 takes that flash_cute serves (q's head dim 64, v's
+    256 / 384 / 512): prefill through flash_attn_func (GQA, seqlen_q != seqlen_k) and a split
+    decode over a paged cache, against q' = [qv, q] and k' = [v, k] in float32 (default scale
+    1 / sqrt(d + dv))."""
+    import flash_cute
+    from flash_cute.reference import attention_ref, error_bound
+
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("qv-pairs", d_rope, dv, causal))
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=BF16, generator=gen)
+
+    q, k, qv, v = (
+        rand(2, 113, 8, d_rope),
+        rand(2, 1000, 2, d_rope),
+        rand(2, 113, 8, dv),
+        rand(2, 1000, 2, dv),
+    )
+    out = torch.full((2, 113, 8, dv), float("nan"), device="cuda", dtype=BF16)
+    got, lse = flash_cute.flash_attn_func(q, k, v, causal=causal, qv=qv, out=out, return_lse=True)
+    q_all, k_all = torch.cat([qv, q], -1), torch.cat([v, k], -1)
+    scale = (d_rope + dv) ** -0.5
+    ref, lse_ref = attention_ref(q_all, k_all, v, scale, causal)
+    lowp, _ = attention_ref(q_all, k_all, v, scale, causal, upcast=False)
+    assert got is out
+    assert (got.float() - ref).abs().max().item() <= error_bound(lowp, ref)
+    assert torch.allclose(lse, lse_ref, atol=1e-3, rtol=1e-3)
+
+    k_cache, v_cache, page_table, k_pad, v_pad = make_cache(3, 700, 1, d_rope, BF16, 64, gen, dv)
+    q, qv = rand(3, 1, 32, d_rope), rand(3, 1, 32, dv)
+    lens = torch.tensor([700, 1, 333], device="cuda", dtype=torch.int32)
+    for num_splits in (1, 0):
+        out, lse = flash_cute.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=lens, page_table=page_table, qv=qv,
+            causal=causal, num_splits=num_splits, return_softmax_lse=True,
+        )  # fmt: skip
+        q_all, k_all = torch.cat([qv, q], -1), torch.cat([v_pad, k_pad], -1)
+        refs, lowps, lse_refs = cache_reference(q_all, k_all, v_pad, lens.tolist(), causal)
+        assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
