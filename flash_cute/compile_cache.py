@@ -274,6 +274,88 @@ def compile_combine(key: CombineKernelKey, options: str = "") -> Callable:
     return cute.compile(kernel, out_partial, lse_partial, out, lse, records, stream, options=opts)
 
 
+@dataclass(frozen=True)
+class AppendKernelKey:
+    """A compiled KV-append kernel (kernels/kv_append.py): the cache's dtype and head dims, the
+    rotation (rotary_dim 0: none; the cos / sin tables' dtype) and which optional index tensors
+    it reads."""
+
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    q_dtype: Optional[str] = None  # with rotary: the queries' (FP8 caches serve 16-bit q too)
+    rotary_dim: int = 0
+    interleaved: bool = False
+    per_row: bool = False  # queries at their sequence's rotary position plus their index
+    rotary_dtype: Optional[str] = None
+    paged: bool = False
+    lengths: bool = True  # per-sequence lengths (else one int for all)
+    varlen_new: bool = False  # cu_seqlens_k_new
+    batch_idx: bool = False
+    varlen_q: bool = False  # cu_seqlens_q (rotary only)
+    rotary_seqlens: bool = False
+
+
+def compile_append(key: AppendKernelKey, options: str = "") -> Callable:
+    """Compile (uncached) the KV-append kernel for `key` on fake tensors with symbolic shapes,
+    for sm_90a."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from flash_cute.kernels.kv_append import KVAppendKernel
+
+    dtype = _cutlass_dtype(key.dtype)
+    sym = cute.sym_int
+    rows, nheads_kv, nheads, tokens = (sym() for _ in range(4))
+
+    def tensor(dtype_, shape):
+        strides = tuple(cute.sym_int64() for _ in shape[:-1])
+        return cute.runtime.make_fake_tensor(
+            dtype_, shape, stride=(*strides, 1), assumed_align=dtype_.width // 8
+        )
+
+    def ints(rank=1, taken=True):
+        return tensor(cutlass.Int32, tuple(sym() for _ in range(rank))) if taken else None
+
+    d, dv = key.head_dim, key.head_dim_v
+    cache_rows = (sym(), sym(), nheads_kv)
+    rotary = key.rotary_dim > 0
+    table = None
+    if rotary:
+        table = tensor(_cutlass_dtype(key.rotary_dtype), (sym(), key.rotary_dim // 2))
+    q_dtype = _cutlass_dtype(key.q_dtype) if rotary else None
+    q = tensor(q_dtype, (tokens, nheads, d)) if rotary else None
+    args = (
+        tensor(dtype, (rows, nheads_kv, d)),
+        tensor(dtype, (rows, nheads_kv, dv)),
+        tensor(dtype, (*cache_rows, d)),
+        tensor(dtype, (*cache_rows, dv)),
+        ints(1, key.lengths),
+        cutlass.Int32(0),
+        ints(),
+        ints(1, key.varlen_new),
+        cutlass.Int32(1),
+        ints(1, key.batch_idx),
+        ints(2, key.paged),
+        q,
+        tensor(q_dtype, (tokens, nheads, d)) if rotary else None,
+        cutlass.Int32(1),
+        ints(1, rotary and key.varlen_q),
+        table,
+        None if table is None else tensor(table.element_type, (sym(), key.rotary_dim // 2)),
+        ints(1, rotary and key.rotary_seqlens),
+    )
+    kernel = KVAppendKernel(d, dv, key.rotary_dim, key.interleaved, key.per_row)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    opts = f"{TARGET_OPTIONS} {options}".strip()
+    return cute.compile(kernel, *args, stream, options=opts)
+
+
+def get_append_kernel(key: AppendKernelKey) -> Callable:
+    """The compiled KV-append kernel for `key` (memory, then disk, then compile)."""
+    return _get(key, compile_append)
+
+
 def get_combine_kernel(key: CombineKernelKey) -> Callable:
     """The compiled combine kernel for `key` (memory, then disk, then compile)."""
     return _get(key, compile_combine)

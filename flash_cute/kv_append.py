@@ -10,11 +10,13 @@ at rotary_seqlens[b] + i where the mask is causal or local, every row at rotary_
 otherwise (FlashAttention-3's convention). Interleaved rotary pairs dims (2j, 2j + 1), the
 other form (j, j + rotary_dim / 2); dims past rotary_dim are left as they are.
 
-The update runs as a few PyTorch operations on the call's stream ahead of the attention launch
-(no host synchronization, so CUDA-graph capture takes it); rotations are computed in float32 and
-rounded once to the cache's dtype. A row whose slot lies past the cache's capacity (or past
-its page table's width) is dropped rather than written out of bounds. Calls that append are
-not replayed from a launch plan (each takes the checked path).
+The update is one kernel on the call's stream ahead of the attention launch
+(kernels/kv_append.py: no host synchronization, so CUDA-graph capture takes it; +2.4-5 us a
+decode step on an H100); rotations are computed in float32 and rounded once to the cache's
+dtype. Rotary with FP8 (cache, queries or tables) and tensors off the GPU (the CPU tests) take
+PyTorch ops of the same semantics instead. A row whose slot lies past the cache's capacity (or
+past its page table's width) is dropped rather than written out of bounds. Calls that append
+are not replayed from a launch plan (each takes the checked path).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import torch
 
 from . import checks
 
+# (FlashAttention-3's FP8 calls pass the tables in e4m3 too.)
+ROTARY_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 # The arguments whose presence makes a call append (the others only shape how).
 TRIGGERS = ("k", "v", "rotary_cos", "rotary_sin", "cu_seqlens_k_new")
 
@@ -77,10 +81,9 @@ def _angles(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return table[positions.clamp(0, table.shape[0] - 1)].float()  # (the rows only: not the table)
 
 
-def _check(append: KVAppend, k_cache, v_cache, batch: int) -> tuple:
-    """Checks; returns (per-sequence new-row counts (batch,) int64, each new row's sequence
-    (total_new,) int64 and index within it, k and v as (total_new, nheads_kv, d / dv), and
-    which rows belong to a sequence (None: all))."""
+def _check_new_rows(append: KVAppend, k_cache, v_cache, batch: int) -> tuple:
+    """Checks k, v and cu_seqlens_k_new; returns k and v as (total_new, nheads_kv, d / dv)
+    and the new rows per sequence when they are batch-major (None: packed)."""
     a = append
     if (a.k is None) != (a.v is None):
         raise ValueError("k and v (the keys and values to append) must be given together")
@@ -107,7 +110,8 @@ def _check(append: KVAppend, k_cache, v_cache, batch: int) -> tuple:
                 f"{name} must have its cache's (nheads_kv, head dim) {tuple(cache.shape[-2:])}, "
                 f"got {tuple(new.shape)}"
             )
-    device = k_cache.device
+        if new.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
     if a.cu_seqlens_k_new is not None:
         checks.check_cu_seqlens("cu_seqlens_k_new", a.cu_seqlens_k_new, batch)
         if a.k.dim() != 3 or a.v.dim() != 3 or a.k.shape[0] != a.v.shape[0]:
@@ -115,33 +119,24 @@ def _check(append: KVAppend, k_cache, v_cache, batch: int) -> tuple:
                 "with cu_seqlens_k_new, k and v must be (total_new, nheads_kv, head dim), got "
                 f"{tuple(a.k.shape)} and {tuple(a.v.shape)}"
             )
-        _same_device("cu_seqlens_k_new", a.cu_seqlens_k_new, device)
-        cu = a.cu_seqlens_k_new.long()
-        counts = (cu[1:] - cu[:-1]).clamp(min=0)
-        token = torch.arange(a.k.shape[0], device=device)
-        rows = torch.searchsorted(cu[1:], token, right=True).clamp(max=batch - 1)
-        # Rows before cu_seqlens_k_new[0] or from cu_seqlens_k_new[batch] on belong to no
-        # sequence (FlashAttention-3 reads only the rows in between).
-        belongs = (token >= cu[0]) & (token < cu[-1])
-        return counts, rows, token - cu[rows], a.k, a.v, belongs
+        _same_device("cu_seqlens_k_new", a.cu_seqlens_k_new, k_cache.device)
+        return a.k, a.v, None
     if a.k.dim() != 4 or a.k.shape[:2] != a.v.shape[:2] or a.k.shape[0] != batch:
         raise ValueError(
             f"k and v must be (batch={batch}, seqlen_new, nheads_kv, head dim), got "
             f"{tuple(a.k.shape)} and {tuple(a.v.shape)}"
         )
-    seqlen_new = a.k.shape[1]
-    counts = torch.full((batch,), seqlen_new, device=device, dtype=torch.int64)
-    rows = torch.arange(batch, device=device).repeat_interleave(seqlen_new)
-    index = torch.arange(seqlen_new, device=device).repeat(batch)
-    flat = (a.k.reshape(-1, *a.k.shape[2:]), a.v.reshape(-1, *a.v.shape[2:]))
-    return counts, rows, index, *flat, None
+    return a.k.flatten(0, 1), a.v.flatten(0, 1), a.k.shape[1]
 
 
 def _rotary_tables(a: KVAppend, head_dim: int, capacity: int, device):
     for name in ("rotary_cos", "rotary_sin"):
         t = getattr(a, name)
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.dtype.is_floating_point:
-            raise ValueError(f"{name} must be a (seqlen_ro, rotary_dim / 2) float tensor")
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in ROTARY_DTYPES:
+            raise ValueError(
+                f"{name} must be a (seqlen_ro, rotary_dim / 2) float16, bfloat16, float32 or "
+                "float8_e4m3fn tensor"
+            )
         _same_device(name, t, device)
     if a.rotary_cos.shape != a.rotary_sin.shape:
         raise ValueError(
@@ -161,6 +156,66 @@ def _rotary_tables(a: KVAppend, head_dim: int, capacity: int, device):
     return a.rotary_cos, a.rotary_sin
 
 
+@dataclass(frozen=True)
+class _Checked:
+    """One appending call, checked: what the kernel (or the PyTorch ops) reads."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_new: torch.Tensor  # (total_new, nheads_kv, d)
+    v_new: torch.Tensor
+    seqlen_new: Optional[int]  # batch-major new rows per sequence (None: cu_seqlens_k_new)
+    batch: int
+    lengths: Optional[torch.Tensor]  # (batch,) int32 rows cached, or None: `length` for all
+    length: int
+    page_table: Optional[torch.Tensor]
+    batch_idx: Optional[torch.Tensor]
+    cu_q: Optional[torch.Tensor]
+    rotary: Optional[tuple]  # (cos, sin), or None
+    per_row: bool  # queries at their rotary position plus their index
+
+
+def _checked(append: KVAppend, fields: dict) -> _Checked:
+    q, k_cache, v_cache = fields["q"], fields["k"], fields["v"]
+    page_table = fields.get("page_table")
+    cu_q = fields.get("cu_seqlens_q")
+    if fields.get("cu_seqlens_k") is not None:
+        raise ValueError("k and v append to a padded or paged cache, not to packed keys")
+    batch = cu_q.shape[0] - 1 if cu_q is not None else q.shape[0]
+    k_new, v_new, seqlen_new = _check_new_rows(append, k_cache, v_cache, batch)
+    device = k_cache.device
+    if page_table is None:
+        capacity = k_cache.shape[1]
+    else:
+        capacity = page_table.shape[1] * k_cache.shape[1]
+    lengths, length = fields.get("seqused_k"), 0
+    if lengths is None:
+        if fields.get("kv_length") is None:
+            raise ValueError(
+                "appending k and v needs cache_seqlens (where each sequence's new rows go)"
+            )
+        length = checks.check_host_int("cache_seqlens", fields["kv_length"])
+    rotary, per_row = None, False
+    if append.rotary_cos is not None:
+        rotary = _rotary_tables(append, q.shape[-1], capacity, device)
+        if append.rotary_seqlens is not None:
+            checks.check_seqused(
+                "rotary_seqlens", append.rotary_seqlens, batch, "rotary position per sequence"
+            )
+            _same_device("rotary_seqlens", append.rotary_seqlens, device)
+        # FlashAttention-3's rule: per row where the mask is causal or local, a window side
+        # that covers every key or query counting as none.
+        left, right = fields.get("window_size", (-1, -1))
+        seqlen_q = fields.get("max_seqlen_q") if cu_q is not None else q.shape[1]
+        local = (0 <= left < capacity - 1) or (0 <= right < (seqlen_q or 1) - 1)
+        per_row = bool(fields.get("causal")) or local or bool(fields.get("attention_chunk"))
+    return _Checked(
+        q, k_cache, v_cache, k_new, v_new, seqlen_new, batch, lengths, length, page_table,
+        fields.get("kv_batch_idx"), cu_q, rotary, per_row,
+    )  # fmt: skip
+
+
 def apply(append: KVAppend, fields: dict) -> dict:
     """Write the new rows into the cache (and rotate the queries); returns the Call fields
     with q the rotated queries and seqused_k each sequence's length after the append.
@@ -168,63 +223,107 @@ def apply(append: KVAppend, fields: dict) -> dict:
     fields: the Call fields of the call (q, k and v the caches, seqused_k or kv_length the
     lengths before the append, page_table, kv_batch_idx, leftpad_k, cu_seqlens_q, causal,
     window_size, attention_chunk), which forward.check has passed (their types, shapes and
-    devices); this checks the append's own arguments."""
-    q, k_cache, v_cache = fields["q"], fields["k"], fields["v"]
-    page_table, batch_idx = fields.get("page_table"), fields.get("kv_batch_idx")
-    cu_q = fields.get("cu_seqlens_q")
-    if fields.get("cu_seqlens_k") is not None:
-        raise ValueError("k and v append to a padded or paged cache, not to packed keys")
-    batch = cu_q.shape[0] - 1 if cu_q is not None else q.shape[0]
-    counts, rows, index, k_new, v_new, belongs = _check(append, k_cache, v_cache, batch)
-    device = k_cache.device
-    if page_table is None:
-        capacity = k_cache.shape[1]
-    else:
-        capacity = page_table.shape[1] * k_cache.shape[1]
-    lengths = fields.get("seqused_k")
-    if lengths is None:
-        if fields.get("kv_length") is None:
-            raise ValueError(
-                "appending k and v needs cache_seqlens (where each sequence's new rows go)"
-            )
-        length = checks.check_host_int("cache_seqlens", fields["kv_length"])
-        start = torch.full((batch,), length, device=device, dtype=torch.int64)
-    else:
-        start = lengths.long()
-    position = start[rows] + index  # each new row's cache slot within its sequence
+    devices); this checks the append's own arguments. On a GPU one kernel does the work
+    (kernels/kv_append.py; but rotary with FP8, _kernel_serves); elsewhere (the CPU tests)
+    PyTorch ops of the same semantics."""
+    c = _checked(append, fields)
+    run = _launch if c.k_cache.is_cuda and _kernel_serves(c) else _torch_ops
+    q, new_lengths = run(c, append)
+    return dict(fields, q=q, seqused_k=new_lengths, kv_length=None)
 
-    # Rotary: the new keys and the queries.
-    if append.rotary_cos is not None:
-        cos, sin = _rotary_tables(append, q.shape[-1], capacity, device)
-        if append.rotary_seqlens is not None:
-            checks.check_seqused(
-                "rotary_seqlens", append.rotary_seqlens, batch, "rotary position per sequence"
-            )
-            _same_device("rotary_seqlens", append.rotary_seqlens, device)
-            offset = append.rotary_seqlens.long()
-        else:
-            offset = start
+
+def _kernel_serves(c: _Checked) -> bool:
+    """The kernel takes every append but rotary with an FP8 cache, queries or tables: its FP8
+    rotation has not run on a GPU yet, so those calls take the PyTorch ops (GPU-tested through
+    FlashAttention-3's kvcache cases)."""
+    tensors = (c.k_cache, c.q, *c.rotary) if c.rotary is not None else ()
+    return not any(t.dtype in checks.FP8_DTYPES for t in tensors)
+
+
+def _launch(c: _Checked, append: KVAppend) -> tuple:
+    """The append kernel: (the rotated queries, or q; the lengths after the append)."""
+    from .compile_cache import AppendKernelKey, get_append_kernel
+    from .runtime import on_device
+
+    rotary_dim = 0 if c.rotary is None else 2 * c.rotary[0].shape[1]
+    names = {**checks.ALL_DTYPE_NAMES, **checks.FP8_DTYPES}  # (FP8 caches, FP8 queries)
+    key = AppendKernelKey(
+        dtype=names[c.k_cache.dtype],
+        head_dim=c.k_cache.shape[-1],
+        head_dim_v=c.v_cache.shape[-1],
+        q_dtype=names[c.q.dtype] if rotary_dim else None,
+        rotary_dim=rotary_dim,
+        interleaved=bool(rotary_dim) and append.rotary_interleaved,
+        per_row=bool(rotary_dim) and c.per_row,
+        rotary_dtype=names[c.rotary[0].dtype] if rotary_dim else None,
+        paged=c.page_table is not None,
+        lengths=c.lengths is not None,
+        varlen_new=c.seqlen_new is None,
+        batch_idx=c.batch_idx is not None,
+        varlen_q=bool(rotary_dim) and c.cu_q is not None,
+        rotary_seqlens=bool(rotary_dim) and append.rotary_seqlens is not None,
+    )
+    new_lengths = torch.empty(c.batch, device=c.k_cache.device, dtype=torch.int32)
+    q_rows = q_out = None
+    if rotary_dim:
+        q_rows = c.q if c.cu_q is not None else c.q.flatten(0, 1)
+        q_out = torch.empty_like(q_rows)
+    cos, sin = c.rotary if rotary_dim else (None, None)
+    seqlen_q = c.q.shape[1] if c.cu_q is None else 1
+    per_seq = 1 if c.seqlen_new is None else c.seqlen_new  # (0: no rows, no division)
+    with on_device(c.k_cache.device):
+        get_append_kernel(key)(
+            c.k_new, c.v_new, c.k_cache, c.v_cache, c.lengths, c.length, new_lengths,
+            append.cu_seqlens_k_new, per_seq, c.batch_idx, c.page_table, q_rows, q_out,
+            seqlen_q, c.cu_q if key.varlen_q else None, cos, sin,
+            append.rotary_seqlens if key.rotary_seqlens else None,
+        )  # fmt: skip
+    q = c.q if q_out is None else q_out.view(c.q.shape)
+    return q, new_lengths
+
+
+def _torch_ops(c: _Checked, append: KVAppend) -> tuple:
+    """The kernel's semantics in PyTorch ops (no host reads): the CPU tests' path."""
+    device = c.k_cache.device
+    if c.seqlen_new is None:
+        cu = append.cu_seqlens_k_new.long()
+        counts = (cu[1:] - cu[:-1]).clamp(min=0)
+        token = torch.arange(c.k_new.shape[0], device=device)
+        rows = torch.searchsorted(cu[1:], token, right=True).clamp(max=c.batch - 1)
+        # Rows before cu_seqlens_k_new[0] or from cu_seqlens_k_new[batch] on belong to no
+        # sequence (FlashAttention-3 reads only the rows in between).
+        belongs = (token >= cu[0]) & (token < cu[-1])
+        index = token - cu[rows]
+    else:
+        counts = torch.full((c.batch,), c.seqlen_new, device=device, dtype=torch.int64)
+        rows = torch.arange(c.batch, device=device).repeat_interleave(c.seqlen_new)
+        index = torch.arange(c.seqlen_new, device=device).repeat(c.batch)
+        belongs = None
+    if c.lengths is None:
+        start = torch.full((c.batch,), c.length, device=device, dtype=torch.int64)
+    else:
+        start = c.lengths.long()
+    position = start[rows] + index  # each new row's cache slot within its sequence
+    q, k_new, v_new, k_cache = c.q, c.k_new, c.v_new, c.k_cache
+
+    if c.rotary is not None:
+        cos, sin = c.rotary
+        offset = start if append.rotary_seqlens is None else append.rotary_seqlens.long()
         k_pos = offset[rows] + index
         k_new = _rotate(
             k_new, _angles(cos, k_pos)[:, None], _angles(sin, k_pos)[:, None],
             append.rotary_interleaved,
         ).to(k_cache.dtype)  # fmt: skip
-        # FlashAttention-3's rule: per row where the mask is causal or local, a window side
-        # that covers every key or query counting as none.
-        left, right = fields.get("window_size", (-1, -1))
-        seqlen_q = fields.get("max_seqlen_q") if cu_q is not None else q.shape[1]
-        local = (0 <= left < capacity - 1) or (0 <= right < (seqlen_q or 1) - 1)
-        per_row = bool(fields.get("causal")) or local or bool(fields.get("attention_chunk"))
-        if cu_q is not None:
+        if c.cu_q is not None:
             token = torch.arange(q.shape[0], device=device)
-            cu = cu_q.long()
-            seq = torch.searchsorted(cu[1:], token, right=True).clamp(max=batch - 1)
-            q_pos = offset[seq] + ((token - cu[seq]) if per_row else 0)
+            cu = c.cu_q.long()
+            seq = torch.searchsorted(cu[1:], token, right=True).clamp(max=c.batch - 1)
+            q_pos = offset[seq] + ((token - cu[seq]) if c.per_row else 0)
             q_cos, q_sin = _angles(cos, q_pos)[:, None], _angles(sin, q_pos)[:, None]
         else:
             steps = (
                 torch.arange(q.shape[1], device=device)
-                if per_row
+                if c.per_row
                 else torch.zeros(q.shape[1], device=device, dtype=torch.int64)
             )
             q_pos = offset[:, None] + steps[None, :]
@@ -237,10 +336,12 @@ def apply(append: KVAppend, fields: dict) -> dict:
     # none, writes its clamped slot's own content back): no write leaves the cache, and the
     # writes to one slot all carry one value, whatever order they land in.
     cache_row = rows
-    if batch_idx is not None:
-        cache_row = batch_idx.long()[rows]
+    if c.batch_idx is not None:
+        cache_row = c.batch_idx.long()[rows]
     ok = position >= 0
+    page_table = c.page_table
     if page_table is None:
+        capacity = k_cache.shape[1]
         ok = ok & (position < capacity) & (cache_row >= 0) & (cache_row < k_cache.shape[0])
         where = (cache_row.clamp(0, k_cache.shape[0] - 1), position.clamp(0, capacity - 1))
     else:
@@ -252,14 +353,15 @@ def apply(append: KVAppend, fields: dict) -> dict:
         where = (page.clamp(0, k_cache.shape[0] - 1), position.clamp(min=0) % page_size)
     if belongs is not None:
         ok = ok & belongs
+    new_lengths = (start + counts).to(torch.int32)
     if ok.numel() == 0:  # (no new rows: seqlen_new 0)
-        return dict(fields, q=q, seqused_k=(start + counts).to(torch.int32), kv_length=None)
+        return q, new_lengths
     # The first row with a real slot (0: none), as a one-element index: a 0-d tensor index
     # would read its value on the host, which a graph capture cannot.
     first = torch.argmax(ok.to(torch.int32)).view(1)
-    where = tuple(torch.where(ok, c, c[first]) for c in where)
-    for cache, new in ((k_cache, k_new), (v_cache, v_new)):
+    where = tuple(torch.where(ok, w, w[first]) for w in where)
+    for cache, new in ((k_cache, k_new), (c.v_cache, v_new)):
         first_ok = ok[first][:, None, None]
-        stand_in = torch.where(first_ok, new[first], cache[tuple(c[first] for c in where)])
+        stand_in = torch.where(first_ok, new[first], cache[tuple(w[first] for w in where)])
         cache.index_put_(where, torch.where(ok[:, None, None], new, stand_in))
-    return dict(fields, q=q, seqused_k=(start + counts).to(torch.int32), kv_length=None)
+    return q, new_lengths

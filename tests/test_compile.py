@@ -8,7 +8,12 @@ with ptxas reporting zero spill bytes and not ignoring setmaxnreg.
 import pytest
 
 from flash_cute import AttentionConfig, decode_config
-from flash_cute.compile_cache import CombineKernelKey, compile_combine
+from flash_cute.compile_cache import (
+    AppendKernelKey,
+    CombineKernelKey,
+    compile_append,
+    compile_combine,
+)
 from flash_cute.config import FORWARD_CONFIGS, SHORT_WINDOW_CONFIGS
 from flash_cute.plan import ForwardVariant, Problem, plan_forward
 from flash_cute.precompile import compile_with_ptx_report, decode_variants, table_variants
@@ -741,3 +746,25 @@ def test_combine_compiles(key, tmp_path):
     ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
     assert ".target sm_90a" in ptx
     assert "ld.global.v4" in ptx, "partial O is not read with 16-byte loads"
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        AppendKernelKey("bfloat16", 128, 128),
+        AppendKernelKey("bfloat16", 128, 128, "bfloat16", 128, per_row=True,
+                        rotary_dtype="bfloat16", paged=True),
+        AppendKernelKey("float16", 64, 64, "float16", 32, True, rotary_dtype="float32",
+                        lengths=False, varlen_new=True, batch_idx=True, varlen_q=True,
+                        rotary_seqlens=True),
+        # An FP8 cache (without rotary: FP8 rotation takes the PyTorch ops); the latent
+        # cache's wide rows.
+        AppendKernelKey("float8_e4m3fn", 128, 128, paged=True),
+        AppendKernelKey("bfloat16", 64, 512, paged=True),
+    ],
+    ids=str,
+)  # fmt: skip
+def test_append_compiles(key, tmp_path):
+    compile_append(key, options=f"--keep-ptx --dump-dir={tmp_path}")
+    ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    assert ".target sm_90a" in ptx and "st.global" in ptx

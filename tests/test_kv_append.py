@@ -1,8 +1,10 @@
 """Appending keys and values to a KV cache (flash_cute.kv_append, FlashAttention-3's k, v,
-rotary_cos, ... of flash_attn_with_kvcache) on the CPU, against a row-by-row reference: the
-cache after the call (the untouched rows bit-identical), the rotated queries and the lengths
-the attention then reads."""
+rotary_cos, ... of flash_attn_with_kvcache) against a row-by-row reference: the cache after the
+call (the untouched rows bit-identical), the rotated queries and the lengths the attention then
+reads. The `run` fixture runs each case on the CPU (PyTorch ops) and, marked gpu, on the GPU
+(the append kernel, kernels/kv_append.py)."""
 
+import dataclasses
 import itertools
 import math
 
@@ -73,6 +75,22 @@ def int32(*values):
     return torch.tensor(values, dtype=torch.int32)
 
 
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def run(request):
+    """apply on the fixture's device: the inputs moved there, the results moved back."""
+    device = request.param
+
+    def move(t, to=device):
+        return t.to(to) if isinstance(t, torch.Tensor) else t
+
+    def run_apply(append, fields):
+        values = {f.name: move(getattr(append, f.name)) for f in dataclasses.fields(append)}
+        got = apply(KVAppend(**values), {name: move(t) for name, t in fields.items()})
+        return {name: move(t, "cpu") for name, t in got.items()}
+
+    return run_apply
+
+
 CASES = list(
     itertools.product(
         [None, 4],  # page size
@@ -88,7 +106,7 @@ CASES = list(
 @pytest.mark.parametrize("page_size, has_batch_idx, varlen_new, rotary_dim, interleaved, causal",
                          CASES)  # fmt: skip
 def test_append_matches_row_by_row(page_size, has_batch_idx, varlen_new, rotary_dim, interleaved,
-                                   causal):  # fmt: skip
+                                   causal, run):  # fmt: skip
     gen = torch.Generator().manual_seed(hash((page_size, has_batch_idx, varlen_new)) % 1000)
     batch, hkv, h, d, capacity, seqlen_q = 3, 2, 4, 16, 22, 5
     rows = batch * 2 if has_batch_idx else batch
@@ -117,7 +135,7 @@ def test_append_matches_row_by_row(page_size, has_batch_idx, varlen_new, rotary_
     want = reference(q, k_cache, v_cache, append, lengths, page_table, batch_idx, per_row=causal)
     fields = dict(q=q, k=k_cache.clone(), v=v_cache.clone(), seqused_k=lengths,
                   page_table=page_table, kv_batch_idx=batch_idx, causal=causal)  # fmt: skip
-    got = apply(append, fields)
+    got = run(append, fields)
     assert torch.allclose(got["q"], want[0], atol=1e-6)
     assert torch.allclose(got["k"], want[1], atol=1e-6)
     assert torch.equal(got["v"], want[2])
@@ -153,7 +171,7 @@ def test_append_reads_no_value_on_the_host(page_size, has_batch_idx, varlen_new,
     assert got["q"].shape == fields["q"].shape and got["seqused_k"].shape == (batch,)
 
 
-def test_varlen_queries_and_int_lengths_and_bf16():
+def test_varlen_queries_and_int_lengths_and_bf16(run):
     """Packed queries rotate per sequence; an int cache_seqlens is every sequence's; a bf16
     cache gets the float32 rotation rounded once."""
     gen = torch.Generator().manual_seed(5)
@@ -167,7 +185,7 @@ def test_varlen_queries_and_int_lengths_and_bf16():
     cos, sin = torch.cos(angle).bfloat16(), torch.sin(angle).bfloat16()
     append = KVAppend(k, v, cos, sin, rotary_interleaved=False)
     want = reference(q, k_cache, v_cache, append, [5, 5], cu_q=cu_q, per_row=True)
-    got = apply(append, dict(q=q, k=k_cache.clone(), v=v_cache.clone(), kv_length=5,
+    got = run(append, dict(q=q, k=k_cache.clone(), v=v_cache.clone(), kv_length=5,
                              cu_seqlens_q=cu_q, causal=True))  # fmt: skip
     ulp = 2.0**-7  # (float32 against float64 rotation: at most one bf16 rounding apart)
     assert ((got["q"].float() - want[0].float()).abs() <= ulp * want[0].float().abs() + 1e-6).all()
@@ -252,7 +270,7 @@ def _small(gen, batch=2, capacity=16, hkv=1, d=16, new=2):
         (dict(attention_chunk=4), True),
     ],
 )
-def test_query_positions_follow_the_mask_and_rotary_seqlens(mask, per_row):
+def test_query_positions_follow_the_mask_and_rotary_seqlens(mask, per_row, run):
     """Queries rotate per row where FlashAttention-3's mask is causal or local (a window side
     covering everything counts as none), at rotary_seqlens when given."""
     gen = torch.Generator().manual_seed(11)
@@ -262,19 +280,19 @@ def test_query_positions_follow_the_mask_and_rotary_seqlens(mask, per_row):
     append = KVAppend(k, v, cos, sin, rotary_seqlens=offsets, rotary_interleaved=False)
     lengths = int32(4, 6)
     want = reference(q, k_cache, v_cache, append, lengths, per_row=per_row)
-    got = apply(append, dict(q=q, k=k_cache.clone(), v=v_cache.clone(), seqused_k=lengths,
+    got = run(append, dict(q=q, k=k_cache.clone(), v=v_cache.clone(), seqused_k=lengths,
                              **mask))  # fmt: skip
     assert torch.allclose(got["q"], want[0], atol=1e-6)
     assert torch.allclose(got["k"], want[1], atol=1e-6)  # (keys at rotary_seqlens + i)
     # Packed queries: the same positions per sequence.
     cu_q = int32(0, 3, 6)
-    packed = apply(append, dict(q=q.reshape(6, 2, 16), k=k_cache.clone(), v=v_cache.clone(),
+    packed = run(append, dict(q=q.reshape(6, 2, 16), k=k_cache.clone(), v=v_cache.clone(),
                                 seqused_k=lengths, cu_seqlens_q=cu_q, max_seqlen_q=3,
                                 **mask))  # fmt: skip
     assert torch.allclose(packed["q"], want[0].reshape(6, 2, 16), atol=1e-6)
 
 
-def test_rows_without_a_real_slot_write_nothing():
+def test_rows_without_a_real_slot_write_nothing(run):
     """Packed rows outside cu_seqlens_k_new's range, negative lengths, cache rows out of range:
     no exception, no write outside the cache, every other slot as the reference leaves it."""
     gen = torch.Generator().manual_seed(12)
@@ -285,12 +303,12 @@ def test_rows_without_a_real_slot_write_nothing():
     batch_idx = int32(2, 0, 1)
     append = KVAppend(k, v, cu_seqlens_k_new=cu_new)
     fields = dict(q=torch.randn(3, 1, 2, 16, generator=gen), k=k_cache.clone(), v=v_cache.clone())
-    got = apply(append, dict(fields, seqused_k=lengths, kv_batch_idx=batch_idx))
+    got = run(append, dict(fields, seqused_k=lengths, kv_batch_idx=batch_idx))
     want_k = k_cache.clone()
     want_k[2, 2:4] = k[1:3]  # sequence 0 -> cache row 2, slots 2, 3
     want_k[1, 15] = k[3]  # sequence 2 -> cache row 1, slot 15 (slot 16 dropped)
     assert torch.equal(got["k"], want_k) and got["seqused_k"].tolist() == [4, 4, 17]
-    bad = apply(KVAppend(k[:2], v[:2], cu_seqlens_k_new=int32(0, 1, 1, 2)),
+    bad = run(KVAppend(k[:2], v[:2], cu_seqlens_k_new=int32(0, 1, 1, 2)),
                 dict(q=torch.randn(3, 1, 2, 16), k=k_cache.clone(), v=v_cache.clone(),
                      seqused_k=int32(-3, 0, 2), kv_batch_idx=int32(0, 1, 7)))  # fmt: skip
     assert torch.equal(bad["k"], k_cache)  # (a negative length, a row past the cache's 3)
@@ -325,9 +343,32 @@ def test_appends_are_refused_inside_torch_compile(natives, monkeypatch):
     assert not cache.any()
 
 
-def test_no_new_rows_append_nothing():
+def test_no_new_rows_append_nothing(run):
     gen = torch.Generator().manual_seed(13)
     k_cache, v_cache, k, v, _, _ = _small(gen, new=0)
-    got = apply(KVAppend(k, v), dict(q=torch.randn(2, 1, 1, 16), k=k_cache.clone(),
+    got = run(KVAppend(k, v), dict(q=torch.randn(2, 1, 1, 16), k=k_cache.clone(),
                                      v=v_cache.clone(), seqused_k=int32(3, 5)))  # fmt: skip
     assert torch.equal(got["k"], k_cache) and got["seqused_k"].tolist() == [3, 5]
+
+
+def test_the_kernel_serves_all_but_fp8_rotation():
+    """Rotary with an FP8 cache, FP8 queries or FP8 tables takes the PyTorch ops (the kernel's
+    FP8 rotation has not run on a GPU); everything else, FP8 caches without rotary included,
+    the kernel."""
+    from flash_cute.kv_append import _checked, _kernel_serves
+
+    fp8 = torch.float8_e4m3fn
+    for cache_dtype, q_dtype, table_dtype, rotary, served in [
+        (torch.bfloat16, torch.bfloat16, torch.bfloat16, True, True),
+        (torch.float16, torch.float16, torch.float32, True, True),
+        (fp8, torch.bfloat16, torch.bfloat16, False, True),
+        (fp8, torch.bfloat16, torch.bfloat16, True, False),
+        (torch.bfloat16, fp8, torch.bfloat16, True, False),
+        (torch.bfloat16, torch.bfloat16, fp8, True, False),
+    ]:
+        cache = torch.zeros(2, 16, 1, 16).to(cache_dtype)
+        new = torch.zeros(2, 1, 1, 16).to(cache_dtype)
+        table = torch.zeros(16, 8).to(table_dtype) if rotary else None
+        append = KVAppend(new, new, table, table)
+        fields = dict(q=torch.zeros(2, 1, 2, 16).to(q_dtype), k=cache, v=cache, kv_length=3)
+        assert _kernel_serves(_checked(append, fields)) == served
