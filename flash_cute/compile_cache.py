@@ -302,7 +302,7 @@ def compile_append(key: AppendKernelKey, options: str = "") -> Callable:
     import cutlass
     import cutlass.cute as cute
 
-    from flash_cute.kernels.kv_append import KVAppendKernel
+    from flash_cute.kernels.kv_append import APPEND_ARGUMENTS, KVAppendKernel
 
     dtype = _cutlass_dtype(key.dtype)
     sym = cute.sym_int
@@ -325,26 +325,27 @@ def compile_append(key: AppendKernelKey, options: str = "") -> Callable:
         table = tensor(_cutlass_dtype(key.rotary_dtype), (sym(), key.rotary_dim // 2))
     q_dtype = _cutlass_dtype(key.q_dtype) if rotary else None
     q = tensor(q_dtype, (tokens, nheads, d)) if rotary else None
-    args = (
-        tensor(dtype, (rows, nheads_kv, d)),
-        tensor(dtype, (rows, nheads_kv, dv)),
-        tensor(dtype, (*cache_rows, d)),
-        tensor(dtype, (*cache_rows, dv)),
-        ints(1, key.lengths),
-        cutlass.Int32(0),
-        ints(),
-        ints(1, key.varlen_new),
-        cutlass.Int32(1),
-        ints(1, key.batch_idx),
-        ints(2, key.paged),
-        q,
-        tensor(q_dtype, (tokens, nheads, d)) if rotary else None,
-        cutlass.Int32(1),
-        ints(1, rotary and key.varlen_q),
-        table,
-        None if table is None else tensor(table.element_type, (sym(), key.rotary_dim // 2)),
-        ints(1, rotary and key.rotary_seqlens),
+    fakes = dict(
+        k_new=tensor(dtype, (rows, nheads_kv, d)),
+        v_new=tensor(dtype, (rows, nheads_kv, dv)),
+        k_cache=tensor(dtype, (*cache_rows, d)),
+        v_cache=tensor(dtype, (*cache_rows, dv)),
+        lengths=ints(1, key.lengths),
+        length=cutlass.Int32(0),
+        new_lengths=ints(),
+        cu_new=ints(1, key.varlen_new),
+        seqlen_new=cutlass.Int32(1),
+        batch_idx=ints(1, key.batch_idx),
+        page_table=ints(2, key.paged),
+        q=q,
+        q_out=tensor(q_dtype, (tokens, nheads, d)) if rotary else None,
+        seqlen_q=cutlass.Int32(1),
+        cu_q=ints(1, rotary and key.varlen_q),
+        cos=table,
+        sin=None if table is None else tensor(table.element_type, (sym(), key.rotary_dim // 2)),
+        rotary_seqlens=ints(1, rotary and key.rotary_seqlens),
     )
+    args = [fakes[name] for name in APPEND_ARGUMENTS]
     kernel = KVAppendKernel(d, dv, key.rotary_dim, key.interleaved, key.per_row)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     opts = f"{TARGET_OPTIONS} {options}".strip()

@@ -61,11 +61,12 @@ def table_head_dim(head_dim: int) -> int:
 
 
 def wide_config(head_dim: int, head_dim_v: int, v_in_k: bool = False) -> "AttentionConfig":
-    """The config of V head dims above 256: 64 rows whose O two warpgroups split, and the
-    longest key block whose K (and V, unless read from K's columns) stages fit. With V in K's
-    columns (absorbed MLA) the warpgroups split each key block's scores (split_scores) and run
-    without the intra-warpgroup overlap: that overlap holds both K stages (which are also V's)
-    across a softmax, so the next block's load would start only as it is needed. On an H100 at
+    """The config of head dims above 256 (V's, or q/k's of qv's d + dv): 64 rows whose O two
+    warpgroups split, and the longest key block whose K (and V, unless read from K's columns)
+    stages fit. With V in K's columns (absorbed MLA) the warpgroups split each key block's
+    scores (split_scores) and run without the intra-warpgroup overlap: that overlap holds both
+    K stages (which are also V's) across a softmax, so the next block's load would start only
+    as it is needed. On an H100 at
     the decode points measured: 0.66-0.99x the time of the overlapped split, 0.76-1.0x that of
     both warpgroups computing all scores. Head dim 512 prefill keeps the overlapped repeat
     (neither change gains there: 0.98-1.12x its time)."""
@@ -663,7 +664,7 @@ def decode_config(
 ) -> AttentionConfig:
     """The config for decode-like problems (few query rows per kv head); with a V head dim
     head_dim_v other than head_dim, the row of the larger one (or the next larger one with a
-    row); V above 256: wide_config."""
+    row); a head dim above 256 (V's or q/k's): wide_config."""
     check_head_dims(head_dim, head_dim_v, v_in_k)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if max(head_dim, head_dim_v) > 256:
@@ -771,8 +772,8 @@ def default_config(
     With seqlen_q, short sequences may get their own config (SHORT_SEQUENCE_CONFIGS); with
     window_span (the most keys a row of a local mask can see), short windows may
     (SHORT_WINDOW_CONFIGS). Other local masks take the causal rows. A V head dim head_dim_v
-    other than head_dim takes its pair's row (PAIR_CONFIGS), or the larger head dim's; V
-    above 256 wide_config. A head dim without a row takes the next larger one's
+    other than head_dim takes its pair's row (PAIR_CONFIGS), or the larger head dim's; a head
+    dim above 256 (V's or q/k's) wide_config. A head dim without a row takes the next larger one's
     (table_head_dim)."""
     check_head_dims(head_dim, head_dim_v, v_in_k)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v

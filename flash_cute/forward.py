@@ -192,8 +192,9 @@ def describe(call: Call, names: Optional[dict] = None) -> Problem:
         softcap=checks.check_softcap(call.softcap),
         learnable_sink=checks.check_learnable_sink(call.learnable_sink, nheads),
     )
-    # (get_scheduler_metadata describes calls too: these hold for every described call)
-    configs.check_head_dims(problem.head_dim, problem.head_dim_v, problem.v_in_k or problem.qv)
+    # (get_scheduler_metadata describes calls too: these hold for every described call; the
+    # qv pairs only with qv: a latent cache of those widths has no GPU test)
+    configs.check_head_dims(problem.head_dim, problem.head_dim_v, problem.qv)
     checks.check_gqa(problem.nheads, problem.nheads_kv)
     return problem
 

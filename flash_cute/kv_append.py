@@ -137,11 +137,14 @@ def _rotary_tables(a: KVAppend, head_dim: int, capacity: int, device):
                 f"{name} must be a (seqlen_ro, rotary_dim / 2) float16, bfloat16, float32 or "
                 "float8_e4m3fn tensor"
             )
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
         _same_device(name, t, device)
-    if a.rotary_cos.shape != a.rotary_sin.shape:
+    if a.rotary_cos.shape != a.rotary_sin.shape or a.rotary_cos.dtype != a.rotary_sin.dtype:
         raise ValueError(
-            f"rotary_cos and rotary_sin must have one shape, got {tuple(a.rotary_cos.shape)} "
-            f"and {tuple(a.rotary_sin.shape)}"
+            "rotary_cos and rotary_sin must have one shape and dtype, got "
+            f"{tuple(a.rotary_cos.shape)} {a.rotary_cos.dtype} and {tuple(a.rotary_sin.shape)} "
+            f"{a.rotary_sin.dtype}"
         )
     if a.rotary_cos.shape[0] < capacity:
         raise ValueError(
@@ -227,6 +230,9 @@ def apply(append: KVAppend, fields: dict) -> dict:
     (kernels/kv_append.py; but rotary with FP8, _kernel_serves); elsewhere (the CPU tests)
     PyTorch ops of the same semantics."""
     c = _checked(append, fields)
+    if c.batch == 0:  # (no sequences: nothing to write, and no launch of no blocks)
+        new_lengths = torch.empty(0, device=c.k_cache.device, dtype=torch.int32)
+        return dict(fields, seqused_k=new_lengths, kv_length=None)
     run = _launch if c.k_cache.is_cuda and _kernel_serves(c) else _torch_ops
     q, new_lengths = run(c, append)
     return dict(fields, q=q, seqused_k=new_lengths, kv_length=None)
@@ -243,6 +249,7 @@ def _kernel_serves(c: _Checked) -> bool:
 def _launch(c: _Checked, append: KVAppend) -> tuple:
     """The append kernel: (the rotated queries, or q; the lengths after the append)."""
     from .compile_cache import AppendKernelKey, get_append_kernel
+    from .kernels.kv_append import APPEND_ARGUMENTS
     from .runtime import on_device
 
     rotary_dim = 0 if c.rotary is None else 2 * c.rotary[0].shape[1]
@@ -271,19 +278,23 @@ def _launch(c: _Checked, append: KVAppend) -> tuple:
     cos, sin = c.rotary if rotary_dim else (None, None)
     seqlen_q = c.q.shape[1] if c.cu_q is None else 1
     per_seq = 1 if c.seqlen_new is None else c.seqlen_new  # (0: no rows, no division)
+    values = dict(
+        k_new=c.k_new, v_new=c.v_new, k_cache=c.k_cache, v_cache=c.v_cache, lengths=c.lengths,
+        length=c.length, new_lengths=new_lengths, cu_new=append.cu_seqlens_k_new,
+        seqlen_new=per_seq, batch_idx=c.batch_idx, page_table=c.page_table, q=q_rows,
+        q_out=q_out, seqlen_q=seqlen_q, cu_q=c.cu_q if key.varlen_q else None, cos=cos, sin=sin,
+        rotary_seqlens=append.rotary_seqlens if key.rotary_seqlens else None,
+    )  # fmt: skip
     with on_device(c.k_cache.device):
-        get_append_kernel(key)(
-            c.k_new, c.v_new, c.k_cache, c.v_cache, c.lengths, c.length, new_lengths,
-            append.cu_seqlens_k_new, per_seq, c.batch_idx, c.page_table, q_rows, q_out,
-            seqlen_q, c.cu_q if key.varlen_q else None, cos, sin,
-            append.rotary_seqlens if key.rotary_seqlens else None,
-        )  # fmt: skip
+        get_append_kernel(key)(*(values[name] for name in APPEND_ARGUMENTS))
     q = c.q if q_out is None else q_out.view(c.q.shape)
     return q, new_lengths
 
 
 def _torch_ops(c: _Checked, append: KVAppend) -> tuple:
-    """The kernel's semantics in PyTorch ops (no host reads): the CPU tests' path."""
+    """The kernel's semantics in PyTorch ops (no host reads): the path of the CPU tests and
+    of FP8 rotation. Rotations may differ from the kernel's by a float32 rounding (it fuses
+    multiply-adds), so by a step of the cache's dtype at most."""
     device = c.k_cache.device
     if c.seqlen_new is None:
         cu = append.cu_seqlens_k_new.long()

@@ -20,6 +20,14 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 WARPS = 4  # items per CTA
+# The kernel's arguments in order, by name: __call__'s and kernel's parameters (as m + their
+# CamelCase for tensors), the compiled function's; compile_cache.compile_append and
+# flash_cute.kv_append build theirs from this (tests/test_kv_append.py checks the three agree).
+APPEND_ARGUMENTS = (
+    "k_new", "v_new", "k_cache", "v_cache", "lengths", "length", "new_lengths", "cu_new",
+    "seqlen_new", "batch_idx", "page_table", "q", "q_out", "seqlen_q", "cu_q", "cos", "sin",
+    "rotary_seqlens",
+)  # fmt: skip
 
 
 class KVAppendKernel:
@@ -207,6 +215,9 @@ class KVAppendKernel:
                     self._rotate(k_src, k_dst, mCos, mSin, offset + index, self.head_dim, lane)
                 else:
                     self._copy(mKNew[row, head, None], k_dst, 0, self.head_dim, lane)
+                # (Other lanes write v: where v's columns are k's, as in a latent cache, v lands
+                # last, as in the PyTorch path.)
+                cute.arch.sync_warp()
                 self._copy(mVNew[row, head, None], mVCache[c0, c1, head, None], 0,
                            self.head_dim_v, lane)  # fmt: skip
         if const_expr(self.rotary_dim > 0):

@@ -422,3 +422,12 @@ def test_qv_head_dims_are_fa3s_and_the_unserved_ones_named(d, dv, error, match):
     v, qv = (torch.randn(1, 4, 8, dv, dtype=torch.bfloat16) for _ in range(2))
     with pytest.raises(error, match=match):
         flash_cute.flash_attn_func(q, k, v, qv=qv)
+
+
+def test_the_qv_pairs_are_not_latent_cache_widths():
+    """q 448 over a latent cache with v = k[..., :384] (the qv pair 64 + 384's widths without
+    qv) is refused: no GPU test covers that form."""
+    cache = torch.randn(1, 16, 1, 448, dtype=torch.bfloat16)
+    q = torch.randn(1, 1, 8, 448, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 16 up to 256"):
+        flash_cute.flash_attn_with_kvcache(q, cache, cache[..., :384], cache_seqlens=16)

@@ -231,6 +231,17 @@ def test_fa3_kvcache_appends_then_attends_without_replay(natives):
         (dict(k="k3", v="k3"), ValueError, r"k and v must be \(batch=2"),
         (dict(k="k", v="k", rotary_cos="wide", rotary_sin="wide"), ValueError, "rotary_dim"),
         (dict(k="k", v="k", cu_seqlens_k_new="cu"), ValueError, "total_new"),
+        (
+            dict(k="k", v="k", rotary_cos="cos", rotary_sin="cos16"),
+            ValueError,
+            "one shape and dtype",
+        ),
+        (dict(k="k", v="k", rotary_cos="cosT", rotary_sin="cosT"), ValueError, "contiguous last"),
+        (
+            dict(k="k", v="k", rotary_cos="cos64", rotary_sin="cos64"),
+            ValueError,
+            "float8_e4m3fn tensor",
+        ),
     ],
 )
 def test_append_arguments_are_checked_by_name(natives, kwargs, error, match):
@@ -241,6 +252,9 @@ def test_append_arguments_are_checked_by_name(natives, kwargs, error, match):
         "k8": torch.randn(2, 1, 2, 64).float(),
         "k3": torch.randn(3, 1, 2, 64).bfloat16(),
         "cos": torch.ones(40, 16),
+        "cos16": torch.ones(40, 16).bfloat16(),
+        "cosT": torch.ones(16, 40).t(),
+        "cos64": torch.ones(40, 16).double(),
         "wide": torch.ones(40, 40),
         "cu": int32(0, 1, 2),
     }
@@ -312,6 +326,17 @@ def test_rows_without_a_real_slot_write_nothing(run):
                 dict(q=torch.randn(3, 1, 2, 16), k=k_cache.clone(), v=v_cache.clone(),
                      seqused_k=int32(-3, 0, 2), kv_batch_idx=int32(0, 1, 7)))  # fmt: skip
     assert torch.equal(bad["k"], k_cache)  # (a negative length, a row past the cache's 3)
+    assert torch.equal(bad["v"], v_cache) and bad["seqused_k"].tolist() == [-2, 0, 3]
+    # Pages out of range (negative, or past the pool's 6) write nothing either.
+    pool_k, pool_v = (torch.randn(6, 4, 1, 16, generator=gen) for _ in range(2))
+    table = int32(0, -1, 2, 3, 6, 5).reshape(2, 3)
+    paged = run(KVAppend(k[:4].reshape(2, 2, 1, 16), v[:4].reshape(2, 2, 1, 16)),
+                dict(q=torch.randn(2, 1, 2, 16), k=pool_k.clone(), v=pool_v.clone(),
+                     seqused_k=int32(3, 0), page_table=table))  # fmt: skip
+    want_k, want_v = pool_k.clone(), pool_v.clone()
+    want_k[0, 3], want_v[0, 3] = k[0], v[0]  # sequence 0's slot 3 (page 0); slot 4: page -1
+    want_k[3, 0:2], want_v[3, 0:2] = k[2:4], v[2:4]  # sequence 1's slots 0, 1 (page 3)
+    assert torch.equal(paged["k"], want_k) and torch.equal(paged["v"], want_v)
 
 
 def test_a_refused_call_leaves_the_cache_alone(natives):
@@ -343,6 +368,40 @@ def test_appends_are_refused_inside_torch_compile(natives, monkeypatch):
     assert not cache.any()
 
 
+def test_no_sequences_append_nothing(run):
+    """A batch of no sequences: nothing written (on the GPU, no launch of no blocks)."""
+    k_cache, v_cache = torch.randn(2, 16, 1, 16), torch.randn(2, 16, 1, 16)
+    k = torch.randn(0, 1, 16)
+    got = run(KVAppend(k, k, cu_seqlens_k_new=int32(0)),
+              dict(q=torch.randn(0, 2, 16), k=k_cache.clone(), v=v_cache.clone(),
+                   seqused_k=int32(), cu_seqlens_q=int32(0), max_seqlen_q=0))  # fmt: skip
+    assert torch.equal(got["k"], k_cache) and got["seqused_k"].shape == (0,)
+
+
+def test_other_widths_and_an_fp8_cache(run):
+    """v wider than k (64 / 512, a latent cache's shapes) and an FP8 cache, copied as they
+    are (no rotary)."""
+    gen = torch.Generator().manual_seed(14)
+    k_cache, v_cache = (
+        torch.randn(2, 8, 1, 64, generator=gen),
+        torch.randn(2, 8, 1, 512, generator=gen),
+    )
+    k, v = torch.randn(2, 1, 1, 64, generator=gen), torch.randn(2, 1, 1, 512, generator=gen)
+    got = run(KVAppend(k, v), dict(q=torch.randn(2, 1, 4, 64), k=k_cache.clone(),
+                                   v=v_cache.clone(), seqused_k=int32(5, 7)))  # fmt: skip
+    assert torch.equal(got["k"][0, 5], k[0, 0]) and torch.equal(got["v"][1, 7], v[1, 0])
+    assert torch.equal(got["v"][0, :5], v_cache[0, :5]) and got["seqused_k"].tolist() == [6, 8]
+    fp8 = torch.float8_e4m3fn
+    cache8 = torch.randn(2, 8, 2, 32, generator=gen).to(fp8)
+    new8 = torch.randn(2, 2, 2, 32, generator=gen).to(fp8)
+    got = run(KVAppend(new8, new8), dict(q=torch.randn(2, 1, 4, 32), k=cache8.clone(),
+                                         v=cache8.clone(), seqused_k=int32(0, 6)))  # fmt: skip
+    bits = lambda t: t.view(torch.uint8)  # noqa: E731  (float8 equality by bytes)
+    assert torch.equal(bits(got["k"][0, :2]), bits(new8[0]))
+    assert torch.equal(bits(got["v"][1, 6:8]), bits(new8[1]))
+    assert torch.equal(bits(got["k"][1, :6]), bits(cache8[1, :6]))
+
+
 def test_no_new_rows_append_nothing(run):
     gen = torch.Generator().manual_seed(13)
     k_cache, v_cache, k, v, _, _ = _small(gen, new=0)
@@ -372,3 +431,40 @@ def test_the_kernel_serves_all_but_fp8_rotation():
         append = KVAppend(new, new, table, table)
         fields = dict(q=torch.zeros(2, 1, 2, 16).to(q_dtype), k=cache, v=cache, kv_length=3)
         assert _kernel_serves(_checked(append, fields)) == served
+
+
+def test_the_kernel_arguments_are_one_declaration(monkeypatch):
+    """APPEND_ARGUMENTS names the kernel's parameters (__call__'s and kernel's, as m + their
+    CamelCase for tensors) in order, and the launch passes the values of those names."""
+    import contextlib
+    import inspect
+    import re
+
+    from flash_cute.kernels.kv_append import APPEND_ARGUMENTS, KVAppendKernel
+
+    from flash_cute import compile_cache, runtime
+    from flash_cute.kv_append import _checked, _launch
+
+    def snake(name):
+        name = name[1:] if re.match(r"m[A-Z]", name) else name
+        return re.sub(r"(?<!^)([A-Z])", r"_\1", name).lower()
+
+    for method in (KVAppendKernel.__call__, KVAppendKernel.kernel):
+        params = list(inspect.signature(inspect.unwrap(method)).parameters)[1:]
+        assert [snake(p) for p in params if p != "stream"] == list(APPEND_ARGUMENTS)
+    got = []
+    monkeypatch.setattr(compile_cache, "get_append_kernel", lambda key: lambda *a: got.extend(a))
+    monkeypatch.setattr(runtime, "on_device", lambda device: contextlib.nullcontext())
+    gen = torch.Generator().manual_seed(15)
+    k_cache, v_cache, k, v, cos, sin = _small(gen)
+    lengths, q = int32(3, 5), torch.randn(2, 1, 2, 16)
+    append = KVAppend(k, v, cos, sin, rotary_seqlens=int32(1, 2))
+    c = _checked(append, dict(q=q, k=k_cache, v=v_cache, seqused_k=lengths, causal=True))
+    _launch(c, append)
+    by_name = dict(zip(APPEND_ARGUMENTS, got))
+    assert len(got) == len(APPEND_ARGUMENTS)
+    assert by_name["k_cache"] is k_cache and by_name["v_cache"] is v_cache
+    assert by_name["lengths"] is lengths and by_name["seqlen_new"] == 2
+    assert by_name["cos"] is cos and by_name["sin"] is sin
+    assert by_name["rotary_seqlens"] is append.rotary_seqlens and by_name["seqlen_q"] == 1
+    assert by_name["q"].shape == (2, 2, 16) and by_name["q_out"].shape == (2, 2, 16)
