@@ -12,6 +12,8 @@ page table's width, a cache row or page out of range, a packed row of no sequenc
 nothing. The first threads also write each sequence's length after the append.
 """
 
+import inspect
+from collections import namedtuple
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -20,14 +22,6 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 WARPS = 4  # items per CTA
-# The kernel's arguments in order, by name: __call__'s and kernel's parameters (as m + their
-# CamelCase for tensors), the compiled function's; compile_cache.compile_append and
-# flash_cute.kv_append build theirs from this (tests/test_kv_append.py checks the three agree).
-APPEND_ARGUMENTS = (
-    "k_new", "v_new", "k_cache", "v_cache", "lengths", "length", "new_lengths", "cu_new",
-    "seqlen_new", "batch_idx", "page_table", "q", "q_out", "seqlen_q", "cu_q", "cos", "sin",
-    "rotary_seqlens",
-)  # fmt: skip
 
 
 class KVAppendKernel:
@@ -62,37 +56,37 @@ class KVAppendKernel:
     @cute.jit
     def __call__(
         self,
-        mKNew: cute.Tensor,
-        mVNew: cute.Tensor,
-        mKCache: cute.Tensor,
-        mVCache: cute.Tensor,
-        mLengths: Optional[cute.Tensor],
+        k_new: cute.Tensor,
+        v_new: cute.Tensor,
+        k_cache: cute.Tensor,
+        v_cache: cute.Tensor,
+        lengths: Optional[cute.Tensor],
         length: Int32,
-        mNewLengths: cute.Tensor,
-        mCuNew: Optional[cute.Tensor],
+        new_lengths: cute.Tensor,
+        cu_new: Optional[cute.Tensor],
         seqlen_new: Int32,
-        mBatchIdx: Optional[cute.Tensor],
-        mPageTable: Optional[cute.Tensor],
-        mQ: Optional[cute.Tensor],
-        mQOut: Optional[cute.Tensor],
+        batch_idx: Optional[cute.Tensor],
+        page_table: Optional[cute.Tensor],
+        q: Optional[cute.Tensor],
+        q_out: Optional[cute.Tensor],
         seqlen_q: Int32,
-        mCuQ: Optional[cute.Tensor],
-        mCos: Optional[cute.Tensor],
-        mSin: Optional[cute.Tensor],
-        mRotarySeqlens: Optional[cute.Tensor],
+        cu_q: Optional[cute.Tensor],
+        cos: Optional[cute.Tensor],
+        sin: Optional[cute.Tensor],
+        rotary_seqlens: Optional[cute.Tensor],
         stream: cuda.CUstream,
     ):
-        items = mKNew.shape[0] * mKNew.shape[1]
+        """The whole signature: its parameters are the one declaration of the arguments and
+        their order (AppendArgs, APPEND_ARGUMENTS)."""
+        args = AppendArgs.of(locals())
+        items = k_new.shape[0] * k_new.shape[1]
         if const_expr(self.rotary_dim > 0):
-            items = items + mQ.shape[0] * mQ.shape[1]
+            items = items + q.shape[0] * q.shape[1]
         # At least a thread per sequence, for the new lengths.
         blocks = cutlass.max(
-            (items + WARPS - 1) // WARPS, (mNewLengths.shape[0] + WARPS * 32 - 1) // (WARPS * 32)
+            (items + WARPS - 1) // WARPS, (new_lengths.shape[0] + WARPS * 32 - 1) // (WARPS * 32)
         )
-        self.kernel(
-            mKNew, mVNew, mKCache, mVCache, mLengths, length, mNewLengths, mCuNew, seqlen_new,
-            mBatchIdx, mPageTable, mQ, mQOut, seqlen_q, mCuQ, mCos, mSin, mRotarySeqlens,
-        ).launch(grid=[blocks, 1, 1], block=[WARPS * 32, 1, 1], stream=stream)  # fmt: skip
+        self.kernel(args).launch(grid=[blocks, 1, 1], block=[WARPS * 32, 1, 1], stream=stream)
 
     @cute.jit
     def _sequence(self, row: Int32, mCu: Optional[cute.Tensor], per_seq: Int32, batch: Int32):
@@ -142,27 +136,12 @@ class KVAppendKernel:
                 dst[j] = src[j]
 
     @cute.kernel
-    def kernel(
-        self,
-        mKNew: cute.Tensor,
-        mVNew: cute.Tensor,
-        mKCache: cute.Tensor,
-        mVCache: cute.Tensor,
-        mLengths: Optional[cute.Tensor],
-        length: Int32,
-        mNewLengths: cute.Tensor,
-        mCuNew: Optional[cute.Tensor],
-        seqlen_new: Int32,
-        mBatchIdx: Optional[cute.Tensor],
-        mPageTable: Optional[cute.Tensor],
-        mQ: Optional[cute.Tensor],
-        mQOut: Optional[cute.Tensor],
-        seqlen_q: Int32,
-        mCuQ: Optional[cute.Tensor],
-        mCos: Optional[cute.Tensor],
-        mSin: Optional[cute.Tensor],
-        mRotarySeqlens: Optional[cute.Tensor],
-    ):
+    def kernel(self, args):
+        mKNew, mVNew, mKCache, mVCache = args.k_new, args.v_new, args.k_cache, args.v_cache
+        mLengths, length, mNewLengths = args.lengths, args.length, args.new_lengths
+        mCuNew, seqlen_new, mBatchIdx = args.cu_new, args.seqlen_new, args.batch_idx
+        mPageTable, mQ, mQOut, seqlen_q = args.page_table, args.q, args.q_out, args.seqlen_q
+        mCuQ, mCos, mSin, mRotarySeqlens = args.cu_q, args.cos, args.sin, args.rotary_seqlens
         tidx = cute.arch.thread_idx()[0]
         bidx, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
@@ -234,3 +213,24 @@ class KVAppendKernel:
                     offset = offset + step
                 self._rotate(mQ[token, head, None], mQOut[token, head, None], mCos, mSin, offset,
                              self.head_dim, lane)  # fmt: skip
+
+
+def _call_parameters() -> tuple:
+    params = tuple(inspect.signature(KVAppendKernel.__call__).parameters)
+    assert params[0] == "self" and params[-1] == "stream", params
+    return params[1:-1]
+
+
+class AppendArgs(namedtuple("AppendArgs", _call_parameters())):
+    """The launch's arguments as __call__ declares them (self and the stream aside), which the
+    kernel takes as one record."""
+
+    @classmethod
+    def of(cls, values: dict) -> "AppendArgs":
+        """From __call__'s locals()."""
+        return cls(**{name: values[name] for name in cls._fields})
+
+
+# The compiled function's arguments in order, by name (compile_cache.compile_append and
+# flash_cute.kv_append build theirs from it; the stream follows).
+APPEND_ARGUMENTS = AppendArgs._fields

@@ -433,25 +433,16 @@ def test_the_kernel_serves_all_but_fp8_rotation():
         assert _kernel_serves(_checked(append, fields)) == served
 
 
-def test_the_kernel_arguments_are_one_declaration(monkeypatch):
-    """APPEND_ARGUMENTS names the kernel's parameters (__call__'s and kernel's, as m + their
-    CamelCase for tensors) in order, and the launch passes the values of those names."""
+def test_the_launch_passes_each_argument_by_its_name(monkeypatch):
+    """APPEND_ARGUMENTS is the kernel's __call__ signature (its one declaration); the launch
+    passes the value of each name in that order."""
     import contextlib
-    import inspect
-    import re
 
-    from flash_cute.kernels.kv_append import APPEND_ARGUMENTS, KVAppendKernel
+    from flash_cute.kernels.kv_append import APPEND_ARGUMENTS
 
     from flash_cute import compile_cache, runtime
     from flash_cute.kv_append import _checked, _launch
 
-    def snake(name):
-        name = name[1:] if re.match(r"m[A-Z]", name) else name
-        return re.sub(r"(?<!^)([A-Z])", r"_\1", name).lower()
-
-    for method in (KVAppendKernel.__call__, KVAppendKernel.kernel):
-        params = list(inspect.signature(inspect.unwrap(method)).parameters)[1:]
-        assert [snake(p) for p in params if p != "stream"] == list(APPEND_ARGUMENTS)
     got = []
     monkeypatch.setattr(compile_cache, "get_append_kernel", lambda key: lambda *a: got.extend(a))
     monkeypatch.setattr(runtime, "on_device", lambda device: contextlib.nullcontext())
