@@ -65,6 +65,17 @@ def _cutlass_dtype(name: str):
     }[name]
 
 
+def _fake_tensor(dtype_, shape, divisibility: int = 1, align: Optional[int] = None):
+    """A fake tensor of `shape` (symbolic sizes) for a compile: symbolic strides, each
+    divisible by `divisibility` elements, the last dim contiguous, the base `align` bytes
+    aligned (default: one element's)."""
+    import cutlass.cute as cute
+
+    strides = tuple(cute.sym_int64(divisibility=divisibility) for _ in shape[:-1])
+    align = align or dtype_.width // 8
+    return cute.runtime.make_fake_tensor(dtype_, shape, stride=(*strides, 1), assumed_align=align)
+
+
 @dataclass(frozen=True)
 class Signature:
     """A compiled entry point of the forward kernel: the FlashAttentionForwardSm90 method that
@@ -129,11 +140,7 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
 
     def tensor(dtype_, shape, align=16):
         # 16-byte aligned rows: strides divisible by 16 bytes' worth of elements.
-        div = 128 // dtype_.width if align == 16 else 1
-        strides = tuple(cute.sym_int64(divisibility=div) for _ in shape[:-1])
-        return cute.runtime.make_fake_tensor(
-            dtype_, shape, stride=(*strides, 1), assumed_align=align
-        )
+        return _fake_tensor(dtype_, shape, 128 // dtype_.width if align == 16 else 1, align)
 
     def int32_tensor(rank):
         return tensor(cutlass.Int32, tuple(sym() for _ in range(rank)), align=4)
@@ -239,14 +246,8 @@ def compile_combine(key: CombineKernelKey, options: str = "") -> Callable:
     splits, batch, seqlen, nheads = (cute.sym_int() for _ in range(4))
     d = key.head_dim
 
-    def tensor(dtype_, shape, divisibility, align):
-        strides = tuple(cute.sym_int64(divisibility=divisibility) for _ in shape[:-1])
-        return cute.runtime.make_fake_tensor(
-            dtype_, shape, stride=(*strides, 1), assumed_align=align
-        )
-
     fp32 = cutlass.Float32
-    out_partial = tensor(fp32, (splits, batch, seqlen, nheads, d), 4, 16)
+    out_partial = _fake_tensor(fp32, (splits, batch, seqlen, nheads, d), 4, 16)
     rows = (seqlen, nheads)
     lse_partial = cute.runtime.make_fake_tensor(
         fp32,
@@ -254,7 +255,7 @@ def compile_combine(key: CombineKernelKey, options: str = "") -> Callable:
         stride=tuple(cute.sym_int64() for _ in range(4)),
         assumed_align=4,
     )
-    out = tensor(out_dtype, (batch, seqlen, nheads, d), 16 // (out_dtype.width // 8), 16)
+    out = _fake_tensor(out_dtype, (batch, seqlen, nheads, d), 16 // (out_dtype.width // 8), 16)
     lse = None
     if key.writes_lse:
         lse = cute.runtime.make_fake_tensor(
@@ -308,11 +309,7 @@ def compile_append(key: AppendKernelKey, options: str = "") -> Callable:
     sym = cute.sym_int
     rows, nheads_kv, nheads, tokens = (sym() for _ in range(4))
 
-    def tensor(dtype_, shape):
-        strides = tuple(cute.sym_int64() for _ in shape[:-1])
-        return cute.runtime.make_fake_tensor(
-            dtype_, shape, stride=(*strides, 1), assumed_align=dtype_.width // 8
-        )
+    tensor = _fake_tensor  # (any strides, element-aligned: the kernel reads scalars)
 
     def ints(rank=1, taken=True):
         return tensor(cutlass.Int32, tuple(sym() for _ in range(rank))) if taken else None

@@ -66,9 +66,8 @@ def wide_config(head_dim: int, head_dim_v: int, v_in_k: bool = False) -> "Attent
     stages fit. With V in K's columns (absorbed MLA) the warpgroups split each key block's
     scores (split_scores) and run without the intra-warpgroup overlap: that overlap holds both
     K stages (which are also V's) across a softmax, so the next block's load would start only
-    as it is needed. On an H100 at
-    the decode points measured: 0.66-0.99x the time of the overlapped split, 0.76-1.0x that of
-    both warpgroups computing all scores. Head dim 512 prefill keeps the overlapped repeat
+    as it is needed. On an H100 at the decode points measured: 0.66-0.99x the time of the
+    overlapped split, 0.76-1.0x that of both warpgroups computing all scores. Head dim 512 prefill keeps the overlapped repeat
     (neither change gains there: 0.98-1.12x its time)."""
     knobs = dict(pingpong=False, o_split=2, store_o_from_registers=True)
     if v_in_k:

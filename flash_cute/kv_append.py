@@ -27,7 +27,12 @@ from typing import Optional
 import torch
 
 from . import checks
+from .compile_cache import AppendKernelKey, get_append_kernel
+from .kernels.kv_append import APPEND_ARGUMENTS
+from .runtime import on_device
 
+# The kernel key's names of the dtypes it reads (FP8 caches and queries included).
+DTYPE_NAMES = {**checks.ALL_DTYPE_NAMES, **checks.FP8_DTYPES}
 # (FlashAttention-3's FP8 calls pass the tables in e4m3 too.)
 ROTARY_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 # The arguments whose presence makes a call append (the others only shape how).
@@ -248,21 +253,16 @@ def _kernel_serves(c: _Checked) -> bool:
 
 def _launch(c: _Checked, append: KVAppend) -> tuple:
     """The append kernel: (the rotated queries, or q; the lengths after the append)."""
-    from .compile_cache import AppendKernelKey, get_append_kernel
-    from .kernels.kv_append import APPEND_ARGUMENTS
-    from .runtime import on_device
-
     rotary_dim = 0 if c.rotary is None else 2 * c.rotary[0].shape[1]
-    names = {**checks.ALL_DTYPE_NAMES, **checks.FP8_DTYPES}  # (FP8 caches, FP8 queries)
     key = AppendKernelKey(
-        dtype=names[c.k_cache.dtype],
+        dtype=DTYPE_NAMES[c.k_cache.dtype],
         head_dim=c.k_cache.shape[-1],
         head_dim_v=c.v_cache.shape[-1],
-        q_dtype=names[c.q.dtype] if rotary_dim else None,
+        q_dtype=DTYPE_NAMES[c.q.dtype] if rotary_dim else None,
         rotary_dim=rotary_dim,
         interleaved=bool(rotary_dim) and append.rotary_interleaved,
         per_row=bool(rotary_dim) and c.per_row,
-        rotary_dtype=names[c.rotary[0].dtype] if rotary_dim else None,
+        rotary_dtype=DTYPE_NAMES[c.rotary[0].dtype] if rotary_dim else None,
         paged=c.page_table is not None,
         lengths=c.lengths is not None,
         varlen_new=c.seqlen_new is None,

@@ -12,14 +12,14 @@ page table's width, a cache row or page out of range, a packed row of no sequenc
 nothing. The first threads also write each sequence's length after the append.
 """
 
-import inspect
-from collections import namedtuple
 from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+
+from .signature_record import signature_record
 
 WARPS = 4  # items per CTA
 
@@ -215,22 +215,8 @@ class KVAppendKernel:
                              self.head_dim, lane)  # fmt: skip
 
 
-def _call_parameters() -> tuple:
-    params = tuple(inspect.signature(KVAppendKernel.__call__).parameters)
-    assert params[0] == "self" and params[-1] == "stream", params
-    return params[1:-1]
-
-
-class AppendArgs(namedtuple("AppendArgs", _call_parameters())):
-    """The launch's arguments as __call__ declares them (self and the stream aside), which the
-    kernel takes as one record."""
-
-    @classmethod
-    def of(cls, values: dict) -> "AppendArgs":
-        """From __call__'s locals()."""
-        return cls(**{name: values[name] for name in cls._fields})
-
-
+# The launch's arguments as __call__ declares them, which the kernel takes as one record.
+AppendArgs = signature_record("AppendArgs", KVAppendKernel.__call__)
 # The compiled function's arguments in order, by name (compile_cache.compile_append and
 # flash_cute.kv_append build theirs from it; the stream follows).
 APPEND_ARGUMENTS = AppendArgs._fields

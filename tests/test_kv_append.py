@@ -440,12 +440,12 @@ def test_the_launch_passes_each_argument_by_its_name(monkeypatch):
 
     from flash_cute.kernels.kv_append import APPEND_ARGUMENTS
 
-    from flash_cute import compile_cache, runtime
+    from flash_cute import kv_append
     from flash_cute.kv_append import _checked, _launch
 
     got = []
-    monkeypatch.setattr(compile_cache, "get_append_kernel", lambda key: lambda *a: got.extend(a))
-    monkeypatch.setattr(runtime, "on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(kv_append, "get_append_kernel", lambda key: lambda *a: got.extend(a))
+    monkeypatch.setattr(kv_append, "on_device", lambda device: contextlib.nullcontext())
     gen = torch.Generator().manual_seed(15)
     k_cache, v_cache, k, v, cos, sin = _small(gen)
     lengths, q = int32(3, 5), torch.randn(2, 1, 2, 16)

@@ -52,8 +52,6 @@ Problem variants (static; each is a separate compiled kernel, flash_cute.plan.Fo
   group), so each K/V tile is read once for the group.
 """
 
-import inspect
-from collections import namedtuple
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -65,6 +63,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from .. import trace_records
 from ..named_barriers import NamedBarrier
+from ..signature_record import signature_record
 from ..trace_records import TileTrace, linear_block_idx
 from .epilogue import Epilogue
 from .facts import THREADS_PER_WARPGROUP, ForwardFacts, Piece
@@ -496,20 +495,6 @@ class FlashAttentionForwardSm90(Piece):
         return TileTrace(mTrace, slot, writer)
 
 
-def _launch_parameters() -> tuple:
-    params = tuple(inspect.signature(FlashAttentionForwardSm90.__call__).parameters)
-    assert params[0] == "self" and params[-1] == "stream", params
-    return params[1:-1]
-
-
-class LaunchArgs(
-    namedtuple("LaunchArgs", _launch_parameters(), defaults=(None,) * len(_launch_parameters()))
-):
-    """The launch's arguments as __call__ declares them (its parameters, self and the stream
-    aside): its one declaration of the launch order. call_short leaves the optional ones
-    None."""
-
-    @classmethod
-    def of(cls, values: dict) -> "LaunchArgs":
-        """From __call__'s locals()."""
-        return cls(**{name: values[name] for name in cls._fields})
+# The launch's arguments as __call__ declares them: its one declaration of the launch order
+# (call_short leaves the optional ones None).
+LaunchArgs = signature_record("LaunchArgs", FlashAttentionForwardSm90.__call__, optional=True)
