@@ -67,8 +67,8 @@ def wide_config(head_dim: int, head_dim_v: int, v_in_k: bool = False) -> "Attent
     scores (split_scores) and run without the intra-warpgroup overlap: that overlap holds both
     K stages (which are also V's) across a softmax, so the next block's load would start only
     as it is needed. On an H100 at the decode points measured: 0.66-0.99x the time of the
-    overlapped split, 0.76-1.0x that of both warpgroups computing all scores. Head dim 512 prefill keeps the overlapped repeat
-    (neither change gains there: 0.98-1.12x its time)."""
+    overlapped split, 0.76-1.0x that of both warpgroups computing all scores. Head dim 512
+    prefill keeps the overlapped repeat (neither change gains there: 0.98-1.12x its time)."""
     knobs = dict(pingpong=False, o_split=2, store_o_from_registers=True)
     if v_in_k:
         knobs.update(pv_from_registers=False, split_scores=True, intra_wg_overlap=False)
