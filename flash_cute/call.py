@@ -41,8 +41,10 @@ class Call:
     k_descale where q is converted). kv_length: one int key count for every sequence
     (seqused_k: a (batch,) tensor of them). decode_rows: whether few query rows per kv head
     take the decode table (flash_attn_func's padded calls keep the prefill table). sm_margin:
-    SMs the launch leaves free (FlashAttention-3's): its plan sees the others only. The
-    public functions' docstrings say the rest.
+    SMs the launch leaves free (FlashAttention-3's): its plan sees the others only.
+    appended_keys: rows an append (flash_cute.kv_append) wrote to each sequence just before
+    the launch, on its stream, past its seqused_k count: the kernel adds them and starts while
+    the append runs (None: no append). The public functions' docstrings say the rest.
     """
 
     q: torch.Tensor
@@ -77,6 +79,7 @@ class Call:
     pack_gqa: Optional[bool] = None
     decode_rows: bool = True
     sm_margin: int = 0
+    appended_keys: Optional[int] = None
 
     def replace(self, **changes) -> Call:
         return dataclasses.replace(self, **changes)
@@ -179,6 +182,7 @@ ROLES = {
     "pack_gqa": Role("host", "pack_gqa"),
     "decode_rows": Role("host", "decode_rows"),
     "sm_margin": Role("host", "sm_margin"),
+    "appended_keys": Role("host", "appended_keys"),
     "scheduler_metadata": Role("metadata", "num_splits"),
     # flash_attn_with_kvcache's appends (flash_cute.kv_append.KVAppend; its k and v are
     # overridden to these roles there).

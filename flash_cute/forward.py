@@ -109,6 +109,13 @@ def describe(call: Call, names: Optional[dict] = None) -> Problem:
         checks.check_cu_seqlens(name("cu_seqlens_k"), call.cu_seqlens_k, batch)
     if call.seqused_k is not None:
         checks.check_seqused(name("seqused_k"), call.seqused_k, batch)
+    if call.appended_keys is not None:
+        appended = checks.check_host_int(name("appended_keys"), call.appended_keys)
+        if call.seqused_k is None:
+            raise ValueError(
+                f"{name('appended_keys')} ({appended}) counts rows past {name('seqused_k')}'s, "
+                f"which the call lacks"
+            )
     if call.seqused_q is not None:
         checks.check_seqused(name("seqused_q"), call.seqused_q, batch, "queries used per sequence")
     if kv_layout == "packed" and (call.kv_batch_idx is not None or call.leftpad_k is not None):
@@ -184,6 +191,7 @@ def describe(call: Call, names: Optional[dict] = None) -> Problem:
         seqused_q=call.seqused_q is not None,
         kv_batch_idx=call.kv_batch_idx is not None,
         leftpad_k=call.leftpad_k is not None,
+        after_append=call.appended_keys is not None,
         kv_dtype=kv_dtype,
         q_dtype=checks.FP8_DTYPES[q.dtype] if q_fp8 else None,
         window_left=window_left,
@@ -274,9 +282,11 @@ def with_descales_folded(call: Call) -> Call:
 
 def kernel_call_args(call: Call) -> tuple:
     """The kernel's call arguments (call.KERNEL_CALL_FIELDS, ending in kv_length) of a call: its
-    tensors, and its int key count (0 without one)."""
+    tensors, and its int key count (after an append: the rows appended to each sequence; 0
+    without either)."""
     values = tuple(getattr(call, f) for f in KERNEL_CALL_FIELDS)
-    return values[:-1] + (0 if call.kv_length is None else call.kv_length,)
+    scalar = call.appended_keys if call.kv_length is None else call.kv_length
+    return values[:-1] + (scalar or 0,)
 
 
 def _check_qv(qv, q: torch.Tensor, v: torch.Tensor, kv_dtype: Optional[str]) -> None:

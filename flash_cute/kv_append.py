@@ -11,12 +11,14 @@ otherwise (FlashAttention-3's convention). Interleaved rotary pairs dims (2j, 2j
 other form (j, j + rotary_dim / 2); dims past rotary_dim are left as they are.
 
 The update is one kernel on the call's stream ahead of the attention launch
-(kernels/kv_append.py: no host synchronization, so CUDA-graph capture takes it; +2.4-5 us a
-decode step on an H100); rotations are computed in float32 and rounded once to the cache's
-dtype. Rotary with FP8 (cache, queries or tables) and tensors off the GPU (the CPU tests) take
-PyTorch ops of the same semantics instead. A row whose slot lies past the cache's capacity (or
-past its page table's width) is dropped rather than written out of bounds. Calls that append
-are not replayed from a launch plan (each takes the checked path).
+(kernels/kv_append.py: no host synchronization, so CUDA-graph capture takes it), which the
+attention kernel overlaps where the lengths are a tensor and the new rows batch-major (a
+programmatically dependent launch: Call.appended_keys). Rotations are computed in float32
+and rounded once to the cache's dtype. Rotary with FP8 (cache, queries or tables) and tensors
+off the GPU (the CPU tests) take PyTorch ops of the same semantics instead. A row whose slot
+lies past the cache's capacity (or past its page table's width) is dropped rather than written
+out of bounds. Calls that append are not replayed from a launch plan (each takes the checked
+path).
 """
 
 from __future__ import annotations
@@ -231,16 +233,28 @@ def apply(append: KVAppend, fields: dict) -> dict:
     fields: the Call fields of the call (q, k and v the caches, seqused_k or kv_length the
     lengths before the append, page_table, kv_batch_idx, leftpad_k, cu_seqlens_q, causal,
     window_size, attention_chunk), which forward.check has passed (their types, shapes and
-    devices); this checks the append's own arguments. On a GPU one kernel does the work
+    devices); this checks the append's own arguments. With a lengths tensor and batch-major
+    new rows, seqused_k stays the lengths before the append and appended_keys says how many
+    rows each sequence gained (Call.appended_keys). On a GPU one kernel does the work
     (kernels/kv_append.py; but rotary with FP8, _kernel_serves); elsewhere (the CPU tests)
     PyTorch ops of the same semantics."""
     c = _checked(append, fields)
     if c.batch == 0:  # (no sequences: nothing to write, and no launch of no blocks)
         new_lengths = torch.empty(0, device=c.k_cache.device, dtype=torch.int32)
         return dict(fields, seqused_k=new_lengths, kv_length=None)
-    run = _launch if c.k_cache.is_cuda and _kernel_serves(c) else _torch_ops
-    q, new_lengths = run(c, append)
+    if not _uses_kernel(c):
+        q, new_lengths = _torch_ops(c, append)
+        return dict(fields, q=q, seqused_k=new_lengths, kv_length=None)
+    q, new_lengths = _launch(c, append)
+    if c.lengths is not None and c.seqlen_new is not None:
+        # The forward adds the rows itself and starts while the append runs (its CTAs wait
+        # for the writes where they read them: a programmatically dependent launch).
+        return dict(fields, q=q, appended_keys=c.seqlen_new)
     return dict(fields, q=q, seqused_k=new_lengths, kv_length=None)
+
+
+def _uses_kernel(c: _Checked) -> bool:
+    return c.k_cache.is_cuda and _kernel_serves(c)
 
 
 def _kernel_serves(c: _Checked) -> bool:

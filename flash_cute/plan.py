@@ -107,6 +107,10 @@ class CallShape:
     # FP8; a variant's that the kernel takes it as it is and runs both GEMMs in e4m3
     # (kernels/v_transpose.py). A variant without it takes q converted to dtype.
     q_dtype: Optional[str] = None
+    # Launched right after kv_append's kernel, which wrote kv_length rows more to each sequence
+    # than its seqused_k count: a programmatically dependent launch whose CTAs wait for the
+    # append's writes only where they read them (q, the blocks holding new rows).
+    after_append: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -227,6 +231,8 @@ class ForwardVariant(CallShape):
             )
         if self.seqused_k and self.scalar_kv_length:
             problems.append("seqused_k and scalar_kv_length exclude each other")
+        if self.after_append and not self.seqused_k:
+            problems.append("after_append adds the rows appended to seqused_k's counts")
         if self.seqused_q and not self.varlen_q:
             problems.append("seqused_q shortens packed (varlen) queries")
         if self.leftpad_k and not (self.kv_layout == "padded" or self.gather_page_size):
@@ -306,6 +312,7 @@ class ForwardVariant(CallShape):
             if getattr(self, name)
         ]
         flags += ["kv_length"] if self.scalar_kv_length else []
+        flags += ["after-append"] if self.after_append else []
         flags += [f"kv-{self.kv_dtype}"] if self.kv_dtype is not None else []
         flags += ["fp8-math"] if self.q_dtype is not None else []
         flags += (

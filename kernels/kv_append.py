@@ -142,6 +142,9 @@ class KVAppendKernel:
         mCuNew, seqlen_new, mBatchIdx = args.cu_new, args.seqlen_new, args.batch_idx
         mPageTable, mQ, mQOut, seqlen_q = args.page_table, args.q, args.q_out, args.seqlen_q
         mCuQ, mCos, mSin, mRotarySeqlens = args.cu_q, args.cos, args.sin, args.rotary_seqlens
+        # The attention launch behind this one may start now (it waits for these writes where
+        # it reads them: an after_append forward variant).
+        cute.arch.griddepcontrol_launch_dependents()
         tidx = cute.arch.thread_idx()[0]
         bidx, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()

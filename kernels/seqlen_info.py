@@ -4,7 +4,9 @@ Queries are either padded (batch, seqlen_q, ...) or packed (total_q, ...) with c
 Keys are padded (batch, seqlen_k, ...), packed (total_k, ...) with cu_seqlens_k, or paged;
 with seqused_k the number of valid keys of each batch comes from that tensor instead, or with
 kv_length from one scalar for all of them (either clamped to the sequence's keys, so a bad
-value cannot read past them). seqused_q likewise shortens a packed query span. With leftpad_k
+value cannot read past them); with appended_k (a kv_append just before the launch) each
+seqused_k count is the cache's before the append and the sequence holds appended_k rows more.
+seqused_q likewise shortens a packed query span. With leftpad_k
 a padded cache row's keys start at leftpad_k[b] (offset_k) and end at the valid count.
 
 Every value read from a tensor is clamped to the rows the tensors have: cu_seqlens spans to
@@ -46,6 +48,7 @@ class SeqlenInfo:
         kv_length: Optional[Int32] = None,
         mSeqUsedQ: Optional[cute.Tensor] = None,
         mLeftPadK: Optional[cute.Tensor] = None,
+        appended_k: Optional[Int32] = None,
     ) -> "SeqlenInfo":
         offset_q = Int32(0)
         seqlen_q = seqlen_q_padded
@@ -60,7 +63,10 @@ class SeqlenInfo:
             offset_k, end_k = cu_span(mCuSeqlensK, batch_idx, seqlen_k_capacity)
             seqlen_k = end_k - offset_k
         if const_expr(mSeqUsedK is not None):
-            seqlen_k = cutlass.max(cutlass.min(mSeqUsedK[batch_idx], seqlen_k), 0)
+            used = mSeqUsedK[batch_idx]
+            if const_expr(appended_k is not None):
+                used = used + appended_k
+            seqlen_k = cutlass.max(cutlass.min(used, seqlen_k), 0)
         if const_expr(kv_length is not None):  # the same count for every batch
             seqlen_k = cutlass.max(cutlass.min(kv_length, seqlen_k_capacity), 0)
         if const_expr(mLeftPadK is not None):  # keys leftpad .. seqlen_k - 1 of the cache row

@@ -13,6 +13,7 @@ from flash_cute.compile_cache import (
     CombineKernelKey,
     compile_append,
     compile_combine,
+    compile_forward,
 )
 from flash_cute.config import FORWARD_CONFIGS, SHORT_WINDOW_CONFIGS
 from flash_cute.plan import ForwardVariant, Problem, plan_forward
@@ -768,3 +769,27 @@ def test_append_compiles(key, tmp_path):
     compile_append(key, options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
     assert ".target sm_90a" in ptx
+    # (the attention launch behind it may start at once: an after_append variant)
+    assert "griddepcontrol.launch_dependents" in ptx
+
+
+@pytest.mark.parametrize(
+    "layout, batch, keys, waits",
+    [("padded", 1, 8192, 3), ("paged", 1, 8192, 3), ("padded", 16, 65536, 0)],
+)
+def test_after_append_variants_wait_for_the_append(layout, batch, keys, waits, tmp_path):
+    """The decode variants behind an append (kv_append's kernel) compile clean; a split one
+    (a programmatically dependent launch) waits for the append's writes before the tail
+    block, before Q and at the end, one of a tile per (batch, kv head) nowhere."""
+    problem = Problem(
+        batch=batch, nheads=32, nheads_kv=8, head_dim=128, dtype="bfloat16", max_seqlen_q=1,
+        max_seqlen_k=keys, kv_capacity=keys, seqused_k=True, kv_layout=layout,
+        page_size=64 if layout == "paged" else None, causal=True, after_append=True,
+    )  # fmt: skip
+    variant = plan_forward(problem, 132, None, 0, None, True).variant
+    assert variant.after_append and variant.split == (waits > 0)
+    report = compile_with_ptx_report(variant)
+    assert not report.problems(), report.problems()
+    compile_forward(variant, options=f"--keep-ptx --dump-dir={tmp_path}")
+    ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    assert ptx.count("griddepcontrol.wait") == waits

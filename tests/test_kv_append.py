@@ -77,7 +77,9 @@ def int32(*values):
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def run(request):
-    """apply on the fixture's device: the inputs moved there, the results moved back."""
+    """apply on the fixture's device: the inputs moved there, the results moved back, and
+    seqused_k the lengths the attention reads (the kernel's path leaves seqused_k as it was
+    and says how many rows each sequence gained in appended_keys: the forward adds them)."""
     device = request.param
 
     def move(t, to=device):
@@ -86,7 +88,11 @@ def run(request):
     def run_apply(append, fields):
         values = {f.name: move(getattr(append, f.name)) for f in dataclasses.fields(append)}
         got = apply(KVAppend(**values), {name: move(t) for name, t in fields.items()})
-        return {name: move(t, "cpu") for name, t in got.items()}
+        got = {name: move(t, "cpu") for name, t in got.items()}
+        appended = got.pop("appended_keys", None)
+        if appended is not None:
+            got["seqused_k"] = (got["seqused_k"] + appended).to(torch.int32)
+        return got
 
     return run_apply
 
@@ -459,3 +465,54 @@ def test_the_launch_passes_each_argument_by_its_name(monkeypatch):
     assert by_name["cos"] is cos and by_name["sin"] is sin
     assert by_name["rotary_seqlens"] is append.rotary_seqlens and by_name["seqlen_q"] == 1
     assert by_name["q"].shape == (2, 2, 16) and by_name["q_out"].shape == (2, 2, 16)
+
+
+@pytest.mark.parametrize("form", ["lengths", "varlen new rows", "int lengths"])
+def test_the_kernel_path_leaves_the_lengths_to_the_forward(form, monkeypatch):
+    """Through the kernel, a lengths tensor and batch-major new rows reach the forward as they
+    were, with appended_keys the rows each sequence gained (the forward adds them and starts
+    while the append runs); other forms get the lengths the append kernel wrote."""
+    from flash_cute import kv_append
+
+    written = int32(9, 9)
+    monkeypatch.setattr(kv_append, "_uses_kernel", lambda c: True)
+    monkeypatch.setattr(kv_append, "_launch", lambda c, append: (c.q, written))
+    gen = torch.Generator().manual_seed(16)
+    k_cache, v_cache, k, v, _, _ = _small(gen)
+    lengths, q = int32(3, 5), torch.randn(2, 1, 2, 16)
+    fields = dict(q=q, k=k_cache, v=v_cache, seqused_k=lengths)
+    append = KVAppend(k, v)
+    if form == "varlen new rows":
+        append = KVAppend(k.flatten(0, 1), v.flatten(0, 1), cu_seqlens_k_new=int32(0, 2, 4))
+    if form == "int lengths":
+        fields = dict(fields, seqused_k=None, kv_length=3)
+    got = apply(append, fields)
+    if form == "lengths":
+        assert got["seqused_k"] is lengths and got["appended_keys"] == 2
+    else:
+        assert got["seqused_k"] is written and got.get("appended_keys") is None
+        assert got["kv_length"] is None
+
+
+def test_appended_keys_count_rows_past_seqused_k():
+    """Call.appended_keys: the forward plans an after_append variant and passes the count as
+    the kernel's scalar; without seqused_k it is refused by name."""
+    q, k = torch.randn(2, 1, 4, 64).bfloat16(), torch.randn(2, 32, 2, 64).bfloat16()
+    call = forward.Call(q, k, k, seqused_k=int32(3, 7), appended_keys=1)
+    assert forward.describe(call, {}).after_append
+    assert forward.kernel_call_args(call)[-1] == 1
+    assert not forward.describe(call.replace(appended_keys=None), {}).after_append
+    with pytest.raises(ValueError, match="appended_keys"):
+        forward.describe(call.replace(seqused_k=None), {})
+    with pytest.raises(ValueError, match="after_append"):
+        dataclasses.replace(_decode_variant(), seqused_k=False, after_append=True)
+
+
+def _decode_variant():
+    from flash_cute.plan import Problem, plan_forward
+
+    problem = Problem(
+        batch=1, nheads=4, nheads_kv=2, head_dim=64, dtype="bfloat16", max_seqlen_q=1,
+        max_seqlen_k=32, kv_capacity=32, seqused_k=True, after_append=True,
+    )  # fmt: skip
+    return plan_forward(problem, 132, None, 0, None, True).variant

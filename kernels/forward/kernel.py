@@ -47,6 +47,10 @@ Problem variants (static; each is a separate compiled kernel, flash_cute.plan.Fo
   partials into O and the LSE, so a split launch needs no separate combine kernel; with
   combine_launch (partials too large for one CTA to merge fast) it leaves them to the combine
   kernel, launched after it.
+- after_append: launched right after the KV append kernel (kernels/kv_append.py); seqused_k
+  holds the lengths before the append and kv_length the rows appended to each sequence. A
+  split launch is programmatically dependent (facts.overlaps_append): its CTAs start, and
+  tiles that read none of the appended rows stream their K/V blocks, while the append runs.
 - pack_gqa: pack_gqa_ratio consecutive query heads sharing a kv head (all of them, or a group
   whose size divides tile_m) are folded into the tile's rows (row = token * ratio + head in
   group), so each K/V tile is read once for the group.
@@ -112,7 +116,8 @@ class FlashAttentionForwardSm90(Piece):
             kv_batch_idx, k/v (padded) and page_table have the cache's own batch size
       qv:   qv variants (FlashAttention-3's absorbed MLA): like q with V's head dim dv; the
             scores are q k^T + qv v^T (q and k then have d - dv dims), the output P v
-      kv_length: the keys of every sequence (scalar_kv_length variants); unused by others
+      kv_length: the keys of every sequence (scalar_kv_length variants), or the rows appended
+            to each after its seqused_k (after_append variants); unused by others
       partials: split variants' fp32 scratch, 16-byte aligned: the partial O (S, *out.shape)
             and right after it the partial LSE (S, *lse.shape), both contiguous; unused by
             others
@@ -347,6 +352,9 @@ class FlashAttentionForwardSm90(Piece):
             # All of the SM's unified memory as shared memory (stated, so the DSL need not ask
             # the device when ctas_per_sm > 1: compiling stays GPU-free).
             preferred_smem_carveout=100 if const_expr(self.config.ctas_per_sm > 1) else None,
+            # After an append: CTAs start while the append kernel runs (the producer waits for
+            # its writes where it reads them: Producer.load).
+            use_pdl=self.overlaps_append,
         )
 
     # ------------------------------------------------------------------------------------
@@ -400,7 +408,9 @@ class FlashAttentionForwardSm90(Piece):
         buffers = self._cta_buffers(storage, layouts, rings)
         shapes = problem._replace(
             num_splits=scalars.num_splits,
-            kv_length=scalars.kv_length if const_expr(self.variant.scalar_kv_length) else None,
+            kv_length=scalars.kv_length
+            if const_expr(self.variant.scalar_kv_length or self.variant.after_append)
+            else None,
         )
 
         pipeline.pipeline_init_wait()
@@ -428,6 +438,10 @@ class FlashAttentionForwardSm90(Piece):
                     q_state.advance()
                     tile_idx, handoff = scheduler.fetch_next(tile_idx, handoff)
                 scheduler.finish()
+                if const_expr(self.overlaps_append):
+                    # (a CTA of empty tiles: the launch completes only after the append does,
+                    # for the kernels behind it in the stream)
+                    cute.arch.griddepcontrol_wait()
             elif const_expr(self.kv_fp8):  # the others: convert or transpose the blocks
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.config.num_stages

@@ -45,6 +45,9 @@ class Producer(Piece):
         one block behind K: K(n_max-1), Q, [K(n-1), V(n)]..., V(n_min).
         An empty tile (no rows, no keys, or an empty split) loads no K/V, and Q only in a
         persistent kernel (whose consumers wait for Q on every tile).
+        Behind an append, as a programmatically dependent launch (overlaps_append), Q waits
+        for the append kernel's writes (it rotates q), and so does K(n_max-1) where the tile
+        holds appended rows; the other blocks stream meanwhile.
         """
         seqlen, _, n_block_min, n_block_max = self.tile_problem(tile, shapes)
         d, dv = self.variant.head_dim, self.variant.head_dim_v
@@ -107,7 +110,13 @@ class Producer(Piece):
         if const_expr(self.load_warps > 1):
             loads_q = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
         if n_block_max > n_block_min:
+            if const_expr(self.overlaps_append):
+                # (the rows appended to the sequence start at seqlen_k - kv_length)
+                if n_block_max * self.config.tile_n > seqlen.seqlen_k - shapes.kv_length:
+                    cute.arch.griddepcontrol_wait()
             k_loader.load(n_block_max - 1, kv_state)
+            if const_expr(self.overlaps_append):
+                cute.arch.griddepcontrol_wait()  # (the append rotates q)
             if loads_q:
                 self._load_q(q_load)
             if const_expr(self.variant.v_in_k):  # V is in K's stages: K blocks only
@@ -121,6 +130,8 @@ class Producer(Piece):
                 )
         else:
             if const_expr(self.persistent):
+                if const_expr(self.overlaps_append):
+                    cute.arch.griddepcontrol_wait()
                 self._load_q(q_load)
         return kv_state
 

@@ -44,8 +44,9 @@ class Outputs(NamedTuple):
 class ProblemShapes(NamedTuple):
     """What every tile reads of the launch's run-time problem: q and k in kernel mode order
     (their shapes), the call's per-sequence and per-head tensors (named as the launch takes
-    them), and, set on the device, the split count and the scalar key count of
-    scalar_kv_length variants (None otherwise)."""
+    them), and, set on the device, the split count and the kv_length scalar (scalar_kv_length
+    variants: every sequence's keys; after_append: the rows appended to each; None
+    otherwise)."""
 
     q: cute.Tensor
     k: cute.Tensor
@@ -73,7 +74,7 @@ CALL_TENSORS = ProblemShapes._fields[
 class Scalars(NamedTuple):
     num_splits: Int32
     max_ctas: Int32  # the persistent grid's size cap
-    kv_length: Int32  # scalar_kv_length variants: every sequence's keys
+    kv_length: Int32  # every sequence's keys (scalar_kv_length) or its rows appended
 
 
 class TmaAtoms(NamedTuple):
