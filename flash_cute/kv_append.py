@@ -14,8 +14,8 @@ The update is one kernel on the call's stream ahead of the attention launch
 (kernels/kv_append.py: no host synchronization, so CUDA-graph capture takes it), which the
 attention kernel overlaps where the lengths are a tensor and the new rows batch-major (a
 programmatically dependent launch: Call.appended_keys). Rotations are computed in float32
-and rounded once to the cache's dtype. Rotary with FP8 (cache, queries or tables) and tensors
-off the GPU (the CPU tests) take PyTorch ops of the same semantics instead. A row whose slot
+and rounded once to the cache's dtype (FP8 caches, queries and tables included). Tensors off
+the GPU (the CPU tests) take PyTorch ops of the same semantics instead. A row whose slot
 lies past the cache's capacity (or past its page table's width) is dropped rather than written
 out of bounds. Calls that append are not replayed from a launch plan (each takes the checked
 path).
@@ -236,7 +236,7 @@ def apply(append: KVAppend, fields: dict) -> dict:
     devices); this checks the append's own arguments. With a lengths tensor and batch-major
     new rows, seqused_k stays the lengths before the append and appended_keys says how many
     rows each sequence gained (Call.appended_keys). On a GPU one kernel does the work
-    (kernels/kv_append.py; but rotary with FP8, _kernel_serves); elsewhere (the CPU tests)
+    (kernels/kv_append.py); elsewhere (the CPU tests)
     PyTorch ops of the same semantics."""
     c = _checked(append, fields)
     if c.batch == 0:  # (no sequences: nothing to write, and no launch of no blocks)
@@ -254,15 +254,9 @@ def apply(append: KVAppend, fields: dict) -> dict:
 
 
 def _uses_kernel(c: _Checked) -> bool:
-    return c.k_cache.is_cuda and _kernel_serves(c)
-
-
-def _kernel_serves(c: _Checked) -> bool:
-    """The kernel takes every append but rotary with an FP8 cache, queries or tables: its FP8
-    rotation has not run on a GPU yet, so those calls take the PyTorch ops (GPU-tested through
-    FlashAttention-3's kvcache cases)."""
-    tensors = (c.k_cache, c.q, *c.rotary) if c.rotary is not None else ()
-    return not any(t.dtype in checks.FP8_DTYPES for t in tensors)
+    """Every append on a GPU takes the kernel (FP8 rotation included); the PyTorch ops serve
+    tensors elsewhere (the CPU tests)."""
+    return c.k_cache.is_cuda
 
 
 def _launch(c: _Checked, append: KVAppend) -> tuple:
@@ -306,8 +300,8 @@ def _launch(c: _Checked, append: KVAppend) -> tuple:
 
 
 def _torch_ops(c: _Checked, append: KVAppend) -> tuple:
-    """The kernel's semantics in PyTorch ops (no host reads): the path of the CPU tests and
-    of FP8 rotation. Rotations may differ from the kernel's by a float32 rounding (it fuses
+    """The kernel's semantics in PyTorch ops (no host reads): the path of tensors off the GPU
+    (the CPU tests). Rotations may differ from the kernel's by a float32 rounding (it fuses
     multiply-adds), so by a step of the cache's dtype at most."""
     device = c.k_cache.device
     if c.seqlen_new is None:

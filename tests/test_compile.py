@@ -761,6 +761,10 @@ def test_combine_compiles(key, tmp_path):
         # An FP8 cache (without rotary: FP8 rotation takes the PyTorch ops); the latent
         # cache's wide rows.
         AppendKernelKey("float8_e4m3fn", 128, 128, paged=True),
+        # FP8 rotation: FlashAttention-3's FP8 forms (FP8 cache, queries or tables).
+        AppendKernelKey("float8_e4m3fn", 128, 128, "float8_e4m3fn", 128, per_row=True,
+                        rotary_dtype="float8_e4m3fn"),
+        AppendKernelKey("bfloat16", 64, 64, "float8_e4m3fn", 32, True, rotary_dtype="bfloat16"),
         AppendKernelKey("bfloat16", 64, 512, paged=True),
     ],
     ids=str,
