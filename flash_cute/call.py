@@ -43,8 +43,9 @@ class Call:
     take the decode table (flash_attn_func's padded calls keep the prefill table). sm_margin:
     SMs the launch leaves free (FlashAttention-3's): its plan sees the others only.
     appended_keys: rows an append (flash_cute.kv_append) wrote to each sequence just before
-    the launch, on its stream, past its seqused_k count: the kernel adds them and starts while
-    the append runs (None: no append). The public functions' docstrings say the rest.
+    the launch, on its stream, past its seqused_k count: the kernel adds them, and a split
+    launch starts while the append runs (None: no append). The public functions' docstrings
+    say the rest.
     """
 
     q: torch.Tensor
@@ -123,6 +124,8 @@ class Role:
         seqused_k, or an int, filling kv_length); int_length: an int key count or None;
     out: the output (its strides in the key, with q's, k's and v's; none without it);
     host: a Python scalar (its value and type in the key: True == 1 == 1.0);
+    appended: appended_keys, a host int whose value is also the kernel's scalar (kv_length's
+        slot: the two exclude each other);
     value: a hashable option compared by value (config);
     window: window_size, compared by value once lists and tensors of two ints are a tuple
         (window_pair);
@@ -182,7 +185,7 @@ ROLES = {
     "pack_gqa": Role("host", "pack_gqa"),
     "decode_rows": Role("host", "decode_rows"),
     "sm_margin": Role("host", "sm_margin"),
-    "appended_keys": Role("host", "appended_keys"),
+    "appended_keys": Role("appended", "appended_keys"),
     "scheduler_metadata": Role("metadata", "num_splits"),
     # flash_attn_with_kvcache's appends (flash_cute.kv_append.KVAppend; its k and v are
     # overridden to these roles there).

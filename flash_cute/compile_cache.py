@@ -295,6 +295,9 @@ class AppendKernelKey:
     batch_idx: bool = False
     varlen_q: bool = False  # cu_seqlens_q (rotary only)
     rotary_seqlens: bool = False
+    # Writes each sequence's length after the append (else the attention adds the new rows to
+    # the lengths itself, and the lengths tensor gives the batch: lengths must be set).
+    new_lengths: bool = True
 
 
 def compile_append(key: AppendKernelKey, options: str = "") -> Callable:
@@ -329,7 +332,7 @@ def compile_append(key: AppendKernelKey, options: str = "") -> Callable:
         v_cache=tensor(dtype, (*cache_rows, dv)),
         lengths=ints(1, key.lengths),
         length=cutlass.Int32(0),
-        new_lengths=ints(),
+        new_lengths=ints(1, key.new_lengths),
         cu_new=ints(1, key.varlen_new),
         seqlen_new=cutlass.Int32(1),
         batch_idx=ints(1, key.batch_idx),

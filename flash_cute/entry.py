@@ -180,6 +180,7 @@ class EntryPoint:
         q, k, v = [n for n in params if roles[n].kind == "tensor"]
         out = next((n for n in params if roles[n].kind == "out"), None)
         prologue, key, accept, slots, appends = [], [], [], {}, []
+        appended = None
         for name in params:
             role = roles[name]
             kind = role.kind
@@ -222,6 +223,9 @@ class EntryPoint:
                 accept.append(f"({name} is None or 0 <= {name} <= plan.int_capacity)")
             elif kind == "host":
                 key.append(f"{name}, type({name})")  # (True == 1 == 1.0 as keys)
+            elif kind == "appended":  # (the kernel's scalar: the rows past seqused_k's)
+                key.append(f"{name}, type({name})")
+                appended = name
             elif kind == "value":
                 key.append(name)
             elif kind == "window":
@@ -237,6 +241,9 @@ class EntryPoint:
                 appends.append(name)  # (one chained test for all of them, below)
             elif kind not in ("out", "ignored", "append_option"):
                 raise ValueError(f"unknown role kind {kind!r} of {name}")
+        if appended is not None:  # (with seqused_k only, so never beside an int length)
+            kv_length = slots.get("kv_length", "0")
+            slots["kv_length"] = f"({appended} if {appended} is not None else {kv_length})"
         if appends:  # True only when every one of them is None (no append)
             key.append(" is ".join(appends) + " is None")
         # Without out, whether q is contiguous picks how out is allocated; with out, the strides

@@ -148,6 +148,11 @@ def describe(call: Call, names: Optional[dict] = None) -> Problem:
         capacity = k.shape[0]
     if batch == 0:
         capacity = 0
+    if call.appended_keys is not None and call.appended_keys > capacity and batch > 0:
+        raise ValueError(
+            f"{name('appended_keys')}={call.appended_keys} exceeds the cache's capacity of "
+            f"{capacity} keys"
+        )
     max_seqlen_k = capacity
     if call.kv_length is not None:
         if call.seqused_k is not None:

@@ -228,7 +228,8 @@ def _checked(append: KVAppend, fields: dict) -> _Checked:
 
 def apply(append: KVAppend, fields: dict) -> dict:
     """Write the new rows into the cache (and rotate the queries); returns the Call fields
-    with q the rotated queries and seqused_k each sequence's length after the append.
+    with q the rotated queries and the lengths after the append: seqused_k, or seqused_k as
+    it was plus appended_keys.
 
     fields: the Call fields of the call (q, k and v the caches, seqused_k or kv_length the
     lengths before the append, page_table, kv_batch_idx, leftpad_k, cu_seqlens_q, causal,
@@ -244,12 +245,14 @@ def apply(append: KVAppend, fields: dict) -> dict:
         return dict(fields, seqused_k=new_lengths, kv_length=None)
     if not _uses_kernel(c):
         q, new_lengths = _torch_ops(c, append)
-        return dict(fields, q=q, seqused_k=new_lengths, kv_length=None)
-    q, new_lengths = _launch(c, append)
-    if c.lengths is not None and c.seqlen_new is not None:
-        # The forward adds the rows itself and starts while the append runs (its CTAs wait
-        # for the writes where they read them: a programmatically dependent launch).
+    elif c.lengths is not None and c.seqlen_new is not None:
+        # The forward adds the rows itself, and a split launch starts while the append runs
+        # (its CTAs wait for the writes where they read them: a programmatically dependent
+        # launch), so the kernel writes no lengths it could be reading late.
+        q, _ = _launch(c, append, writes_lengths=False)
         return dict(fields, q=q, appended_keys=c.seqlen_new)
+    else:
+        q, new_lengths = _launch(c, append)
     return dict(fields, q=q, seqused_k=new_lengths, kv_length=None)
 
 
@@ -259,8 +262,9 @@ def _uses_kernel(c: _Checked) -> bool:
     return c.k_cache.is_cuda
 
 
-def _launch(c: _Checked, append: KVAppend) -> tuple:
-    """The append kernel: (the rotated queries, or q; the lengths after the append)."""
+def _launch(c: _Checked, append: KVAppend, writes_lengths: bool = True) -> tuple:
+    """The append kernel: (the rotated queries, or q; the lengths after the append, or None
+    without writes_lengths)."""
     rotary_dim = 0 if c.rotary is None else 2 * c.rotary[0].shape[1]
     key = AppendKernelKey(
         dtype=DTYPE_NAMES[c.k_cache.dtype],
@@ -277,8 +281,11 @@ def _launch(c: _Checked, append: KVAppend) -> tuple:
         batch_idx=c.batch_idx is not None,
         varlen_q=bool(rotary_dim) and c.cu_q is not None,
         rotary_seqlens=bool(rotary_dim) and append.rotary_seqlens is not None,
+        new_lengths=writes_lengths,
     )
-    new_lengths = torch.empty(c.batch, device=c.k_cache.device, dtype=torch.int32)
+    new_lengths = None
+    if writes_lengths:
+        new_lengths = torch.empty(c.batch, device=c.k_cache.device, dtype=torch.int32)
     q_rows = q_out = None
     if rotary_dim:
         q_rows = c.q if c.cu_q is not None else c.q.flatten(0, 1)

@@ -9,7 +9,9 @@ round once. Every index is read on the device (a packed row's sequence by counti
 cu_seqlens, its slot through cache_batch_idx and the page table), so graphs capture the launch
 and replays see new lengths. A row whose slot is not in the cache (past its capacity or the
 page table's width, a cache row or page out of range, a packed row of no sequence) writes
-nothing. The first threads also write each sequence's length after the append.
+nothing. The first threads also write each sequence's length after the append, unless the
+attention adds the new rows itself (new_lengths None: it may run beside this kernel, a
+programmatically dependent launch, so nothing it could reuse is written late).
 """
 
 from typing import Optional
@@ -32,7 +34,8 @@ class KVAppendKernel:
         (seqlen_new rows a sequence); k_cache (R, S, Hkv, D), v_cache (R, S, Hkv, Dv): R cache
         rows of capacity S, or R pages of S slots (page_table (rows, width) int32);
       lengths (B,) int32 or None (then every sequence's is `length`): the cached rows;
-      new_lengths (B,) int32: written, lengths + each sequence's new rows;
+      new_lengths (B,) int32: written, lengths + each sequence's new rows; or None where the
+        attention adds the rows itself (then lengths gives B);
       cu_new (B + 1,), batch_idx (B,), rotary_seqlens (B,), cu_q (B + 1,): int32 or None;
       q (T, H, D) and q_out (same shape): the queries (rows batch-major, seqlen_q a sequence, or
         packed by cu_q) and their rotated copy, with rotary only; cos, sin (seqlen_ro,
@@ -62,7 +65,7 @@ class KVAppendKernel:
         v_cache: cute.Tensor,
         lengths: Optional[cute.Tensor],
         length: Int32,
-        new_lengths: cute.Tensor,
+        new_lengths: Optional[cute.Tensor],
         cu_new: Optional[cute.Tensor],
         seqlen_new: Int32,
         batch_idx: Optional[cute.Tensor],
@@ -82,10 +85,9 @@ class KVAppendKernel:
         items = k_new.shape[0] * k_new.shape[1]
         if const_expr(self.rotary_dim > 0):
             items = items + q.shape[0] * q.shape[1]
-        # At least a thread per sequence, for the new lengths.
-        blocks = cutlass.max(
-            (items + WARPS - 1) // WARPS, (new_lengths.shape[0] + WARPS * 32 - 1) // (WARPS * 32)
-        )
+        blocks = cutlass.max((items + WARPS - 1) // WARPS, 1)  # (no new rows: a launch still)
+        if const_expr(new_lengths is not None):  # (a thread per sequence, for its new length)
+            blocks = cutlass.max(blocks, (new_lengths.shape[0] + WARPS * 32 - 1) // (WARPS * 32))
         self.kernel(args).launch(grid=[blocks, 1, 1], block=[WARPS * 32, 1, 1], stream=stream)
 
     @cute.jit
@@ -149,15 +151,16 @@ class KVAppendKernel:
         bidx, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        batch = mNewLengths.shape[0]
+        batch = mLengths.shape[0] if const_expr(mNewLengths is None) else mNewLengths.shape[0]
 
         # Each sequence's length after the append.
-        seq_t = bidx * WARPS * 32 + tidx
-        if seq_t < batch:
-            count = seqlen_new
-            if const_expr(mCuNew is not None):
-                count = cutlass.max(mCuNew[seq_t + 1] - mCuNew[seq_t], 0)
-            mNewLengths[seq_t] = self._start(seq_t, mLengths, length) + count
+        if const_expr(mNewLengths is not None):
+            seq_t = bidx * WARPS * 32 + tidx
+            if seq_t < batch:
+                count = seqlen_new
+                if const_expr(mCuNew is not None):
+                    count = cutlass.max(mCuNew[seq_t + 1] - mCuNew[seq_t], 0)
+                mNewLengths[seq_t] = self._start(seq_t, mLengths, length) + count
 
         item = bidx * WARPS + warp
         nheads_kv = mKNew.shape[1]

@@ -758,9 +758,11 @@ def test_combine_compiles(key, tmp_path):
         AppendKernelKey("float16", 64, 64, "float16", 32, True, rotary_dtype="float32",
                         lengths=False, varlen_new=True, batch_idx=True, varlen_q=True,
                         rotary_seqlens=True),
-        # An FP8 cache (without rotary: FP8 rotation takes the PyTorch ops); the latent
-        # cache's wide rows.
+        # An FP8 cache; the latent cache's wide rows.
         AppendKernelKey("float8_e4m3fn", 128, 128, paged=True),
+        # Behind a dependent attention launch: no lengths written.
+        AppendKernelKey("bfloat16", 128, 128, "bfloat16", 128, rotary_dtype="bfloat16",
+                        new_lengths=False),
         # FP8 rotation: FlashAttention-3's FP8 forms (FP8 cache, queries or tables).
         AppendKernelKey("float8_e4m3fn", 128, 128, "float8_e4m3fn", 128, per_row=True,
                         rotary_dtype="float8_e4m3fn"),

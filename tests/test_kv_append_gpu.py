@@ -24,6 +24,11 @@ CASES = [
     (64, 2, None, 0, False, False, 1),
     (1, 1, "half", 128, False, False, 0),
     (None, 17, "interleaved", 128, True, True, 1),
+    # Split launches behind the append (dependent launches): left padding, new rows across
+    # a key block's edge, gathered pages.
+    (None, 17, "interleaved", 128, True, True, 3),
+    (None, 40, None, 0, False, False, 4),
+    (8, 5, "half", 64, False, True, 4),
 ]
 
 

@@ -260,3 +260,21 @@ def test_what_the_key_leaves_out_the_compiled_function_refuses(launches):
     kv_dtypes = {p.variant.kv_dtype for p, _ in launches}
     head_dims_v = {p.variant.head_dim_v for p, _ in launches}
     assert kv_dtypes == {None, "float8_e4m3fn"} and head_dims_v == {64, 128}
+
+
+def test_a_replayed_call_keeps_its_appended_keys(launches):
+    """Call.appended_keys (rows an append wrote past seqused_k's counts) is the kernel's scalar
+    on a replay through the Call entry point too, as on the first call."""
+    from flash_cute.interface import _FORWARD_CALL
+
+    q, k = torch.randn(2, 1, 8, 64).to(BF16), torch.randn(2, 64, 2, 64).to(BF16)
+    lengths = int32([5, 9])
+    for appended in (1, 1, 3, None, 2):
+        _FORWARD_CALL(q, k, k, seqused_k=lengths, appended_keys=appended)
+        replayed = launches[-1]
+        first = fresh(lambda: _FORWARD_CALL(q, k, k, seqused_k=lengths, appended_keys=appended),
+                      launches)[-1]  # fmt: skip
+        assert replayed[0].variant == first[0].variant
+        assert replayed[0].variant.after_append == (appended is not None)
+        assert same_arguments(replayed[1], first[1])
+        assert replayed[1][4][-1] == (appended or 0)
