@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import re
 import sys
 import tempfile
@@ -117,11 +118,15 @@ def table_variants(
 
 
 def decode_variants(
-    head_dims: Optional[Iterable[int]] = None, gqa_ratios=(4, 8), int_lengths=(False, True)
+    head_dims: Optional[Iterable[int]] = None,
+    gqa_ratios=(4, 8),
+    int_lengths=(False, True),
+    appends=(False,),
 ) -> List[ForwardVariant]:
     """Decode kernels as flash_attn_with_kvcache launches them for one new token per sequence
     on a padded cache, no LSE returned: cache_seqlens a tensor and (int_lengths) an int, causal
-    or not, split (2 splits) or not, GQA packed at each ratio."""
+    or not, split (2 splits) or not, GQA packed at each ratio; with appends (False, True) also
+    those that follow an append of k and v (a tensor cache_seqlens: after_append)."""
     variants = []
     for head_dim, dtype in sorted(DECODE_CONFIGS, key=str):
         if head_dims is not None and head_dim not in head_dims:
@@ -129,7 +134,9 @@ def decode_variants(
         for causal in (False, True):
             for num_splits in (1, 2):
                 for ratio in gqa_ratios:
-                    for scalar in int_lengths:
+                    for scalar, after_append in itertools.product(int_lengths, appends):
+                        if scalar and after_append:
+                            continue  # (an append hands the forward a lengths tensor)
                         problem = Problem(
                             batch=1,
                             nheads=8 * ratio,
@@ -142,6 +149,7 @@ def decode_variants(
                             causal=causal,
                             seqused_k=not scalar,
                             scalar_kv_length=scalar,
+                            after_append=after_append,
                         )
                         plan = plan_forward(problem, PLANNED_SMS, num_splits=num_splits)
                         variants.append(plan.variant)
@@ -192,7 +200,9 @@ def main(argv=None) -> int:
     parser.add_argument("--check-ptx", action="store_true")
     args = parser.parse_args(argv)
     failures = 0
-    variants = table_variants(args.head_dims) + decode_variants(args.head_dims, args.gqa_ratios)
+    variants = table_variants(args.head_dims) + decode_variants(
+        args.head_dims, args.gqa_ratios, appends=(False, True)
+    )
     for variant in variants:
         label = variant.describe()
         try:
