@@ -10,7 +10,6 @@ plain step. Run from the repository root on a GPU:
 
 import math
 import os
-import statistics
 
 import torch
 
@@ -28,11 +27,6 @@ ROUNDS = int(os.environ.get("ROUNDS", "5"))
 STEPS = 10  # decode calls per graph
 HEADS, HEADS_KV, D, PAGE = 32, 8, 128, 64
 POINTS = [(1, 8192), (1, 131072), (8, 32768), (32, 8192), (64, 8192), (128, 8192), (16, 65536)]
-
-
-def step_us(replay, reps=10):
-    """Median time of one step over reps graph replays."""
-    return timing.time_cuda(replay, 1, reps) * 1e3 / STEPS
 
 
 def peers(batch, keys):
@@ -86,11 +80,7 @@ def main():
                 diff = (outs[name] - outs["append"]).abs().max().item()
                 print(f"  {batch} x {keys}: {name} max |diff| vs append {diff:.2e}", flush=True)
         replays = {name: timing.captured(fn, STEPS) for name, fn in steps.items()}
-        rounds = {name: [] for name in replays}
-        for _ in range(ROUNDS):
-            for name, replay in replays.items():
-                rounds[name].append(step_us(replay))
-        us = {name: statistics.median(times) for name, times in rounds.items()}
+        us = timing.graph_step_rounds_us(replays, STEPS, ROUNDS)
         written = 2 * batch * HEADS_KV * D * 2  # bytes the append writes a step
         cells = [f"{name} {t:.1f}" for name, t in us.items()]
         ratios = [

@@ -15,7 +15,6 @@ Config sweeps: EXP=ov0+n64+st4,... adds the FP8-math kernel with those knobs
 
 import functools
 import os
-import statistics
 
 import torch
 
@@ -58,15 +57,11 @@ def graphed(fn):
     return timing.captured(fn, STEPS)
 
 
-def step_us(replay, reps=10):
-    """Median time of one step over reps graph replays."""
-    return timing.time_cuda(replay, 1, reps) * 1e3 / STEPS
-
-
 def copy_tbs(nbytes):
     src = torch.randn(nbytes // 2, device="cuda").to(BF16)
     dst = torch.empty_like(src)
-    return 2 * nbytes / step_us(graphed(lambda: dst.copy_(src))) / 1e6
+    copy = {"copy": graphed(lambda: dst.copy_(src))}
+    return 2 * nbytes / timing.graph_step_rounds_us(copy, STEPS, 1)["copy"] / 1e6
 
 
 def peers(batch, keys):
@@ -121,13 +116,8 @@ def main():
             print(f"  {batch} x {keys}: {name} max |diff| vs bf16 q {diff:.2e}", flush=True)
         replays = {name: graphed(fn) for name, fn in steps.items()}
         copy = copy_tbs(nbytes)
-        rounds = {name: [] for name in replays}
-        for _ in range(ROUNDS):
-            for name, replay in replays.items():
-                rounds[name].append(step_us(replay))
         cells = []
-        for name, times in rounds.items():
-            us = statistics.median(times)
+        for name, us in timing.graph_step_rounds_us(replays, STEPS, ROUNDS).items():
             tbs = nbytes / us / 1e6
             cells.append(f"{name} {us:.1f} us {tbs:.2f} TB/s {tbs / copy:.2f}x")
         head = f"{batch} x {keys} ({nbytes / 2**20:.0f} MB, copy {copy:.2f} TB/s)"

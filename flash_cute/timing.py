@@ -139,6 +139,19 @@ def captured(fn: Callable[[], object], calls: int = 20) -> Callable[[], None]:
     return graph.replay
 
 
+def graph_step_rounds_us(
+    replays: Dict[str, Callable[[], None]], calls: int, rounds: int, reps: int = 10
+) -> Dict[str, float]:
+    """Per name, microseconds per call of a graph replay holding `calls` calls (captured):
+    the median over `rounds` rounds, in each of which the replays take turns in their order and
+    each time is the median of reps replays (the decode benchmarks' method)."""
+    samples: Dict[str, list] = {name: [] for name in replays}
+    for _ in range(rounds):
+        for name, replay in replays.items():
+            samples[name].append(time_cuda(replay, 1, reps) * 1e3 / calls)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
 def time_graph(fn: Callable[[], object], calls: int = 20, reps: int = 10) -> float:
     """Median milliseconds per call of `calls` back-to-back calls captured in one CUDA graph."""
     return time_cuda(captured(fn, calls), 2, reps) / calls

@@ -245,3 +245,20 @@ def test_set_fp8_math_changes_applies_and_restores():
     finally:
         bench.set_fp8_math_changes({}, plans)
     assert plan.fp8_math_config(row, 128, 128) == own
+
+
+def test_graph_step_rounds_take_turns_and_report_per_call_medians(monkeypatch):
+    """The decode benchmarks' method: rounds in which the replays take turns in their order,
+    each time per call of the graph (ms -> us, over `calls`), the median of the rounds."""
+    seen = []
+    times = {"a": iter([3.0, 1.0, 2.0]), "b": iter([10.0, 30.0, 20.0])}
+
+    def fake_time_cuda(fn, warmup, reps):
+        seen.append((fn(), warmup, reps))
+        return next(times[seen[-1][0]])
+
+    monkeypatch.setattr(timing, "time_cuda", fake_time_cuda)
+    us = timing.graph_step_rounds_us({"a": lambda: "a", "b": lambda: "b"}, calls=10, rounds=3)
+    assert [name for name, _, _ in seen] == ["a", "b"] * 3
+    assert all((warmup, reps) == (1, 10) for _, warmup, reps in seen)
+    assert us == {"a": 200.0, "b": 2000.0}
