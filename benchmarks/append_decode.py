@@ -67,9 +67,7 @@ def peers(batch, keys):
 
 
 def main():
-    points = POINTS
-    if os.environ.get("POINTS"):
-        points = [POINTS[int(i)] for i in os.environ["POINTS"].split(",")]
+    points = timing.env_points(POINTS)
     print(torch.cuda.get_device_name(), f"{STEPS} steps per graph", flush=True)
     for batch, keys in points:
         torch.cuda.empty_cache()

@@ -109,13 +109,6 @@ def describe(call: Call, names: Optional[dict] = None) -> Problem:
         checks.check_cu_seqlens(name("cu_seqlens_k"), call.cu_seqlens_k, batch)
     if call.seqused_k is not None:
         checks.check_seqused(name("seqused_k"), call.seqused_k, batch)
-    if call.appended_keys is not None:
-        appended = checks.check_host_int(name("appended_keys"), call.appended_keys)
-        if call.seqused_k is None:
-            raise ValueError(
-                f"{name('appended_keys')} ({appended}) counts rows past {name('seqused_k')}'s, "
-                f"which the call lacks"
-            )
     if call.seqused_q is not None:
         checks.check_seqused(name("seqused_q"), call.seqused_q, batch, "queries used per sequence")
     if kv_layout == "packed" and (call.kv_batch_idx is not None or call.leftpad_k is not None):
@@ -148,11 +141,18 @@ def describe(call: Call, names: Optional[dict] = None) -> Problem:
         capacity = k.shape[0]
     if batch == 0:
         capacity = 0
-    if call.appended_keys is not None and call.appended_keys > capacity and batch > 0:
-        raise ValueError(
-            f"{name('appended_keys')}={call.appended_keys} exceeds the cache's capacity of "
-            f"{capacity} keys"
-        )
+    if call.appended_keys is not None:
+        appended = checks.check_host_int(name("appended_keys"), call.appended_keys)
+        if call.seqused_k is None:
+            raise ValueError(
+                f"{name('appended_keys')} ({appended}) counts rows past {name('seqused_k')}'s, "
+                f"which the call lacks"
+            )
+        if appended > capacity and batch > 0:
+            raise ValueError(
+                f"{name('appended_keys')}={appended} exceeds the cache's capacity of "
+                f"{capacity} keys"
+            )
     max_seqlen_k = capacity
     if call.kv_length is not None:
         if call.seqused_k is not None:

@@ -4,6 +4,7 @@ memory-bound floor)."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -137,6 +138,12 @@ def captured(fn: Callable[[], object], calls: int = 20) -> Callable[[], None]:
                 fn()
     torch.cuda.current_stream().wait_stream(stream)
     return graph.replay
+
+
+def env_points(points: list, var: str = "POINTS") -> list:
+    """The benchmark points an environment variable picks by index (POINTS=0,2), or all."""
+    picked = os.environ.get(var)
+    return [points[int(i)] for i in picked.split(",")] if picked else list(points)
 
 
 def graph_step_rounds_us(
