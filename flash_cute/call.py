@@ -44,7 +44,12 @@ class Call:
     SMs the launch leaves free (FlashAttention-3's): its plan sees the others only.
     appended_keys: rows an append (flash_cute.kv_append) wrote to each sequence just before
     the launch, on its stream, past its seqused_k count: the kernel adds them, and a split
-    launch starts while the append runs (None: no append). The public functions' docstrings
+    launch starts while the append runs (None: no append). append_k, append_v: (batch,
+    appended_keys, nheads_kv, d / dv) rows the kernel itself writes to the cache (a padded one)
+    past seqused_k before it reads them (flash_cute.kv_append's fused form), rotated, with q,
+    by append_cos and append_sin (seqlen_ro, rotary_dim / 2) where given: pairs (2j, 2j + 1)
+    with append_interleaved, else (j, j + rotary_dim / 2); q row i of a sequence at position
+    seqused_k + i with append_per_row, else at seqused_k. The public functions' docstrings
     say the rest.
     """
 
@@ -66,6 +71,10 @@ class Call:
     q_descale: Optional[torch.Tensor] = None
     k_descale: Optional[torch.Tensor] = None
     v_descale: Optional[torch.Tensor] = None
+    append_k: Optional[torch.Tensor] = None
+    append_v: Optional[torch.Tensor] = None
+    append_cos: Optional[torch.Tensor] = None
+    append_sin: Optional[torch.Tensor] = None
     kv_length: Optional[int] = None
     max_seqlen_q: Optional[int] = None
     max_seqlen_k: Optional[int] = None
@@ -81,6 +90,8 @@ class Call:
     decode_rows: bool = True
     sm_margin: int = 0
     appended_keys: Optional[int] = None
+    append_interleaved: bool = False
+    append_per_row: bool = False
 
     def replace(self, **changes) -> Call:
         return dataclasses.replace(self, **changes)
@@ -94,7 +105,7 @@ class Call:
 
 
 CALL_FIELDS = tuple(f.name for f in dataclasses.fields(Call))
-TENSOR_FIELDS = CALL_FIELDS[: CALL_FIELDS.index("v_descale") + 1]
+TENSOR_FIELDS = CALL_FIELDS[: CALL_FIELDS.index("append_sin") + 1]
 # The kernel's call arguments (the rest of its signature the launch plan supplies).
 KERNEL_CALL_FIELDS = CALL_FIELDS[
     CALL_FIELDS.index("cu_seqlens_q") : CALL_FIELDS.index("kv_length") + 1
@@ -186,6 +197,13 @@ ROLES = {
     "decode_rows": Role("host", "decode_rows"),
     "sm_margin": Role("host", "sm_margin"),
     "appended_keys": Role("appended", "appended_keys"),
+    # The fused append's rows and rotation (Call.append_k; flash_cute.kv_append fills them).
+    "append_k": Role("optional", "append_k"),
+    "append_v": Role("optional", "append_v"),
+    "append_cos": Role("optional", "append_cos"),
+    "append_sin": Role("optional", "append_sin"),
+    "append_interleaved": Role("host", "append_interleaved"),
+    "append_per_row": Role("host", "append_per_row"),
     "scheduler_metadata": Role("metadata", "num_splits"),
     # flash_attn_with_kvcache's appends (flash_cute.kv_append.KVAppend; its k and v are
     # overridden to these roles there).

@@ -114,6 +114,10 @@ OPTIONAL_TENSORS = (
     "q_descale",
     "k_descale",
     "v_descale",
+    "append_k",
+    "append_v",
+    "append_cos",
+    "append_sin",
 )
 
 
@@ -185,6 +189,9 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
             else None
             for name, taken in zip(DESCALES, variant.descales_taken)
         },
+        # A fused append's rows (batch, new, nheads_kv, d / dv) and rotary tables: read by
+        # scalar loads (element-aligned, any strides but the last).
+        **_fused_append_fakes(variant, kv_dtype, batch, nheads_kv, d_qk, dv),
         "kv_length": cutlass.Int32(0),
         # Split scratch (partial O, then partial LSE) and the zeroed int32 counters (the
         # dynamic scheduler's, or a split launch's arrivals): addresses, which TVM-FFI
@@ -205,6 +212,21 @@ def fake_arguments(variant: ForwardVariant) -> Dict[str, object]:
         if variant.config.trace
         else None,
     }
+
+
+def _fused_append_fakes(variant, kv_dtype, batch, nheads_kv, d, dv) -> dict:
+    import cutlass.cute as cute
+
+    names = ("append_k", "append_v", "append_cos", "append_sin")
+    if not variant.fused_append:
+        return dict.fromkeys(names)
+    new, seqlen_ro = cute.sym_int(), cute.sym_int()
+    tables = (None, None)
+    if variant.rotary_dim:
+        shape = (seqlen_ro, variant.rotary_dim // 2)
+        tables = [_fake_tensor(_cutlass_dtype(variant.rotary_dtype), shape) for _ in range(2)]
+    rows = [_fake_tensor(kv_dtype, (batch, new, nheads_kv, w)) for w in (d, dv)]
+    return dict(zip(names, (*rows, *tables)))
 
 
 def compile_forward(variant: ForwardVariant, options: str = "") -> Callable:

@@ -197,6 +197,7 @@ def describe(call: Call, names: Optional[dict] = None) -> Problem:
         kv_batch_idx=call.kv_batch_idx is not None,
         leftpad_k=call.leftpad_k is not None,
         after_append=call.appended_keys is not None,
+        **_fused_append(call, name, batch, kv_layout),
         kv_dtype=kv_dtype,
         q_dtype=checks.FP8_DTYPES[q.dtype] if q_fp8 else None,
         window_left=window_left,
@@ -210,6 +211,47 @@ def describe(call: Call, names: Optional[dict] = None) -> Problem:
     configs.check_head_dims(problem.head_dim, problem.head_dim_v, problem.qv)
     checks.check_gqa(problem.nheads, problem.nheads_kv)
     return problem
+
+
+def _fused_append(call: Call, name, batch: int, kv_layout: str) -> dict:
+    """The CallShape fields of a fused append (Call.append_k; flash_cute.kv_append makes them
+    and has checked its arguments: what is left to check is what only direct Call users could
+    break)."""
+    if call.append_k is None:
+        if any(t is not None for t in (call.append_v, call.append_cos, call.append_sin)):
+            raise ValueError(f"{name('append_v')}, cos and sin need {name('append_k')}")
+        return {}
+    k, v, new = call.append_k, call.append_v, call.appended_keys
+    for field, rows, cache in (("append_k", k, call.k), ("append_v", v, call.v)):
+        expected = (batch, new, *cache.shape[-2:])
+        if not isinstance(rows, torch.Tensor) or tuple(rows.shape) != expected:
+            raise ValueError(f"{name(field)} must be {expected} (appended_keys rows a sequence)")
+        if rows.dtype != cache.dtype or rows.stride(-1) != 1:
+            raise ValueError(f"{name(field)} must be in the cache's dtype, last dim contiguous")
+    if kv_layout != "padded" or call.kv_batch_idx is not None or call.leftpad_k is not None:
+        raise NotImplementedError(
+            f"{name('append_k')} appends to a padded cache of each sequence's own row"
+        )
+    cos = call.append_cos
+    if (cos is None) != (call.append_sin is None):
+        raise ValueError(f"{name('append_cos')} and {name('append_sin')} go together")
+    if cos is None:
+        return dict(fused_append=True)
+    table_dtype = checks.ALL_DTYPE_NAMES.get(cos.dtype)
+    if table_dtype is None or cos.dim() != 2 or not 0 < 2 * cos.shape[1] <= k.shape[-1]:
+        raise ValueError(
+            f"{name('append_cos')} must be a (seqlen_ro, rotary_dim / 2) float16, bfloat16 or "
+            f"float32 table, rotary_dim <= the head dim"
+        )
+    return dict(
+        fused_append=True,
+        rotary_dim=2 * cos.shape[1],
+        rotary_interleaved=checks.optional_bool(
+            name("append_interleaved"), call.append_interleaved
+        ),
+        rotary_per_row=checks.optional_bool(name("append_per_row"), call.append_per_row),
+        rotary_dtype=table_dtype,
+    )
 
 
 def check(call: Call, names: dict) -> tuple:

@@ -37,6 +37,7 @@ from .runtime import on_device
 DTYPE_NAMES = {**checks.ALL_DTYPE_NAMES, **checks.FP8_DTYPES}
 # (FlashAttention-3's FP8 calls pass the tables in e4m3 too.)
 ROTARY_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
+FUSED_ROTARY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The arguments whose presence makes a call append (the others only shape how).
 TRIGGERS = ("k", "v", "rotary_cos", "rotary_sin", "cu_seqlens_k_new")
 
@@ -226,7 +227,7 @@ def _checked(append: KVAppend, fields: dict) -> _Checked:
     )  # fmt: skip
 
 
-def apply(append: KVAppend, fields: dict) -> dict:
+def apply(append: KVAppend, fields: dict, fuse: bool = True) -> dict:
     """Write the new rows into the cache (and rotate the queries); returns the Call fields
     with q the rotated queries and the lengths after the append: seqused_k, or seqused_k as
     it was plus appended_keys.
@@ -237,14 +238,24 @@ def apply(append: KVAppend, fields: dict) -> dict:
     devices); this checks the append's own arguments. With a lengths tensor and batch-major
     new rows, seqused_k stays the lengths before the append and appended_keys says how many
     rows each sequence gained (Call.appended_keys). On a GPU one kernel does the work
-    (kernels/kv_append.py); elsewhere (the CPU tests)
-    PyTorch ops of the same semantics."""
+    (kernels/kv_append.py), or with `fuse` where `fuses` says so none: the fields then carry
+    the new rows and the tables (Call.append_k, ...), q as it was, and the attention kernel
+    writes the rows and rotates q itself. Elsewhere (the CPU tests) PyTorch ops of the same
+    semantics."""
     c = _checked(append, fields)
     if c.batch == 0:  # (no sequences: nothing to write, and no launch of no blocks)
         new_lengths = torch.empty(0, device=c.k_cache.device, dtype=torch.int32)
         return dict(fields, seqused_k=new_lengths, kv_length=None)
     if not _uses_kernel(c):
         q, new_lengths = _torch_ops(c, append)
+    elif fuse and fuses(c, append, fields):
+        # No launch here: the attention kernel writes the rows itself and rotates q.
+        cos, sin = c.rotary or (None, None)
+        return dict(
+            fields, appended_keys=c.seqlen_new, append_k=append.k, append_v=append.v,
+            append_cos=cos, append_sin=sin, append_interleaved=bool(append.rotary_interleaved),
+            append_per_row=c.per_row,
+        )  # fmt: skip
     elif c.lengths is not None and c.seqlen_new is not None:
         # The forward adds the rows itself, and a split launch starts while the append runs
         # (its CTAs wait for the writes where they read them: a programmatically dependent
@@ -254,6 +265,33 @@ def apply(append: KVAppend, fields: dict) -> dict:
     else:
         q, new_lengths = _launch(c, append)
     return dict(fields, q=q, seqused_k=new_lengths, kv_length=None)
+
+
+def fuses(c: _Checked, append: KVAppend, fields: dict) -> bool:
+    """Whether the attention kernel appends the rows itself (Call.append_k, a fused_append
+    variant): batch-major new rows and a lengths tensor, a padded 16-bit cache of each
+    sequence's own row with no left padding (not a latent cache whose v is k's columns),
+    padded 16-bit queries of the cache's dtype and no qv, rotary positions from the lengths
+    and tables of 16 or 32 bits, and no left window or chunk (so every row the append writes
+    lies in the key range of a tile that reads it)."""
+    rotary_ok = c.rotary is None or (
+        append.rotary_seqlens is None and c.rotary[0].dtype in FUSED_ROTARY_DTYPES
+    )
+    return (
+        c.lengths is not None
+        and c.seqlen_new is not None
+        and c.page_table is None
+        and c.batch_idx is None
+        and fields.get("leftpad_k") is None
+        and c.cu_q is None
+        and fields.get("qv") is None
+        and c.v_cache.data_ptr() != c.k_cache.data_ptr()  # (not a latent cache: v_in_k)
+        and c.k_cache.dtype in (torch.float16, torch.bfloat16)
+        and c.q.dtype == c.k_cache.dtype
+        and rotary_ok
+        and fields.get("window_size", (-1, -1))[0] < 0
+        and not fields.get("attention_chunk")
+    )
 
 
 def _uses_kernel(c: _Checked) -> bool:

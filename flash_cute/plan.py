@@ -111,6 +111,15 @@ class CallShape:
     # than its seqused_k count: a programmatically dependent launch whose CTAs wait for the
     # append's writes only where they read them (q, the blocks holding new rows).
     after_append: bool = False
+    # The append is fused (FlashAttention-3's way; with after_append): the kernel writes the
+    # new rows itself, each tile those in its key range, before it loads them, and rotates
+    # Q's tile; rotary_dim 0: no rotation, else its pairs as rotary_interleaved says, the
+    # tables in rotary_dtype, q rows at their sequence's position (+ their index: per_row).
+    fused_append: bool = False
+    rotary_dim: int = 0
+    rotary_interleaved: bool = False
+    rotary_per_row: bool = False
+    rotary_dtype: Optional[str] = None
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -235,6 +244,23 @@ class ForwardVariant(CallShape):
             problems.append("after_append adds the rows appended to seqused_k's counts")
         if self.seqused_q and not self.varlen_q:
             problems.append("seqused_q shortens packed (varlen) queries")
+        if self.fused_append and not (
+            self.after_append
+            and self.kv_layout == "padded"
+            and not (self.kv_batch_idx or self.leftpad_k or self.varlen_q or self.v_in_k)
+            and self.kv_dtype is None
+            and self.window_left < 0
+            and self.attention_chunk == 0
+        ):
+            # (every key row the append writes lies in some tile's key range, which writes it)
+            problems.append(
+                "a fused append writes padded, 16-bit cache rows of the batch's own row, no "
+                "v_in_k (nor qv), no left window or chunk, after_append"
+            )
+        if self.rotary_dim and not (
+            self.fused_append and self.rotary_dim % 2 == 0 and self.rotary_dim <= self.head_dim
+        ):
+            problems.append("rotary_dim: an even count <= head_dim, with fused_append")
         if self.leftpad_k and not (self.kv_layout == "padded" or self.gather_page_size):
             problems.append("leftpad_k offsets padded cache rows or gathered pages")
         if self.kv_batch_idx and self.kv_layout == "packed":
@@ -313,6 +339,8 @@ class ForwardVariant(CallShape):
         ]
         flags += ["kv_length"] if self.scalar_kv_length else []
         flags += ["after-append"] if self.after_append else []
+        flags += ["fused-append"] if self.fused_append else []
+        flags += [f"rotary{self.rotary_dim}"] if self.rotary_dim else []
         flags += [f"kv-{self.kv_dtype}"] if self.kv_dtype is not None else []
         flags += ["fp8-math"] if self.q_dtype is not None else []
         flags += (

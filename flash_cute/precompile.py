@@ -126,7 +126,9 @@ def decode_variants(
     """Decode kernels as flash_attn_with_kvcache launches them for one new token per sequence
     on a padded cache, no LSE returned: cache_seqlens a tensor and (int_lengths) an int, causal
     or not, split (2 splits) or not, GQA packed at each ratio; with appends (False, True) also
-    those that follow an append of k and v (a tensor cache_seqlens: after_append)."""
+    those that append k and v themselves with rotary (a tensor cache_seqlens: fused_append;
+    rotary over the whole head dim in the queries' dtype, interleaved, FlashAttention-3's
+    default)."""
     variants = []
     for head_dim, dtype in sorted(DECODE_CONFIGS, key=str):
         if head_dims is not None and head_dim not in head_dims:
@@ -150,6 +152,11 @@ def decode_variants(
                             seqused_k=not scalar,
                             scalar_kv_length=scalar,
                             after_append=after_append,
+                            fused_append=after_append,
+                            rotary_dim=head_dim if after_append else 0,
+                            rotary_interleaved=after_append,
+                            rotary_per_row=after_append and causal,
+                            rotary_dtype=dtype if after_append else None,
                         )
                         plan = plan_forward(problem, PLANNED_SMS, num_splits=num_splits)
                         variants.append(plan.variant)

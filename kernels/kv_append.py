@@ -19,8 +19,9 @@ from typing import Optional
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Int32, const_expr
 
+from .rotary import Rotary
 from .signature_record import signature_record
 
 WARPS = 4  # items per CTA
@@ -53,7 +54,7 @@ class KVAppendKernel:
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
         self.rotary_dim = rotary_dim
-        self.interleaved = interleaved
+        self.rotary = Rotary(rotary_dim, interleaved)
         self.per_row = per_row  # queries at rotary position + their index (causal / local)
 
     @cute.jit
@@ -113,30 +114,6 @@ class KVAppendKernel:
             start = mLengths[seq]
         return start
 
-    @cute.jit
-    def _rotate(self, src, dst, mCos, mSin, position: Int32, width: int, lane: Int32):
-        """dst[:width] = src rotated at table row position over its first rotary_dim dims."""
-        half = self.rotary_dim // 2
-        position = cutlass.max(cutlass.min(position, mCos.shape[0] - 1), 0)
-        for base in cutlass.range_constexpr(0, half, 32):
-            j = base + lane
-            if j < half:
-                a, b = j, j + half
-                if const_expr(self.interleaved):
-                    a, b = 2 * j, 2 * j + 1
-                x0, x1 = src[a].to(Float32), src[b].to(Float32)
-                c, s = mCos[position, j].to(Float32), mSin[position, j].to(Float32)
-                dst[a] = (x0 * c - x1 * s).to(dst.element_type)
-                dst[b] = (x0 * s + x1 * c).to(dst.element_type)
-        self._copy(src, dst, self.rotary_dim, width, lane)
-
-    @cute.jit
-    def _copy(self, src, dst, first: int, width: int, lane: Int32):
-        for base in cutlass.range_constexpr(first, width, 32):
-            j = base + lane
-            if j < width:
-                dst[j] = src[j]
-
     @cute.kernel
     def kernel(self, args):
         mKNew, mVNew, mKCache, mVCache = args.k_new, args.v_new, args.k_cache, args.v_cache
@@ -191,20 +168,14 @@ class KVAppendKernel:
             else:
                 ok = ok & (position < slots) & (cache_row >= 0) & (cache_row < mKCache.shape[0])
             if ok:
-                k_dst = mKCache[c0, c1, head, None]
-                if const_expr(self.rotary_dim > 0):
-                    offset = start
-                    if const_expr(mRotarySeqlens is not None):
-                        offset = mRotarySeqlens[seq]
-                    k_src = mKNew[row, head, None]
-                    self._rotate(k_src, k_dst, mCos, mSin, offset + index, self.head_dim, lane)
-                else:
-                    self._copy(mKNew[row, head, None], k_dst, 0, self.head_dim, lane)
-                # (Other lanes write v: where v's columns are k's, as in a latent cache, v lands
-                # last, as in the PyTorch path.)
-                cute.arch.sync_warp()
-                self._copy(mVNew[row, head, None], mVCache[c0, c1, head, None], 0,
-                           self.head_dim_v, lane)  # fmt: skip
+                offset = start
+                if const_expr(mRotarySeqlens is not None):
+                    offset = mRotarySeqlens[seq]
+                self.rotary.write_kv_row(
+                    mKNew[row, head, None], mKCache[c0, c1, head, None], mVNew[row, head, None],
+                    mVCache[c0, c1, head, None], mCos, mSin, offset + index, self.head_dim,
+                    self.head_dim_v, lane,
+                )  # fmt: skip
         if const_expr(self.rotary_dim > 0):
             q_item = item - kv_items
             nheads = mQ.shape[1]
@@ -217,8 +188,8 @@ class KVAppendKernel:
                     offset = mRotarySeqlens[seq]
                 if const_expr(self.per_row):
                     offset = offset + step
-                self._rotate(mQ[token, head, None], mQOut[token, head, None], mCos, mSin, offset,
-                             self.head_dim, lane)  # fmt: skip
+                self.rotary.rotate_row(mQ[token, head, None], mQOut[token, head, None], mCos,
+                                       mSin, offset, self.head_dim, lane)  # fmt: skip
 
 
 # The launch's arguments as __call__ declares them, which the kernel takes as one record.

@@ -16,4 +16,6 @@ class NamedBarrier(enum.IntEnum):
     V_TAIL_2 = 8
     V_TAIL_3 = 9
     SPLIT_SCORES = 10  # split_scores: the two warpgroups sharing a tile's rows
-    Q_CONVERT = 11  # FP8 K/V, bf16 q: the MMA warps after converting Q to fp16 (kv_dequant)
+    # The MMA warps after converting Q to fp16 (FP8 K/V, bf16 q: kv_dequant) or rotating it (a
+    # fused append).
+    Q_CONVERT = 11

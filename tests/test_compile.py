@@ -799,3 +799,26 @@ def test_after_append_variants_wait_for_the_append(layout, batch, keys, waits, t
     compile_forward(variant, options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
     assert ptx.count("griddepcontrol.wait") == waits
+
+
+@pytest.mark.parametrize(
+    "batch, keys, rotary_dim, interleaved, per_row",
+    [(1, 8192, 128, False, True), (16, 65536, 64, True, False), (1, 8192, 0, False, False)],
+)
+def test_fused_append_variants_compile(batch, keys, rotary_dim, interleaved, per_row, tmp_path):
+    """The decode variants that append themselves (kv_append.fuses) compile clean: their
+    loading warp's stores reach its TMA loads through a proxy fence, and nothing waits for a
+    launch before them."""
+    rotary = dict(rotary_dim=rotary_dim, rotary_interleaved=interleaved, rotary_per_row=per_row)
+    problem = Problem(
+        batch=batch, nheads=32, nheads_kv=8, head_dim=128, dtype="bfloat16", max_seqlen_q=1,
+        max_seqlen_k=keys, kv_capacity=keys, seqused_k=True, causal=True, after_append=True,
+        fused_append=True, rotary_dtype="bfloat16" if rotary_dim else None, **rotary,
+    )  # fmt: skip
+    variant = plan_forward(problem, 132, None, 0, None, True).variant
+    assert variant.fused_append and variant.rotary_dim == rotary_dim
+    report = compile_with_ptx_report(variant)
+    assert not report.problems(), report.problems()
+    compile_forward(variant, options=f"--keep-ptx --dump-dir={tmp_path}")
+    ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    assert "fence.proxy.async.global" in ptx and "griddepcontrol" not in ptx

@@ -87,7 +87,9 @@ def run(request):
 
     def run_apply(append, fields):
         values = {f.name: move(getattr(append, f.name)) for f in dataclasses.fields(append)}
-        got = apply(KVAppend(**values), {name: move(t) for name, t in fields.items()})
+        # (fuse=False: the kernel writes the rows here; the fused path is end to end,
+        # tests/test_kv_append_gpu.py)
+        got = apply(KVAppend(**values), {n: move(t) for n, t in fields.items()}, fuse=False)
         got = {name: move(t, "cpu") for name, t in got.items()}
         appended = got.pop("appended_keys", None)
         if appended is not None:
@@ -543,3 +545,97 @@ def test_fp8_rotation_matches_row_by_row(dtypes, interleaved, run):
     assert _e4m3_close(got["q"], want[0]) and _e4m3_close(got["k"], want[1])
     assert torch.equal(got["v"].view(torch.uint8), want[2].view(torch.uint8))
     assert got["seqused_k"].tolist() == want[3]
+
+
+@pytest.mark.parametrize(
+    "change, fused",
+    [
+        ({}, True),
+        (dict(window_size=(-1, 0)), True),
+        (dict(rotary=False), True),
+        (dict(cache_batch_idx=True), False),
+        (dict(leftpad_k=True), False),
+        (dict(window_size=(4, 0)), False),
+        (dict(attention_chunk=8), False),
+        (dict(rotary_seqlens=True), False),
+        (dict(fp8_tables=True), False),
+        (dict(int_lengths=True), False),
+        (dict(varlen_new=True), False),
+        (dict(float32=True), False),
+    ],
+    ids=str,
+)
+def test_fusable_appends_leave_the_writes_to_the_attention(change, fused, monkeypatch):
+    """On a GPU, an append the attention kernel can do itself (kv_append.fuses) launches
+    nothing: the fields carry the new rows and tables, q unrotated, appended_keys the rows each
+    sequence gains; any other form launches the append kernel."""
+    from flash_cute import kv_append
+
+    monkeypatch.setattr(kv_append, "_uses_kernel", lambda c: True)
+    launched = []
+
+    def launch(c, append, writes_lengths=True):
+        launched.append(writes_lengths)
+        return c.q, int32(9, 9) if writes_lengths else None
+
+    monkeypatch.setattr(kv_append, "_launch", launch)
+    gen = torch.Generator().manual_seed(17)
+    dtype = torch.float32 if change.get("float32") else torch.bfloat16
+    k_cache, v_cache, k, v, cos, sin = (t.to(dtype) for t in _small(gen))
+    if change.get("fp8_tables"):
+        cos, sin = cos.to(torch.float8_e4m3fn), sin.to(torch.float8_e4m3fn)
+    if change.get("rotary") is False:
+        cos = sin = None
+    lengths, q = int32(3, 5), torch.randn(2, 2, 2, 16).to(dtype)
+    fields = dict(q=q, k=k_cache, v=v_cache, seqused_k=lengths, causal=True)
+    for name in ("window_size", "attention_chunk"):
+        if name in change:
+            fields[name] = change[name]
+    if change.get("cache_batch_idx"):
+        fields["kv_batch_idx"] = int32(1, 0)
+    if change.get("leftpad_k"):
+        fields["leftpad_k"] = int32(1, 0)
+    if change.get("int_lengths"):
+        fields = dict(fields, seqused_k=None, kv_length=3)
+    rotary_seqlens = int32(0, 1) if change.get("rotary_seqlens") else None
+    append = KVAppend(k, v, cos, sin, rotary_seqlens=rotary_seqlens)
+    if change.get("varlen_new"):
+        append = KVAppend(k.flatten(0, 1), v.flatten(0, 1), cos, sin, int32(0, 2, 4))
+    got = apply(append, fields)
+    assert bool(launched) != fused
+    if fused:
+        assert got["append_k"] is k and got["append_v"] is v and got["q"] is q
+        assert got["append_cos"] is cos and got["append_sin"] is sin
+        assert got["seqused_k"] is lengths and got["appended_keys"] == 2
+        assert got["append_per_row"] == (cos is not None)  # (causal: q rows per position)
+    else:
+        assert got.get("append_k") is None
+
+
+def test_a_fused_append_is_described_and_checked():
+    """A Call carrying a fused append (kv_append's fields) describes as a fused_append problem
+    with its rotation; rows of the wrong shape or a paged cache are refused by name."""
+    from flash_cute.call import Call
+    from flash_cute.forward import describe
+
+    gen = torch.Generator().manual_seed(18)
+    k_cache, v_cache, k, v, cos, sin = (t.bfloat16() for t in _small(gen))
+    q = torch.randn(2, 1, 2, 16).bfloat16()
+    call = Call(
+        q, k_cache, v_cache, seqused_k=int32(3, 5), appended_keys=2, append_k=k, append_v=v,
+        append_cos=cos, append_sin=sin, append_per_row=True, causal=True,
+    )  # fmt: skip
+    problem = describe(call)
+    assert problem.fused_append and problem.after_append
+    assert (problem.rotary_dim, problem.rotary_per_row, problem.rotary_interleaved) == (
+        16,
+        True,
+        False,
+    )
+    assert problem.rotary_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="append_k must be"):
+        describe(call.replace(append_k=k[:, :1]))
+    with pytest.raises(ValueError, match="append_cos and append_sin"):
+        describe(call.replace(append_sin=None))
+    with pytest.raises(ValueError, match="need append_k"):
+        describe(call.replace(append_k=None))

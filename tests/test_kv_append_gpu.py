@@ -11,30 +11,49 @@ from kv_cases import assert_close_to_reference, cache_reference, captured, make_
 from test_kv_append import reference
 
 from flash_cute import flash_attn_interface as fa3
+from flash_cute import kv_append
 from flash_cute.kv_append import KVAppend
 from flash_cute.reference import gather_paged, stable_seed
 
 pytestmark = pytest.mark.gpu
 
 # (page size, seqlen_q = new rows, rotary: None / "interleaved" / "half", rotary_dim,
-#  cache_batch_idx, cache_leftpad, num_splits)
+#  cache_batch_idx, cache_leftpad, num_splits, causal)
 CASES = [
-    (None, 1, "half", 128, False, True, 0),
-    (16, 3, "interleaved", 64, True, False, 3),
-    (64, 2, None, 0, False, False, 1),
-    (1, 1, "half", 128, False, False, 0),
-    (None, 17, "interleaved", 128, True, True, 1),
+    (None, 1, "half", 128, False, True, 0, True),
+    (16, 3, "interleaved", 64, True, False, 3, True),
+    (64, 2, None, 0, False, False, 1, True),
+    (1, 1, "half", 128, False, False, 0, True),
+    (None, 17, "interleaved", 128, True, True, 1, True),
     # Split launches behind the append (dependent launches): left padding, new rows across
     # a key block's edge, gathered pages.
-    (None, 17, "interleaved", 128, True, True, 3),
-    (None, 40, None, 0, False, False, 4),
-    (8, 5, "half", 64, False, True, 4),
+    (None, 17, "interleaved", 128, True, True, 3, True),
+    (8, 5, "half", 64, False, True, 4, True),
+    # The fused append (a padded cache of each sequence's own row, no left padding): the
+    # attention kernel writes the rows. Splits, rows across a key block's edge, two query
+    # tiles of one kv head (17 x 4 rows), no mask (q at one position), no rotation.
+    (None, 1, "half", 128, False, False, 0, True),
+    (None, 3, "interleaved", 64, False, False, 3, True),
+    (None, 40, None, 0, False, False, 4, True),
+    (None, 17, "half", 32, False, False, 1, True),
+    (None, 2, "interleaved", 128, False, False, 0, False),
+    (None, 1, None, 0, False, False, 1, False),
 ]
 
 
+def fused(case) -> bool:
+    page_size, _, _, _, has_batch_idx, has_leftpad, _, _ = case
+    return page_size is None and not has_batch_idx and not has_leftpad
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_append_then_attend(case):
-    page_size, seqlen_new, rotary, rotary_dim, has_batch_idx, has_leftpad, num_splits = case
+def test_append_then_attend(case, monkeypatch):
+    page_size, seqlen_new, rotary, rotary_dim, has_batch_idx, has_leftpad, num_splits = case[:7]
+    causal = case[7]
+    # Which path ran: the fused one launches no append kernel.
+    launches = []
+    launch = kv_append._launch
+    monkeypatch.setattr(kv_append, "_launch", lambda *a, **k: launches.append(1) or launch(*a, **k))
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("kv append", case))
     batch, capacity, h, hkv, d = 4, 256, 32, 8, 128
     rows = 2 * batch if has_batch_idx else batch
@@ -60,13 +79,14 @@ def test_append_then_attend(case):
     cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
     q_rot, k_want, v_want, new_lengths = reference(
         q.cpu(), k_cache.cpu(), v_cache.cpu(), append, lengths.cpu(), cpu(table), cpu(batch_idx),
-        per_row=True,
+        per_row=causal,
     )  # fmt: skip
     out = fa3.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lengths,
-        cache_batch_idx=batch_idx, cache_leftpad=leftpad, page_table=table, causal=True,
+        cache_batch_idx=batch_idx, cache_leftpad=leftpad, page_table=table, causal=causal,
         rotary_interleaved=rotary == "interleaved", num_splits=num_splits,
     )  # fmt: skip
+    assert bool(launches) != fused(case)
     # The cache: the rotated new keys within one bf16 rounding of float64's, the values and
     # every other row bit-identical.
     got_k, got_v = k_cache.cpu(), v_cache.cpu()
@@ -80,18 +100,21 @@ def test_append_then_attend(case):
         v_pad = gather_paged(v_pad, table, table.shape[1] * page_size)
     first = leftpad.tolist() if leftpad is not None else None
     refs, lowps, _ = cache_reference(
-        q_rot.cuda(), k_pad, v_pad, new_lengths, True,
+        q_rot.cuda(), k_pad, v_pad, new_lengths, causal,
         rows=batch_idx.tolist() if batch_idx is not None else None, first=first,
     )  # fmt: skip
     assert_close_to_reference([out[b : b + 1] for b in range(batch)], None, refs, lowps, None)
 
 
-def test_append_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("page_size", [16, None])  # (None: the fused append)
+def test_append_replays_in_a_cuda_graph(page_size):
     """One decode step with append and rotary captured once, replayed with new lengths and new
     rows: each replay equals the same step run eagerly on a copy of the cache."""
-    gen = torch.Generator(device="cuda").manual_seed(stable_seed("kv append graph"))
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("kv append graph", page_size))
     batch, capacity, h, hkv, d = 3, 512, 16, 4, 128
-    k_cache, v_cache, table, _, _ = make_cache(batch, capacity, hkv, d, torch.bfloat16, 16, gen)
+    k_cache, v_cache, table, _, _ = make_cache(
+        batch, capacity, hkv, d, torch.bfloat16, page_size, gen
+    )
     angle = torch.rand(capacity, d // 2, device="cuda", generator=gen) * 2 * math.pi
     cos, sin = torch.cos(angle).bfloat16(), torch.sin(angle).bfloat16()
     lengths = torch.tensor([5, 100, 300], device="cuda", dtype=torch.int32)

@@ -20,6 +20,7 @@ from cutlass import Int32, const_expr
 from ..block_range import KeyBlockRange, LocalWindow
 from ..kv_dequant import FP8_GATHER_WARPS
 from ..paged_kv_gather import PRODUCER_THREADS
+from ..rotary import Rotary
 from ..seqlen_info import SeqlenInfo
 from ..tile_scheduler import PersistentTileScheduler, SingleTileScheduler, TileSpace, WorkTile
 from ..v_transpose import FP8_MATH_GATHER_WARPS
@@ -121,13 +122,19 @@ class ForwardFacts:
         )
 
     @cached_property
+    def rotary(self) -> Rotary:
+        """A fused append's rotation (rotary_dim 0: none)."""
+        return Rotary(self.variant.rotary_dim, self.variant.rotary_interleaved)
+
+    @cached_property
     def overlaps_append(self) -> bool:
         """Launched as a programmatically dependent launch behind the append kernel, whose
         writes the producer waits for where it reads them (Producer.load): split launches
         only, the latency-bound decode steps (1 x 8k on an H100: 13.2 us a step rather than
         14.4); a launch of one tile per (batch, kv head), each of which holds new rows and
-        waits anyway, ran slower that way (16 x 64k: 1391 us rather than 1382)."""
-        return self.variant.after_append and self.variant.split
+        waits anyway, ran slower that way (16 x 64k: 1391 us rather than 1382). A fused
+        append has no append kernel to follow."""
+        return self.variant.after_append and self.variant.split and not self.variant.fused_append
 
     @cached_property
     def persistent(self) -> bool:

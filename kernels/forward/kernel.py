@@ -51,6 +51,10 @@ Problem variants (static; each is a separate compiled kernel, flash_cute.plan.Fo
   holds the lengths before the append and kv_length the rows appended to each sequence. A
   split launch is programmatically dependent (facts.overlaps_append): its CTAs start, and
   tiles that read none of the appended rows stream their K/V blocks, while the append runs.
+- fused_append (with after_append, no append kernel before it): the kernel writes the
+  appended rows (append_k rotated by the rotary tables, append_v) itself: each tile those in
+  its key range, before its first K load (Producer.load), and its MMA warps rotate Q's tile in
+  shared memory (Mainloop._convert_q), as FlashAttention-3's kernel does.
 - pack_gqa: pack_gqa_ratio consecutive query heads sharing a kv head (all of them, or a group
   whose size divides tile_m) are folded into the tile's rows (row = token * ratio + head in
   group), so each K/V tile is read once for the group.
@@ -116,6 +120,10 @@ class FlashAttentionForwardSm90(Piece):
             kv_batch_idx, k/v (padded) and page_table have the cache's own batch size
       qv:   qv variants (FlashAttention-3's absorbed MLA): like q with V's head dim dv; the
             scores are q k^T + qv v^T (q and k then have d - dv dims), the output P v
+      append_k, append_v: fused_append variants: (B, kv_length, nheads_kv, d / dv), the rows
+            the kernel writes to k and v past seqused_k before reading them; append_cos,
+            append_sin: (seqlen_ro, rotary_dim / 2) with rotary_dim (last dim contiguous, any
+            other strides, element-aligned: read by scalar loads)
       kv_length: the keys of every sequence (scalar_kv_length variants), or the rows appended
             to each after its seqused_k (after_append variants); unused by others
       partials: split variants' fp32 scratch, 16-byte aligned: the partial O (S, *out.shape)
@@ -264,6 +272,10 @@ class FlashAttentionForwardSm90(Piece):
         q_descale: Optional[cute.Tensor],
         k_descale: Optional[cute.Tensor],
         v_descale: Optional[cute.Tensor],
+        append_k: Optional[cute.Tensor],
+        append_v: Optional[cute.Tensor],
+        append_cos: Optional[cute.Tensor],
+        append_sin: Optional[cute.Tensor],
         kv_length: Int32,
         partials: Optional[cute.Pointer],
         counters: Optional[cute.Pointer],
@@ -328,7 +340,11 @@ class FlashAttentionForwardSm90(Piece):
         atoms, loads, mO_kernel = self.host.tma(views, layouts)
         self.tma_bytes_q, self.tma_bytes_k, self.tma_bytes_v = self.host.stage_bytes(layouts)
         self.shared_storage = self.host.shared_storage(layouts)
-        problem = ProblemShapes(views.q, views.k, **{n: getattr(args, n) for n in CALL_TENSORS})
+        v_written = None  # (a fused append's: it writes v's new rows)
+        if const_expr(self.variant.fused_append):
+            v_written = views.v
+        call_tensors = {n: getattr(args, n) for n in CALL_TENSORS}
+        problem = ProblemShapes(views.q, views.k, v_written, **call_tensors)
         space = self.facts.tile_space(
             views.q, views.k, args.cu_seqlens_q, args.page_table, args.num_splits, args.max_ctas
         )

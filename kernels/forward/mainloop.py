@@ -5,6 +5,7 @@ with the intra-warpgroup overlap (block n's Q K^T issued before block n+1's P V 
 ping-pong between warpgroups (one's softmax under another's GEMMs) as the config says.
 """
 
+import functools
 import math
 from typing import Optional
 
@@ -35,6 +36,11 @@ LN2 = math.log(2.0)
 # FP8 math: probabilities scaled by 2^8 before their cast to e4m3 (FlashAttention-3's
 # Max_offset), so P spans [0, 256] of e4m3's range, not [0, 1], where fewer values are normal.
 FP8_P_OFFSET = 8
+
+
+# A fused append's Q rotation items per MMA thread whose angles are read before Q lands
+# (decode: 4 query rows of 64 pairs over 128 threads are 2).
+Q_ANGLES_AHEAD = 2
 
 
 class Mainloop(Piece):
@@ -71,21 +77,27 @@ class Mainloop(Piece):
         # Who frees Q when: after the mainloop, except in a persistent kernel whose O
         # overwrites Q's smem (then the epilogue's storing warp does, after the store).
         release_q_after_mainloop = const_expr(not self.o_overwrites_q)
+        # (a fused append's: the first angles of Q's rotation and values of K(n_max-1)'s
+        # patch, read while Q and K are in flight)
+        angles = self._q_angles(tidx, tile, shapes, seqlen)
+        k_patch = self._k_patch_ahead(tile, shapes, seqlen, n_block_max)
         if const_expr(self.persistent):
             buf.pipeline_q.consumer_wait(q_state)  # loaded for every tile, empty or not
-            self._convert_q(buf, tidx)
+            self._convert_q(buf, tidx, tile, shapes, seqlen, angles)
         if n_block_max > n_block_min:
             if const_expr(not self.persistent):
                 buf.pipeline_q.consumer_wait(q_state)
-                self._convert_q(buf, tidx)
+                self._convert_q(buf, tidx, tile, shapes, seqlen, angles)
             if const_expr(trace is not None):
                 # (a second wait on the same phase returns at once)
                 self._wait_full(buf.pipeline_k, kv_state)
                 trace.stamp(trace_records.KV_READY)
 
             # The last key block goes first: it alone carries the sequence-length mask.
+            patch = functools.partial(self._patch_k_tail, buf.sK, k_patch, tile, shapes)
             if const_expr(self.config.intra_wg_overlap):
                 self._wait_full(buf.pipeline_k, kv_state)
+                patch(kv_state.index, warpgroup_idx)
                 acc_S = self._qk_gemm(ctx, kv_state.index, 0)
                 self._release_k(ctx, kv_state)
                 self._mask_scores(ctx, acc_S, n_block_max - 1, mask_seqlen=True, masked=True)
@@ -96,7 +108,7 @@ class Mainloop(Piece):
             else:
                 self._schedule_wait(warpgroup_idx)
                 kv_state = self._block_no_overlap(
-                    ctx, kv_state, n_block_max - 1, True, is_first=True
+                    ctx, kv_state, n_block_max - 1, True, is_first=True, patch=patch
                 )
             kv_state = self._mainloop_rest(ctx, block_range, kv_state, n_block_min, n_block_max - 1)
             if const_expr(release_q_after_mainloop):
@@ -399,11 +411,15 @@ class Mainloop(Piece):
             self._rescale_o(ctx.acc_O, row_scale)
         return kv_state
 
-    def _block_no_overlap(self, ctx, kv_state, n_block, masked: bool, is_first: bool = False):
+    def _block_no_overlap(
+        self, ctx, kv_state, n_block, masked: bool, is_first: bool = False, patch=None
+    ):
         """S = Q K(n); softmax; O += P V(n). A warpgroup's ping-pong turn spans this block's
         P V and the next block's Q K^T: the caller waits before the first block and signals
-        after the last."""
+        after the last. patch (the first block): _patch_k_tail, bound to the tile."""
         self._wait_full(ctx.pipeline_k, kv_state)
+        if const_expr(patch is not None):
+            patch(kv_state.index, ctx.warpgroup_idx)
         acc_S = self._qk_gemm(ctx, kv_state.index, -1)
         self._schedule_signal_next(ctx.warpgroup_idx)
         warpgroup.wait_group(0)
@@ -421,16 +437,164 @@ class Mainloop(Piece):
         kv_state.advance()
         return kv_state
 
-    def _convert_q(self, buf: CtaBuffers, tidx: Int32):
-        """FP8 cache, bf16 q: Q's tile to fp16 in place (buf.sQ_mma), saturating, by the MMA
-        warps (tidx: this one's thread), which then sync."""
+    def _convert_q(self, buf: CtaBuffers, tidx: Int32, tile: WorkTile, shapes, seqlen, angles):
+        """Q's tile once loaded, by the MMA warps (tidx: this one's thread), which then sync:
+        FP8 cache, bf16 q: to fp16 in place (buf.sQ_mma), saturating; a fused append with
+        rotary: rotated in place (_rotate_q)."""
         if const_expr(self.converts_q):
             convert_block(
                 buf.sQ, buf.sQ_mma, tidx, self.num_mma_threads, self.config.tile_m, saturate=True
             )
+        if const_expr(self.variant.rotary_dim > 0):
+            self._rotate_q(buf.sQ, tidx, tile, shapes, seqlen, angles)
+        if const_expr(self.converts_q or self.variant.rotary_dim > 0):
             cute.arch.barrier(
                 barrier_id=int(NamedBarrier.Q_CONVERT), number_of_threads=self.num_mma_threads
             )
+
+    @cute.jit
+    def _q_rotation_item(self, i, tile: WorkTile, start: Int32):
+        """(row, pair, table position) of Q's rotation item i (items run row by row): the row's
+        position is its sequence's length before the append, plus its token index with
+        rotary_per_row."""
+        pairs = self.rotary.pairs
+        row = i // pairs
+        position = start
+        if const_expr(self.variant.rotary_per_row):
+            position = start + self.row_of_tile(row, tile)[0]
+        return row, i - row * pairs, position
+
+    def _q_rotation_rows(self, tile: WorkTile, seqlen) -> Int32:
+        """The rows of Q's tile that hold a query."""
+        rows = seqlen.seqlen_q * self.variant.pack_gqa_ratio - tile.m_block * self.config.tile_m
+        return cutlass.max(cutlass.min(rows, self.config.tile_m), 0)
+
+    @cute.jit
+    def _q_angles(self, tidx: Int32, tile: WorkTile, shapes, seqlen):
+        """A fused append with rotary: this thread's first Q_ANGLES_AHEAD rotation items'
+        angles (cos, sin), read before Q has landed (a decode tile's items are all of them);
+        None without rotary."""
+        if const_expr(self.variant.rotary_dim == 0):
+            return None
+        rot = self.rotary
+        count = self._q_rotation_rows(tile, seqlen) * rot.pairs
+        start = shapes.seqused_k[tile.batch_idx]
+        angles = cute.make_rmem_tensor(2 * Q_ANGLES_AHEAD, Float32)
+        for k in cutlass.range_constexpr(Q_ANGLES_AHEAD):
+            i = tidx + k * self.num_mma_threads
+            if i < count:
+                _, j, position = self._q_rotation_item(i, tile, start)
+                row = rot.table_row(shapes.append_cos, position)
+                angles[2 * k], angles[2 * k + 1] = rot.angle(
+                    shapes.append_cos, shapes.append_sin, row, j
+                )
+        return angles
+
+    @cute.jit
+    def _rotate_q(self, sQ: cute.Tensor, tidx: Int32, tile: WorkTile, shapes, seqlen, angles):
+        """Q's rows that hold a query rotated in place, a (row, pair) item per thread at a
+        time (the first ones with the angles _q_angles read), then made visible to the
+        WGMMAs."""
+        rot = self.rotary
+        count = self._q_rotation_rows(tile, seqlen) * rot.pairs
+        start = shapes.seqused_k[tile.batch_idx]
+        threads = self.num_mma_threads
+        for k in cutlass.range_constexpr(Q_ANGLES_AHEAD):
+            i = tidx + k * threads
+            if i < count:
+                row, j, _ = self._q_rotation_item(i, tile, start)
+                a, b = rot.columns(j)
+                rot.rotate_pair(sQ, sQ, (row, a), (row, b), angles[2 * k], angles[2 * k + 1])
+        for i in cutlass.range(tidx + Q_ANGLES_AHEAD * threads, count, threads, unroll=1):
+            row, j, position = self._q_rotation_item(i, tile, start)
+            table_row = rot.table_row(shapes.append_cos, position)
+            c, s = rot.angle(shapes.append_cos, shapes.append_sin, table_row, j)
+            a, b = rot.columns(j)
+            rot.rotate_pair(sQ, sQ, (row, a), (row, b), c, s)
+        cute.arch.fence_view_async_shared()  # generic-proxy stores -> the WGMMAs' reads
+
+    def _k_patch_span(self, tile: WorkTile, shapes, seqlen, n_block_max):
+        """A fused append's appended rows in K(n_max-1): (the sequence's length before the
+        append, the first such slot, the block's first slot, the rows)."""
+        start = shapes.seqused_k[tile.batch_idx]
+        block_start = (n_block_max - 1) * self.config.tile_n
+        first = cutlass.max(start, block_start)
+        end = cutlass.min(cutlass.min(start + shapes.kv_length, seqlen.seqlen_k),
+                          block_start + self.config.tile_n)  # fmt: skip
+        return start, first, block_start, cutlass.max(end - first, 0)
+
+    def _k_patch_row_items(self) -> int:
+        """Items of one patched row: its rotated pairs, then its other dims one by one."""
+        return self.rotary.pairs + self.variant.head_dim - self.variant.rotary_dim
+
+    @cute.jit
+    def _k_patch_load(self, i, span, tile: WorkTile, shapes, regs: cute.Tensor):
+        """K patch item i's values into regs (x0, x1, cos, sin of a pair; x of a dim);
+        returns (its row in the block, its dims a, b: a == b for a dim copied as it is)."""
+        start, first, block_start, _ = span
+        rot = self.rotary
+        per_row = self._k_patch_row_items()
+        row = i // per_row
+        item = i - row * per_row
+        slot = first + row
+        src = shapes.append_k[tile.batch_idx, slot - start, tile.head_kv_idx, None]
+        a = item - rot.pairs + rot.rotary_dim
+        b = a
+        if const_expr(rot.pairs > 0):
+            if item < rot.pairs:
+                a, b = rot.columns(item)
+                table_row = rot.table_row(shapes.append_cos, slot)
+                regs[2], regs[3] = rot.angle(shapes.append_cos, shapes.append_sin, table_row, item)
+        regs[0], regs[1] = src[a].to(Float32), src[b].to(Float32)
+        return slot - block_start, a, b
+
+    @cute.jit
+    def _k_patch_store(self, sK: cute.Tensor, row, a, b, regs: cute.Tensor):
+        if a == b:
+            sK[row, a] = regs[0].to(sK.element_type)
+        else:
+            x0, x1, c, s = regs[0], regs[1], regs[2], regs[3]
+            sK[row, a] = (x0 * c - x1 * s).to(sK.element_type)
+            sK[row, b] = (x0 * s + x1 * c).to(sK.element_type)
+
+    @cute.jit
+    def _k_patch_ahead(self, tile: WorkTile, shapes, seqlen, n_block_max):
+        """A fused append: (the patch's span, its items, this thread's first item's values and
+        (row, a, b)), read before K(n_max-1) lands; None otherwise."""
+        if const_expr(not self.variant.fused_append):
+            return None
+        span = self._k_patch_span(tile, shapes, seqlen, n_block_max)
+        count = span[3] * self._k_patch_row_items()
+        wg_thread = cute.arch.thread_idx()[0] % THREADS_PER_WARPGROUP
+        regs = cute.make_rmem_tensor(4, Float32)
+        row, a, b = Int32(0), Int32(0), Int32(0)
+        if wg_thread < count:
+            row, a, b = self._k_patch_load(wg_thread, span, tile, shapes, regs)
+        return span, count, regs, row, a, b
+
+    @cute.jit
+    def _patch_k_tail(self, sK, k_patch, tile: WorkTile, shapes, stage, warpgroup_idx):
+        """A fused append, once K(n_max-1) has landed: its appended rows (k rotated) written
+        over the stage (TMA read them as the cache held them before the append). Each MMA
+        warpgroup writes them all before its own Q K^T (they write the same values), then
+        makes the stores visible to its WGMMA."""
+        if const_expr(k_patch is not None):
+            span, count, regs, row, a, b = k_patch
+            if count > 0:
+                sK_stage = sK[None, None, stage]
+                wg_thread = cute.arch.thread_idx()[0] % THREADS_PER_WARPGROUP
+                if wg_thread < count:
+                    self._k_patch_store(sK_stage, row, a, b, regs)
+                threads = THREADS_PER_WARPGROUP
+                for i in cutlass.range(wg_thread + threads, count, threads, unroll=1):
+                    more = cute.make_rmem_tensor(4, Float32)
+                    row_i, a_i, b_i = self._k_patch_load(i, span, tile, shapes, more)
+                    self._k_patch_store(sK_stage, row_i, a_i, b_i, more)
+                cute.arch.fence_view_async_shared()  # generic-proxy stores -> the WGMMA's reads
+                cute.arch.barrier(  # (its V tail's barrier: the two are one after the other)
+                    barrier_id=int(NamedBarrier.V_TAIL_1) + warpgroup_idx,
+                    number_of_threads=THREADS_PER_WARPGROUP,
+                )
 
     def _split_scores_barrier(self):
         cute.arch.barrier(

@@ -47,7 +47,10 @@ class Producer(Piece):
         persistent kernel (whose consumers wait for Q on every tile).
         Behind an append, as a programmatically dependent launch (overlaps_append), Q waits
         for the append kernel's writes (it rotates q), and so does K(n_max-1) where the tile
-        holds appended rows; the other blocks stream meanwhile.
+        holds appended rows; the other blocks stream meanwhile. A fused append loads Q first,
+        then K(n_max-1) (whose appended rows the MMA warps patch in its stage:
+        Mainloop._patch_k_tail), then writes the tile's appended rows to the cache
+        (_write_appended), which the later blocks (V(n_max-1) among them) read.
         """
         seqlen, _, n_block_min, n_block_max = self.tile_problem(tile, shapes)
         d, dv = self.variant.head_dim, self.variant.head_dim_v
@@ -110,15 +113,23 @@ class Producer(Piece):
         if const_expr(self.load_warps > 1):
             loads_q = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
         if n_block_max > n_block_min:
+            if const_expr(self.variant.fused_append):
+                # Q first: it needs none of the writes (the MMA warps rotate it meanwhile).
+                if loads_q:
+                    self._load_q(q_load)
             if const_expr(self.overlaps_append):
                 # (the rows appended to the sequence start at seqlen_k - kv_length)
                 if n_block_max * self.config.tile_n > seqlen.seqlen_k - shapes.kv_length:
                     cute.arch.griddepcontrol_wait()
             k_loader.load(n_block_max - 1, kv_state)
+            if const_expr(self.variant.fused_append):
+                # (K(n_max-1) reads the rows as they were: the MMA warps patch its stage)
+                self._write_appended(shapes, tile, n_block_min, n_block_max)
             if const_expr(self.overlaps_append):
                 cute.arch.griddepcontrol_wait()  # (the append rotates q)
-            if loads_q:
-                self._load_q(q_load)
+            if const_expr(not self.variant.fused_append):
+                if loads_q:
+                    self._load_q(q_load)
             if const_expr(self.variant.v_in_k):  # V is in K's stages: K blocks only
                 for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
                     kv_state.advance()
@@ -134,6 +145,31 @@ class Producer(Piece):
                     cute.arch.griddepcontrol_wait()
                 self._load_q(q_load)
         return kv_state
+
+    @cute.jit
+    def _write_appended(self, shapes: ProblemShapes, tile: WorkTile, n_block_min, n_block_max):
+        """Fused append (one loading warp): the appended rows of this tile's kv head that lie
+        in its key blocks, k rotated, into the cache (slots past its capacity are not
+        written), then made visible to this warp's later TMA loads (the async proxy). Every
+        row an append writes lies in the key range of a tile that reads it (no left window):
+        it writes them itself, so no tile waits for another; tiles of one kv head's rows (q
+        heads not packed, several query tiles) write the same bytes."""
+        lane = cute.arch.lane_idx()
+        batch, head = tile.batch_idx, tile.head_kv_idx
+        d, dv = self.variant.head_dim, self.variant.head_dim_v
+        start = shapes.seqused_k[batch]  # (the rows before the append)
+        tile_n = self.config.tile_n
+        first = cutlass.max(n_block_min * tile_n - start, 0)
+        end = cutlass.min(n_block_max * tile_n, shapes.k.shape[0]) - start
+        for r in cutlass.range(first, cutlass.min(end, shapes.kv_length), unroll=1):
+            slot = start + r
+            self.rotary.write_kv_row(
+                shapes.append_k[batch, r, head, None], shapes.k[slot, None, head, batch],
+                shapes.append_v[batch, r, head, None], shapes.v[slot, None, head, batch],
+                shapes.append_cos, shapes.append_sin, slot, d, dv, lane,
+            )  # fmt: skip
+        cute.arch.fence_proxy("async.global")  # (generic-proxy stores -> this warp's TMA reads)
+        cute.arch.sync_warp()
 
     @cute.jit
     def convert_tile(

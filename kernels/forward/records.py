@@ -42,14 +42,15 @@ class Outputs(NamedTuple):
 
 
 class ProblemShapes(NamedTuple):
-    """What every tile reads of the launch's run-time problem: q and k in kernel mode order
-    (their shapes), the call's per-sequence and per-head tensors (named as the launch takes
-    them), and, set on the device, the split count and the kv_length scalar (scalar_kv_length
-    variants: every sequence's keys; after_append: the rows appended to each; None
-    otherwise)."""
+    """What every tile reads of the launch's run-time problem: q, k and v in kernel mode order
+    (their shapes; a fused append writes k and v), the call's per-sequence and per-head
+    tensors (named as the launch takes them), and, set on the device, the split count and the
+    kv_length scalar (scalar_kv_length variants: every sequence's keys; after_append: the rows
+    appended to each; None otherwise)."""
 
     q: cute.Tensor
     k: cute.Tensor
+    v: Optional[cute.Tensor]  # (a fused append's only)
     cu_seqlens_q: Optional[cute.Tensor]
     cu_seqlens_k: Optional[cute.Tensor]
     seqused_k: Optional[cute.Tensor]
@@ -61,13 +62,18 @@ class ProblemShapes(NamedTuple):
     q_descale: Optional[cute.Tensor]  # FP8 math: (batch, nheads_kv) fp32
     k_descale: Optional[cute.Tensor]  # FP8 K/V: (batch, nheads_kv) fp32
     v_descale: Optional[cute.Tensor]
+    # A fused append's new rows (batch, new, nheads_kv, d / dv) and rotary tables.
+    append_k: Optional[cute.Tensor]
+    append_v: Optional[cute.Tensor]
+    append_cos: Optional[cute.Tensor]
+    append_sin: Optional[cute.Tensor]
     num_splits: Optional[Int32] = None
     kv_length: Optional[Int32] = None
 
 
 # The fields of ProblemShapes the launch passes through by name.
 CALL_TENSORS = ProblemShapes._fields[
-    ProblemShapes._fields.index("cu_seqlens_q") : ProblemShapes._fields.index("v_descale") + 1
+    ProblemShapes._fields.index("cu_seqlens_q") : ProblemShapes._fields.index("append_sin") + 1
 ]
 
 
