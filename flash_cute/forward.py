@@ -228,9 +228,9 @@ def _fused_append(call: Call, name, batch: int, kv_layout: str) -> dict:
             raise ValueError(f"{name(field)} must be {expected} (appended_keys rows a sequence)")
         if rows.dtype != cache.dtype or rows.stride(-1) != 1:
             raise ValueError(f"{name(field)} must be in the cache's dtype, last dim contiguous")
-    if kv_layout != "padded" or call.kv_batch_idx is not None or call.leftpad_k is not None:
+    if kv_layout == "packed" or call.kv_batch_idx is not None or call.leftpad_k is not None:
         raise NotImplementedError(
-            f"{name('append_k')} appends to a padded cache of each sequence's own row"
+            f"{name('append_k')} appends to a padded or paged cache of each sequence's own row"
         )
     cos = call.append_cos
     if (cos is None) != (call.append_sin is None):

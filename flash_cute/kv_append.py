@@ -269,18 +269,17 @@ def apply(append: KVAppend, fields: dict, fuse: bool = True) -> dict:
 
 def fuses(c: _Checked, append: KVAppend, fields: dict) -> bool:
     """Whether the attention kernel appends the rows itself (Call.append_k, a fused_append
-    variant): batch-major new rows and a lengths tensor, a padded 16-bit cache of each
-    sequence's own row with no left padding (not a latent cache whose v is k's columns),
-    padded 16-bit queries of the cache's dtype and no qv, rotary positions from the lengths
-    and tables of 16 or 32 bits, and no left window or chunk (so every row the append writes
-    lies in the key range of a tile that reads it)."""
+    variant): batch-major new rows and a lengths tensor, a padded or paged 16-bit cache of
+    each sequence's own row (or page-table row) with no left padding (not a latent cache
+    whose v is k's columns), padded 16-bit queries of the cache's dtype and no qv, rotary
+    positions from the lengths and tables of 16 or 32 bits, and no left window or chunk (so
+    every row the append writes lies in the key range of a tile that reads it)."""
     rotary_ok = c.rotary is None or (
         append.rotary_seqlens is None and c.rotary[0].dtype in FUSED_ROTARY_DTYPES
     )
     return (
         c.lengths is not None
         and c.seqlen_new is not None
-        and c.page_table is None
         and c.batch_idx is None
         and fields.get("leftpad_k") is None
         and c.cu_q is None

@@ -246,7 +246,7 @@ class ForwardVariant(CallShape):
             problems.append("seqused_q shortens packed (varlen) queries")
         if self.fused_append and not (
             self.after_append
-            and self.kv_layout == "padded"
+            and self.kv_layout != "packed"
             and not (self.kv_batch_idx or self.leftpad_k or self.varlen_q or self.v_in_k)
             and self.kv_dtype is None
             and self.window_left < 0
@@ -254,8 +254,8 @@ class ForwardVariant(CallShape):
         ):
             # (every key row the append writes lies in some tile's key range, which writes it)
             problems.append(
-                "a fused append writes padded, 16-bit cache rows of the batch's own row, no "
-                "v_in_k (nor qv), no left window or chunk, after_append"
+                "a fused append writes padded or paged 16-bit cache rows of the batch's own "
+                "row, no v_in_k (nor qv), no left window or chunk, after_append"
             )
         if self.rotary_dim and not (
             self.fused_append and self.rotary_dim % 2 == 0 and self.rotary_dim <= self.head_dim

@@ -802,10 +802,18 @@ def test_after_append_variants_wait_for_the_append(layout, batch, keys, waits, t
 
 
 @pytest.mark.parametrize(
-    "batch, keys, rotary_dim, interleaved, per_row",
-    [(1, 8192, 128, False, True), (16, 65536, 64, True, False), (1, 8192, 0, False, False)],
+    "batch, keys, rotary_dim, interleaved, per_row, page_size",
+    [
+        (1, 8192, 128, False, True, None),
+        (16, 65536, 64, True, False, None),
+        (1, 8192, 0, False, False, None),
+        (1, 8192, 128, True, True, 64),  # TMA boxes of pages
+        (8, 4096, 128, False, True, 1),  # gathered rows
+    ],
 )
-def test_fused_append_variants_compile(batch, keys, rotary_dim, interleaved, per_row, tmp_path):
+def test_fused_append_variants_compile(
+    batch, keys, rotary_dim, interleaved, per_row, page_size, tmp_path
+):
     """The decode variants that append themselves (kv_append.fuses) compile clean: their
     loading warp's stores reach its TMA loads through a proxy fence, and nothing waits for a
     launch before them."""
@@ -814,6 +822,7 @@ def test_fused_append_variants_compile(batch, keys, rotary_dim, interleaved, per
         batch=batch, nheads=32, nheads_kv=8, head_dim=128, dtype="bfloat16", max_seqlen_q=1,
         max_seqlen_k=keys, kv_capacity=keys, seqused_k=True, causal=True, after_append=True,
         fused_append=True, rotary_dtype="bfloat16" if rotary_dim else None, **rotary,
+        kv_layout="paged" if page_size else "padded", page_size=page_size,
     )  # fmt: skip
     variant = plan_forward(problem, 132, None, 0, None, True).variant
     assert variant.fused_append and variant.rotary_dim == rotary_dim

@@ -553,6 +553,7 @@ def test_fp8_rotation_matches_row_by_row(dtypes, interleaved, run):
         ({}, True),
         (dict(window_size=(-1, 0)), True),
         (dict(rotary=False), True),
+        (dict(page_table=True), True),
         (dict(cache_batch_idx=True), False),
         (dict(leftpad_k=True), False),
         (dict(window_size=(4, 0)), False),
@@ -591,6 +592,9 @@ def test_fusable_appends_leave_the_writes_to_the_attention(change, fused, monkey
     for name in ("window_size", "attention_chunk"):
         if name in change:
             fields[name] = change[name]
+    if change.get("page_table"):  # (pages of 4 slots, in reverse order)
+        fields["k"], fields["v"] = (c.reshape(8, 4, *c.shape[2:]) for c in (k_cache, v_cache))
+        fields["page_table"] = torch.arange(7, -1, -1, dtype=torch.int32).view(2, 4)
     if change.get("cache_batch_idx"):
         fields["kv_batch_idx"] = int32(1, 0)
     if change.get("leftpad_k"):

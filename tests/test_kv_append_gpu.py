@@ -29,10 +29,13 @@ CASES = [
     # a key block's edge, gathered pages.
     (None, 17, "interleaved", 128, True, True, 3, True),
     (8, 5, "half", 64, False, True, 4, True),
-    # The fused append (a padded cache of each sequence's own row, no left padding): the
-    # attention kernel writes the rows. Splits, rows across a key block's edge, two query
-    # tiles of one kv head (17 x 4 rows), no mask (q at one position), no rotation.
+    # The fused append (each sequence's own cache row, no left padding): the attention
+    # kernel writes the rows. Splits, rows across a key block's edge, two query tiles of one
+    # kv head (17 x 4 rows), no mask (q at one position), no rotation; pages of TMA boxes
+    # and gathered pages.
     (None, 1, "half", 128, False, False, 0, True),
+    (16, 40, "interleaved", 128, False, False, 3, True),
+    (8, 17, "half", 64, False, False, 2, True),
     (None, 3, "interleaved", 64, False, False, 3, True),
     (None, 40, None, 0, False, False, 4, True),
     (None, 17, "half", 32, False, False, 1, True),
@@ -42,8 +45,8 @@ CASES = [
 
 
 def fused(case) -> bool:
-    page_size, _, _, _, has_batch_idx, has_leftpad, _, _ = case
-    return page_size is None and not has_batch_idx and not has_leftpad
+    _, _, _, _, has_batch_idx, has_leftpad, _, _ = case
+    return not has_batch_idx and not has_leftpad
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -106,10 +109,13 @@ def test_append_then_attend(case, monkeypatch):
     assert_close_to_reference([out[b : b + 1] for b in range(batch)], None, refs, lowps, None)
 
 
-@pytest.mark.parametrize("page_size", [16, None])  # (None: the fused append)
-def test_append_replays_in_a_cuda_graph(page_size):
+@pytest.mark.parametrize("page_size, fuse", [(16, True), (None, True), (16, False)])
+def test_append_replays_in_a_cuda_graph(page_size, fuse, monkeypatch):
     """One decode step with append and rotary captured once, replayed with new lengths and new
-    rows: each replay equals the same step run eagerly on a copy of the cache."""
+    rows: each replay equals the same step run eagerly on a copy of the cache (fuse False:
+    through the append kernel)."""
+    if not fuse:
+        monkeypatch.setattr(kv_append, "fuses", lambda *args: False)
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("kv append graph", page_size))
     batch, capacity, h, hkv, d = 3, 512, 16, 4, 128
     k_cache, v_cache, table, _, _ = make_cache(

@@ -148,9 +148,11 @@ class Producer(Piece):
 
     @cute.jit
     def _write_appended(self, shapes: ProblemShapes, tile: WorkTile, n_block_min, n_block_max):
-        """Fused append (one loading warp): the appended rows of this tile's kv head that lie
-        in its key blocks, k rotated, into the cache (slots past its capacity are not
-        written), then made visible to this warp's later TMA loads (the async proxy). Every
+        """Fused append (each loading warp): the appended rows of this tile's kv head that lie
+        in its key blocks, k rotated, into the cache (through the page table; slots past its
+        capacity or on a page out of range are not written), then made visible to this warp's
+        later loads (TMA's async proxy; loading warps that gather rows each write them all,
+        so each one's reads follow its own writes). Every
         row an append writes lies in the key range of a tile that reads it (no left window):
         it writes them itself, so no tile waits for another; tiles of one kv head's rows (q
         heads not packed, several query tiles) write the same bytes."""
@@ -160,14 +162,22 @@ class Producer(Piece):
         start = shapes.seqused_k[batch]  # (the rows before the append)
         tile_n = self.config.tile_n
         first = cutlass.max(n_block_min * tile_n - start, 0)
-        end = cutlass.min(n_block_max * tile_n, shapes.k.shape[0]) - start
+        capacity = self.kv_capacity(shapes.k, shapes.page_table)
+        end = cutlass.min(n_block_max * tile_n, capacity) - start
         for r in cutlass.range(first, cutlass.min(end, shapes.kv_length), unroll=1):
             slot = start + r
-            self.rotary.write_kv_row(
-                shapes.append_k[batch, r, head, None], shapes.k[slot, None, head, batch],
-                shapes.append_v[batch, r, head, None], shapes.v[slot, None, head, batch],
-                shapes.append_cos, shapes.append_sin, slot, d, dv, lane,
-            )  # fmt: skip
+            row, cache_row, ok = slot, batch, True  # (a padded cache: the batch's row)
+            if const_expr(self.variant.kv_layout == "paged"):
+                page_size = shapes.k.shape[0]
+                page_index = slot // page_size
+                row, cache_row = slot - page_index * page_size, shapes.page_table[batch, page_index]
+                ok = (cache_row >= 0) & (cache_row < shapes.k.shape[3])  # (else not in the cache)
+            if ok:
+                self.rotary.write_kv_row(
+                    shapes.append_k[batch, r, head, None], shapes.k[row, None, head, cache_row],
+                    shapes.append_v[batch, r, head, None], shapes.v[row, None, head, cache_row],
+                    shapes.append_cos, shapes.append_sin, slot, d, dv, lane,
+                )  # fmt: skip
         cute.arch.fence_proxy("async.global")  # (generic-proxy stores -> this warp's TMA reads)
         cute.arch.sync_warp()
 
