@@ -10,10 +10,13 @@ at rotary_seqlens[b] + i where the mask is causal or local, every row at rotary_
 otherwise (FlashAttention-3's convention). Interleaved rotary pairs dims (2j, 2j + 1), the
 other form (j, j + rotary_dim / 2); dims past rotary_dim are left as they are.
 
-The update is one kernel on the call's stream ahead of the attention launch
-(kernels/kv_append.py: no host synchronization, so CUDA-graph capture takes it), which the
-attention kernel overlaps where the lengths are a tensor and the new rows batch-major (a
-programmatically dependent launch: Call.appended_keys). Rotations are computed in float32
+On a GPU, where `fuses` allows (the common decode form: a lengths tensor, batch-major rows,
+each sequence's own padded or paged 16-bit cache), the attention kernel itself writes the rows
+and rotates q (Call.append_k: no launch of its own, as in FlashAttention-3). Otherwise the
+update is one kernel on the call's stream ahead of the attention launch (kernels/kv_append.py),
+which the attention kernel overlaps where the lengths are a tensor and the new rows
+batch-major (a programmatically dependent launch: Call.appended_keys). Neither synchronizes
+with the host, so CUDA-graph capture takes both. Rotations are computed in float32
 and rounded once to the cache's dtype (FP8 caches, queries and tables included). Tensors off
 the GPU (the CPU tests) take PyTorch ops of the same semantics instead. A row whose slot
 lies past the cache's capacity (or past its page table's width) is dropped rather than written
