@@ -45,8 +45,8 @@ class Call:
     appended_keys: rows an append (flash_cute.kv_append) wrote to each sequence just before
     the launch, on its stream, past its seqused_k count: the kernel adds them, and a split
     launch starts while the append runs (None: no append). append_k, append_v: (batch,
-    appended_keys, nheads_kv, d / dv) rows the kernel itself writes to the cache (a padded one)
-    past seqused_k before it reads them (flash_cute.kv_append's fused form), rotated, with q,
+    appended_keys, nheads_kv, d / dv) rows the kernel itself writes to the cache (padded or
+    paged, 16-byte aligned) past seqused_k (flash_cute.kv_append's fused form), rotated, with q,
     by append_cos and append_sin (seqlen_ro, rotary_dim / 2) where given: pairs (2j, 2j + 1)
     with append_interleaved, else (j, j + rotary_dim / 2); q row i of a sequence at position
     seqused_k + i with append_per_row, else at seqused_k. The public functions' docstrings

@@ -301,6 +301,11 @@ def run(call: Call, names: dict, plans: PlanCache, key):
     # TMA reads strides of 16 bytes: a tensor with others goes in as a copy (and such a call
     # is not replayed).
     q_k, k_k, v_k = checks.for_tma(q), checks.for_tma(k), checks.for_tma(v)
+    if call.append_k is not None and (k_k is not k or v_k is not v):  # (it writes the cache)
+        raise ValueError(
+            f"{names.get('append_k', 'append_k')}: a fused append writes k and v in place, "
+            "which must then be 16-byte aligned (base and strides)"
+        )
     qv_k = qv if qv is None else checks.for_tma(qv)
     out_k = checks.for_tma(out) if checks.aligned_16b(out) else None
     with runtime.on_device(q.device):  # (its buffers follow q's device's current stream)

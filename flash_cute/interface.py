@@ -325,10 +325,12 @@ _FORWARD_CALL = EntryPoint.of_call().function
 
 
 _RETURN_LSE = CALL_FIELDS.index("return_lse")
+_APPEND_K = CALL_FIELDS.index("append_k")
 
 
 def _forward_kernel(*values):
     fields = ops.fields_from_op(values)  # (in CALL_FIELDS order: _FORWARD_CALL's parameters)
+    ops.refuse_fused_append(fields[_APPEND_K])
     result = _FORWARD_CALL(*fields)
     return ops.lse_or_empty(result, fields[_RETURN_LSE], fields[0])
 

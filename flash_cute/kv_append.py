@@ -41,6 +41,9 @@ DTYPE_NAMES = {**checks.ALL_DTYPE_NAMES, **checks.FP8_DTYPES}
 # (FlashAttention-3's FP8 calls pass the tables in e4m3 too.)
 ROTARY_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 FUSED_ROTARY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# New rows a sequence may gain in a fused append: decode and speculative decoding's few tokens
+# (a tile's loading warp writes its rows one after another; larger appends take the kernel).
+FUSED_MAX_NEW_ROWS = 4
 # The arguments whose presence makes a call append (the others only shape how).
 TRIGGERS = ("k", "v", "rotary_cos", "rotary_sin", "cu_seqlens_k_new")
 
@@ -272,9 +275,10 @@ def apply(append: KVAppend, fields: dict, fuse: bool = True) -> dict:
 
 def fuses(c: _Checked, append: KVAppend, fields: dict) -> bool:
     """Whether the attention kernel appends the rows itself (Call.append_k, a fused_append
-    variant): batch-major new rows and a lengths tensor, a padded or paged 16-bit cache of
-    each sequence's own row (or page-table row) with no left padding (not a latent cache
-    whose v is k's columns), padded 16-bit queries of the cache's dtype and no qv, rotary
+    variant): at most FUSED_MAX_NEW_ROWS batch-major new rows a sequence, queries, a lengths
+    tensor, a padded or paged 16-bit cache of each sequence's own row (or page-table row),
+    16-byte aligned (TMA reads it in place), with no left padding (not a latent cache whose v
+    is k's columns), padded 16-bit queries of the cache's dtype and no qv, rotary
     positions from the lengths and tables of 16 or 32 bits, and no left window or chunk (so
     every row the append writes lies in the key range of a tile that reads it)."""
     rotary_ok = c.rotary is None or (
@@ -283,6 +287,11 @@ def fuses(c: _Checked, append: KVAppend, fields: dict) -> bool:
     return (
         c.lengths is not None
         and c.seqlen_new is not None
+        and c.seqlen_new <= FUSED_MAX_NEW_ROWS
+        and c.q.numel() > 0  # (no queries: no attention launch to do the writes)
+        # The kernel writes the caller's cache (TMA's 16-byte rows: no aligned copy of it).
+        and checks.aligned_16b(c.k_cache)
+        and checks.aligned_16b(c.v_cache)
         and c.batch_idx is None
         and fields.get("leftpad_k") is None
         and c.cu_q is None

@@ -136,9 +136,20 @@ def _(*values):
     return _fake_lse(q, shape, call["return_lse"])
 
 
+def refuse_fused_append(append_k) -> None:
+    """The op declares out its only mutated argument: a fused append (Call.append_k), which
+    writes k and v, is refused (its calls run eagerly)."""
+    if append_k is not None:
+        raise NotImplementedError(
+            "flash_cute::forward does not take append_k (a fused append writes k and v, which "
+            "its schema does not declare mutated); append eagerly (flash_attn_with_kvcache)"
+        )
+
+
 def traced_forward(call: Call):
     """A forward call inside a trace: the op, with out allocated when the call has none.
     Returns out, or (out, lse) with call.return_lse."""
+    refuse_fused_append(call.append_k)
     out = call.out if call.out is not None else new_out(call.q, call.v)
     lse = forward_op(*op_arguments(call.replace(out=out)))
     return (out, lse) if call.return_lse else out

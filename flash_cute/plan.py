@@ -112,9 +112,10 @@ class CallShape:
     # append's writes only where they read them (q, the blocks holding new rows).
     after_append: bool = False
     # The append is fused (FlashAttention-3's way; with after_append): the kernel writes the
-    # new rows itself, each tile those in its key range, before it loads them, and rotates
-    # Q's tile; rotary_dim 0: no rotation, else its pairs as rotary_interleaved says, the
-    # tables in rotary_dtype, q rows at their sequence's position (+ their index: per_row).
+    # new rows itself, each tile those in its key range (K(n_max-1)'s stage patched in shared
+    # memory, the later loads after the writes), and rotates Q's tile; rotary_dim 0: no
+    # rotation, else its pairs as rotary_interleaved says, the tables in rotary_dtype, q rows
+    # at their sequence's position (+ their index: per_row).
     fused_append: bool = False
     rotary_dim: int = 0
     rotary_interleaved: bool = False

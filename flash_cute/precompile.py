@@ -127,8 +127,7 @@ def decode_variants(
     on a padded cache, no LSE returned: cache_seqlens a tensor and (int_lengths) an int, causal
     or not, split (2 splits) or not, GQA packed at each ratio; with appends (False, True) also
     those that append k and v themselves with rotary (a tensor cache_seqlens: fused_append;
-    rotary over the whole head dim in the queries' dtype, interleaved, FlashAttention-3's
-    default)."""
+    rotary over the whole head dim, tables in the queries' dtype, interleaved or not)."""
     variants = []
     for head_dim, dtype in sorted(DECODE_CONFIGS, key=str):
         if head_dims is not None and head_dim not in head_dims:
@@ -136,8 +135,9 @@ def decode_variants(
         for causal in (False, True):
             for num_splits in (1, 2):
                 for ratio in gqa_ratios:
-                    for scalar, after_append in itertools.product(int_lengths, appends):
-                        if scalar and after_append:
+                    forms = itertools.product(int_lengths, appends, (True, False))
+                    for scalar, after_append, interleaved in forms:
+                        if (scalar and after_append) or (not after_append and not interleaved):
                             continue  # (an append hands the forward a lengths tensor)
                         problem = Problem(
                             batch=1,
@@ -154,7 +154,7 @@ def decode_variants(
                             after_append=after_append,
                             fused_append=after_append,
                             rotary_dim=head_dim if after_append else 0,
-                            rotary_interleaved=after_append,
+                            rotary_interleaved=after_append and interleaved,
                             rotary_per_row=after_append and causal,
                             rotary_dtype=dtype if after_append else None,
                         )

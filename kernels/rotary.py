@@ -99,12 +99,36 @@ class Rotary:
 
     @cute.jit
     def write_kv_row(self, k_src, k_dst, v_src, v_dst, mCos, mSin, position, d: int, dv: int,
-                     lane: Int32):  # fmt: skip
+                     lane: Int32, loads_first: bool = True):  # fmt: skip
         """One warp: an appended row, k rotated at position, into the cache: k's and v's
-        loads first, then k's stores, then v's (where v's columns are k's, as in a latent
+        loads first (loads_first: one round trip; else v's after k's stores, for warps with
+        few registers), then k's stores, then v's (where v's columns are k's, as in a latent
         cache, v lands last)."""
-        k_regs = self.load_row(k_src, mCos, mSin, position, d, lane)
-        v_regs = Rotary(0, False).load_row(v_src, None, None, position, dv, lane)
-        self.store_row(k_dst, k_regs, d, lane)
-        cute.arch.sync_warp()
-        Rotary(0, False).store_row(v_dst, v_regs, dv, lane)
+        copy = Rotary(0, False)
+        if const_expr(loads_first):
+            k_regs = self.load_row(k_src, mCos, mSin, position, d, lane)
+            v_regs = copy.load_row(v_src, None, None, position, dv, lane)
+            self.store_row(k_dst, k_regs, d, lane)
+            cute.arch.sync_warp()
+            copy.store_row(v_dst, v_regs, dv, lane)
+        else:  # (k's rotated dims, k's others, v: one piece in registers at a time)
+            if const_expr(self.rotary_dim > 0):
+                pairs = self.load_row(k_src, mCos, mSin, position, self.rotary_dim, lane)
+                self.store_row(k_dst, pairs, self.rotary_dim, lane)
+            copy_dims(k_src, k_dst, self.rotary_dim, d, lane)
+            cute.arch.sync_warp()
+            copy_dims(v_src, v_dst, 0, dv, lane)
+
+
+@cute.jit
+def copy_dims(src, dst, first: int, width: int, lane: Int32):
+    """One warp: dst[first:width] = src[first:width], the loads before the stores."""
+    count = (width - first + 31) // 32
+    if const_expr(count > 0):
+        regs = cute.make_rmem_tensor(count, src.element_type)
+        for i in cutlass.range_constexpr(count):
+            if first + 32 * i + lane < width:
+                regs[i] = src[first + 32 * i + lane]
+        for i in cutlass.range_constexpr(count):
+            if first + 32 * i + lane < width:
+                dst[first + 32 * i + lane] = regs[i]

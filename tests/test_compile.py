@@ -809,6 +809,8 @@ def test_after_append_variants_wait_for_the_append(layout, batch, keys, waits, t
         (1, 8192, 0, False, False, None),
         (1, 8192, 128, True, True, 64),  # TMA boxes of pages
         (8, 4096, 128, False, True, 1),  # gathered rows
+        # Few producer registers: rows written a piece at a time (no spills).
+        (2, 4096, 128, False, True, "d256 prefill"),
     ],
 )
 def test_fused_append_variants_compile(
@@ -818,10 +820,13 @@ def test_fused_append_variants_compile(
     loading warp's stores reach its TMA loads through a proxy fence, and nothing waits for a
     launch before them."""
     rotary = dict(rotary_dim=rotary_dim, rotary_interleaved=interleaved, rotary_per_row=per_row)
+    prefill = page_size == "d256 prefill"
+    page_size = None if prefill else page_size
     problem = Problem(
-        batch=batch, nheads=32, nheads_kv=8, head_dim=128, dtype="bfloat16", max_seqlen_q=1,
-        max_seqlen_k=keys, kv_capacity=keys, seqused_k=True, causal=True, after_append=True,
-        fused_append=True, rotary_dtype="bfloat16" if rotary_dim else None, **rotary,
+        batch=batch, nheads=32, nheads_kv=8, head_dim=256 if prefill else 128,
+        dtype="bfloat16", max_seqlen_q=512 if prefill else 1, max_seqlen_k=keys,
+        kv_capacity=keys, seqused_k=True, causal=True, after_append=True, fused_append=True,
+        rotary_dtype="bfloat16" if rotary_dim else None, **rotary,
         kv_layout="paged" if page_size else "padded", page_size=page_size,
     )  # fmt: skip
     variant = plan_forward(problem, 132, None, 0, None, True).variant

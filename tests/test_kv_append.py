@@ -563,6 +563,8 @@ def test_fp8_rotation_matches_row_by_row(dtypes, interleaved, run):
         (dict(int_lengths=True), False),
         (dict(varlen_new=True), False),
         (dict(float32=True), False),
+        (dict(new_rows=5), False),  # (more than FUSED_MAX_NEW_ROWS)
+        (dict(unaligned=True), False),  # (TMA would read a copy, and the writes go there)
     ],
     ids=str,
 )
@@ -582,12 +584,15 @@ def test_fusable_appends_leave_the_writes_to_the_attention(change, fused, monkey
     monkeypatch.setattr(kv_append, "_launch", launch)
     gen = torch.Generator().manual_seed(17)
     dtype = torch.float32 if change.get("float32") else torch.bfloat16
-    k_cache, v_cache, k, v, cos, sin = (t.to(dtype) for t in _small(gen))
+    new = change.get("new_rows", 2)
+    k_cache, v_cache, k, v, cos, sin = (t.to(dtype) for t in _small(gen, new=new))
+    if change.get("unaligned"):  # (rows 20 elements apart: 40 bytes)
+        k_cache, v_cache = (torch.cat((c, c[..., :4]), -1)[..., :16] for c in (k_cache, v_cache))
     if change.get("fp8_tables"):
         cos, sin = cos.to(torch.float8_e4m3fn), sin.to(torch.float8_e4m3fn)
     if change.get("rotary") is False:
         cos = sin = None
-    lengths, q = int32(3, 5), torch.randn(2, 2, 2, 16).to(dtype)
+    lengths, q = int32(3, 5), torch.randn(2, new, 2, 16).to(dtype)
     fields = dict(q=q, k=k_cache, v=v_cache, seqused_k=lengths, causal=True)
     for name in ("window_size", "attention_chunk"):
         if name in change:
@@ -610,7 +615,7 @@ def test_fusable_appends_leave_the_writes_to_the_attention(change, fused, monkey
     if fused:
         assert got["append_k"] is k and got["append_v"] is v and got["q"] is q
         assert got["append_cos"] is cos and got["append_sin"] is sin
-        assert got["seqused_k"] is lengths and got["appended_keys"] == 2
+        assert got["seqused_k"] is lengths and got["appended_keys"] == new
         assert got["append_per_row"] == (cos is not None)  # (causal: q rows per position)
     else:
         assert got.get("append_k") is None
@@ -618,7 +623,7 @@ def test_fusable_appends_leave_the_writes_to_the_attention(change, fused, monkey
 
 def test_a_fused_append_is_described_and_checked():
     """A Call carrying a fused append (kv_append's fields) describes as a fused_append problem
-    with its rotation; rows of the wrong shape or a paged cache are refused by name."""
+    with its rotation; rows of the wrong shape or a missing table are refused by name."""
     from flash_cute.call import Call
     from flash_cute.forward import describe
 
@@ -643,3 +648,17 @@ def test_a_fused_append_is_described_and_checked():
         describe(call.replace(append_sin=None))
     with pytest.raises(ValueError, match="need append_k"):
         describe(call.replace(append_k=None))
+
+
+def test_the_op_refuses_a_fused_append():
+    """flash_cute::forward declares out its only mutated argument, so a Call carrying a fused
+    append (which writes k and v) is refused by name rather than traced."""
+    from flash_cute import ops
+    from flash_cute.call import Call
+
+    gen = torch.Generator().manual_seed(19)
+    k_cache, v_cache, k, v, _, _ = (t.bfloat16() for t in _small(gen))
+    call = Call(torch.randn(2, 1, 2, 16).bfloat16(), k_cache, v_cache, seqused_k=int32(3, 5),
+                appended_keys=2, append_k=k, append_v=v)  # fmt: skip
+    with pytest.raises(NotImplementedError, match="append_k"):
+        ops.traced_forward(call)

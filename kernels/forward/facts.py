@@ -127,6 +127,14 @@ class ForwardFacts:
         return Rotary(self.variant.rotary_dim, self.variant.rotary_interleaved)
 
     @cached_property
+    def producer_writes_loads_first(self) -> bool:
+        """A fused append's row writes load k and v before storing either (one round trip)
+        where the loading warp's registers hold both: decode configs' producer registers (56)
+        and rows of 128 + 128 dims; else v loads after k's stores (no spills)."""
+        v = self.variant
+        return self.config.producer_registers >= 56 and v.head_dim + v.head_dim_v <= 256
+
+    @cached_property
     def overlaps_append(self) -> bool:
         """Launched as a programmatically dependent launch behind the append kernel, whose
         writes the producer waits for where it reads them (Producer.load): split launches

@@ -52,9 +52,10 @@ Problem variants (static; each is a separate compiled kernel, flash_cute.plan.Fo
   split launch is programmatically dependent (facts.overlaps_append): its CTAs start, and
   tiles that read none of the appended rows stream their K/V blocks, while the append runs.
 - fused_append (with after_append, no append kernel before it): the kernel writes the
-  appended rows (append_k rotated by the rotary tables, append_v) itself: each tile those in
-  its key range, before its first K load (Producer.load), and its MMA warps rotate Q's tile in
-  shared memory (Mainloop._convert_q), as FlashAttention-3's kernel does.
+  appended rows (append_k rotated by the rotary tables, append_v) itself, as
+  FlashAttention-3's kernel does: each tile those in its key range, after issuing K(n_max-1)'s
+  load (whose stage its MMA warps patch: Mainloop._patch_k_tail) and before its other loads
+  (Producer.load); its MMA warps rotate Q's tile in shared memory (Mainloop._convert_q).
 - pack_gqa: pack_gqa_ratio consecutive query heads sharing a kv head (all of them, or a group
   whose size divides tile_m) are folded into the tile's rows (row = token * ratio + head in
   group), so each K/V tile is read once for the group.

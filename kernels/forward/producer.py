@@ -177,6 +177,7 @@ class Producer(Piece):
                     shapes.append_k[batch, r, head, None], shapes.k[row, None, head, cache_row],
                     shapes.append_v[batch, r, head, None], shapes.v[row, None, head, cache_row],
                     shapes.append_cos, shapes.append_sin, slot, d, dv, lane,
+                    self.producer_writes_loads_first,
                 )  # fmt: skip
         cute.arch.fence_proxy("async.global")  # (generic-proxy stores -> this warp's TMA reads)
         cute.arch.sync_warp()
