@@ -48,6 +48,20 @@ def column_block_layout(
     return cute.make_composed_layout(narrow.inner, 0, outer)
 
 
+def column_slice(t: cute.Tensor, first: int, cols: int) -> cute.Tensor:
+    """Columns first .. first + cols of a (rows, wider[, stages]) smem tile laid out by
+    make_row_major_smem_layout (first and cols multiples of 64: whole swizzle columns, which
+    start rows * 64 elements apart), as a tile of that layout (the swizzle rides on t's
+    iterator)."""
+    rows = cute.size(t, mode=[0])
+    if const_expr(cute.rank(t) == 2):
+        layout = make_row_major_smem_layout(t.element_type, rows, cols)
+    else:
+        stages = cute.size(t, mode=[2])
+        layout = column_block_layout(t.element_type, rows, cols, stages, t.layout.stride[2])
+    return cute.make_tensor(t.iterator + first * rows, layout.outer)
+
+
 def transpose_smem_view(t: cute.Tensor) -> cute.Tensor:
     """View a (rows, cols, ...) smem tensor as (cols, rows, ...) without moving data."""
     shape = (t.shape[1], t.shape[0], *t.shape[2:])
@@ -107,6 +121,25 @@ def warpgroup_gemm(
     warpgroup.commit_group()
     if const_expr(wait_groups >= 0):
         warpgroup.wait_group(wait_groups)
+
+
+@cute.jit
+def issue_k_blocks(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    frag_a: cute.Tensor,
+    frag_b: cute.Tensor,
+    k_blocks: cutlass.Constexpr,
+    accumulate: cutlass.Constexpr[bool],
+):
+    """Issue acc (+)= A @ B over the fragments' k-blocks first .. end - 1 (k_blocks: (first,
+    end)), within a commit group the caller opens (warpgroup.fence) and closes
+    (warpgroup.commit_group); accumulate False zeroes acc at the first k-block."""
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+    for k in cutlass.range_constexpr(k_blocks[0], k_blocks[1]):
+        cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
 
 
 def _acc_rows_cols_layout(acc_layout: cute.Layout) -> cute.Layout:

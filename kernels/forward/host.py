@@ -164,10 +164,10 @@ class HostSetup(Piece):
         ratio = self.variant.pack_gqa_ratio
         # qv variants: Q's tile is qv's dv columns, then q's d - dv (K's: v's, then k's).
         q_width = d - dv if const_expr(self.variant.qv) else d
-        tma_atom_Q, tma_Q = self._q_tma_atom(tma_load, mQ, q_width)
+        tma_atom_Q, tma_Q = self.q_tma_atom(tma_load, mQ, q_width)
         tma_atom_QV, tma_QV = None, None
         if const_expr(self.variant.qv):
-            tma_atom_QV, tma_QV = self._q_tma_atom(tma_load, mQV, dv)
+            tma_atom_QV, tma_QV = self.q_tma_atom(tma_load, mQV, dv)
         if const_expr(self.kv_gather):  # cp.async reads the tensors themselves
             tma_atom_K, tma_K, tma_atom_V, tma_V = None, mK, None, mV
         elif const_expr(self.variant.qv):  # both fill K's stages
@@ -258,7 +258,7 @@ class HostSetup(Piece):
 
         return SharedStorage
 
-    def _q_tma_atom(self, op, mX, width: int):
+    def q_tma_atom(self, op, mX, width: int):
         """TMA atom of Q's tile (or of its columns from one tensor, width wide)."""
         layout = hopper_mma.make_row_major_smem_layout(self.q_dtype, self.config.tile_m, width)
         if const_expr(self.variant.pack_gqa_ratio > 1):

@@ -317,22 +317,7 @@ class FlashAttentionForwardSm90(Piece):
         """The launch: a split launch's partials and the counters as views of their addresses
         (64-bit: a split launch's partials may pass 2^31 elements), the operands in kernel
         mode order, the host's setup (host.py), the grid, and the kernel."""
-        out_partial = lse_partial = mCounters = None
-        if const_expr(self.variant.split):
-            o_shape = (args.num_splits, *args.out.shape)
-            if const_expr(self.variant.varlen_q):  # q (total_q, nheads, d): lse (nheads, total_q)
-                lse_shape = (args.num_splits, args.q.shape[1], args.q.shape[0])
-            else:  # q (batch, seqlen_q, nheads, d): lse (batch, nheads, seqlen_q)
-                lse_shape = (args.num_splits, args.q.shape[0], args.q.shape[2], args.q.shape[1])
-            o_layout, o_size = _row_major_wide(o_shape)
-            out_partial = cute.make_tensor(args.partials, o_layout)
-            # Offset by a multiple of head_dim (>= 64) floats: the LSE partial stays 16-byte
-            # aligned.
-            lse_partial = cute.make_tensor(args.partials + o_size, _row_major_wide(lse_shape)[0])
-        if const_expr(self.variant.takes_counters):
-            # Indexed by tile (split) or by its two slots (dynamic scheduler); the size is
-            # never read.
-            mCounters = cute.make_tensor(args.counters, cute.make_layout(1 << 30))
+        out_partial, lse_partial, mCounters = self._scratch_views(args)
         views = self.host.views(
             args.q, args.k, args.v, args.qv, args.out, args.lse, out_partial, lse_partial
         )
@@ -373,6 +358,27 @@ class FlashAttentionForwardSm90(Piece):
             # its writes where it reads them: Producer.load).
             use_pdl=self.overlaps_append,
         )
+
+    def _scratch_views(self, args):
+        """(out_partial, lse_partial, counters): a split launch's partials and the counters as
+        views of their addresses (None where the variant takes none)."""
+        out_partial = lse_partial = mCounters = None
+        if const_expr(self.variant.split):
+            o_shape = (args.num_splits, *args.out.shape)
+            if const_expr(self.variant.varlen_q):  # q (total_q, nheads, d): lse (nheads, total_q)
+                lse_shape = (args.num_splits, args.q.shape[1], args.q.shape[0])
+            else:  # q (batch, seqlen_q, nheads, d): lse (batch, nheads, seqlen_q)
+                lse_shape = (args.num_splits, args.q.shape[0], args.q.shape[2], args.q.shape[1])
+            o_layout, o_size = _row_major_wide(o_shape)
+            out_partial = cute.make_tensor(args.partials, o_layout)
+            # Offset by a multiple of head_dim (>= 64) floats: the LSE partial stays 16-byte
+            # aligned.
+            lse_partial = cute.make_tensor(args.partials + o_size, _row_major_wide(lse_shape)[0])
+        if const_expr(self.variant.takes_counters):
+            # Indexed by tile (split) or by its two slots (dynamic scheduler); the size is
+            # never read.
+            mCounters = cute.make_tensor(args.counters, cute.make_layout(1 << 30))
+        return out_partial, lse_partial, mCounters
 
     # ------------------------------------------------------------------------------------
     # Device side

@@ -54,25 +54,6 @@ class Producer(Piece):
         """
         seqlen, _, n_block_min, n_block_max = self.tile_problem(tile, shapes)
         d, dv = self.variant.head_dim, self.variant.head_dim_v
-        q_head = tile.head_idx  # (packed GQA: the group of q heads in the packed view)
-        # (atom, gmem, smem) of Q's tile: q, or with qv its columns 0..dv and then q's.
-        q_parts = [(atoms.q, loads.q, buf.sQ, d)]
-        if const_expr(self.variant.qv):
-            q_parts = [
-                (atoms.qv, loads.qv, self._columns(buf.sQ, 0, dv), dv),
-                (atoms.q, loads.q, self._columns(buf.sQ, dv, d - dv), d - dv),
-            ]
-        q_copies = []
-        for atom, mX, sX, width in q_parts:
-            gX = cute.local_tile(
-                self._rows_of(mX, q_head, tile.batch_idx, seqlen.offset_q),
-                (self.config.tile_m, width),
-                (tile.m_block, 0),
-            )
-            dst, src = cpasync.tma_partition(
-                atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
-            )
-            q_copies.append((atom, src, dst))
         # The cache row of this batch (cache_batch_idx picks it; the lengths stay per batch).
         kv_batch = tile.batch_idx
         if const_expr(shapes.kv_batch_idx is not None):  # clamped: a bad index reads a real row
@@ -91,7 +72,7 @@ class Producer(Piece):
             k_loader = PairedBlockLoader(
                 block_loader(loads.v, buf.sV, buf.pipeline_k, atoms.v, dv),
                 block_loader(
-                    loads.k, self._columns(buf.sK, dv, d - dv), buf.pipeline_k,
+                    loads.k, hopper_mma.column_slice(buf.sK, dv, d - dv), buf.pipeline_k,
                     atoms.k, d - dv,
                 ),
             )  # fmt: skip
@@ -106,7 +87,11 @@ class Producer(Piece):
             if const_expr(self.kv_fp8):
                 sV_ring, v_ring = buf.sV8, buf.pipeline_v8
             v_loader = block_loader(loads.v, sV_ring, v_ring, atoms.v, dv)
-        q_load = QLoad(copies=tuple(q_copies), ring=buf.pipeline_q, state=q_state)
+        q_load = QLoad(
+            copies=self.q_copies(loads, atoms, buf.sQ, tile, seqlen),
+            ring=buf.pipeline_q,
+            state=q_state,
+        )
 
         # (Every loading warp runs this; Q is warp 0's.)
         loads_q = True
@@ -116,7 +101,7 @@ class Producer(Piece):
             if const_expr(self.variant.fused_append):
                 # Q first: it needs none of the writes (the MMA warps rotate it meanwhile).
                 if loads_q:
-                    self._load_q(q_load)
+                    self.load_q(q_load)
             if const_expr(self.overlaps_append):
                 # (the rows appended to the sequence start at seqlen_k - kv_length)
                 if n_block_max * self.config.tile_n > seqlen.seqlen_k - shapes.kv_length:
@@ -129,7 +114,7 @@ class Producer(Piece):
                 cute.arch.griddepcontrol_wait()  # (the append rotates q)
             if const_expr(not self.variant.fused_append):
                 if loads_q:
-                    self._load_q(q_load)
+                    self.load_q(q_load)
             if const_expr(self.variant.v_in_k):  # V is in K's stages: K blocks only
                 for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
                     kv_state.advance()
@@ -143,7 +128,7 @@ class Producer(Piece):
             if const_expr(self.persistent):
                 if const_expr(self.overlaps_append):
                     cute.arch.griddepcontrol_wait()
-                self._load_q(q_load)
+                self.load_q(q_load)
         return kv_state
 
     @cute.jit
@@ -288,7 +273,31 @@ class Producer(Piece):
             atom, cute.local_tile(rows, (self.config.tile_n, width), (None, 0)), sX, ring
         )
 
-    def _load_q(self, q_load: QLoad):
+    def q_copies(self, loads: GmemLoads, atoms: TmaAtoms, sQ: cute.Tensor, tile: WorkTile, seqlen):
+        """The (atom, src, dst) TMA copies filling Q's tile sQ for one tile: q's, or with qv
+        qv's dv columns and then q's d - dv."""
+        d, dv = self.variant.head_dim, self.variant.head_dim_v
+        q_head = tile.head_idx  # (packed GQA: the group of q heads in the packed view)
+        q_parts = [(atoms.q, loads.q, sQ, d)]
+        if const_expr(self.variant.qv):
+            q_parts = [
+                (atoms.qv, loads.qv, hopper_mma.column_slice(sQ, 0, dv), dv),
+                (atoms.q, loads.q, hopper_mma.column_slice(sQ, dv, d - dv), d - dv),
+            ]
+        q_copies = []
+        for atom, mX, sX, width in q_parts:
+            gX = cute.local_tile(
+                self._rows_of(mX, q_head, tile.batch_idx, seqlen.offset_q),
+                (self.config.tile_m, width),
+                (tile.m_block, 0),
+            )
+            dst, src = cpasync.tma_partition(
+                atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
+            )
+            q_copies.append((atom, src, dst))
+        return tuple(q_copies)
+
+    def load_q(self, q_load: QLoad):
         q_load.ring.producer_acquire(q_load.state)
         for atom, src, dst in q_load.copies:  # (one barrier: its tx_count is Q's whole tile)
             cute.copy(atom, src, dst, tma_bar_ptr=q_load.ring.producer_get_barrier(q_load.state))
@@ -306,17 +315,3 @@ class Producer(Piece):
         if const_expr(padded_offset):
             return cute.domain_offset((offset, 0), mX[None, None, head, batch])
         return mX[None, None, head, batch]
-
-    def _columns(self, t: cute.Tensor, first: int, cols: int) -> cute.Tensor:
-        """Columns first .. first + cols of a (rows, wider[, stages]) smem tile laid out by
-        make_row_major_smem_layout (first and cols multiples of 64: whole swizzle columns,
-        which start rows * 64 elements apart)."""
-        rows = cute.size(t, mode=[0])
-        if const_expr(cute.rank(t) == 2):
-            layout = hopper_mma.make_row_major_smem_layout(self.dtype, rows, cols)
-        else:
-            stages = cute.size(t, mode=[2])
-            layout = hopper_mma.column_block_layout(
-                self.dtype, rows, cols, stages, t.layout.stride[2]
-            )
-        return cute.make_tensor(t.iterator + first * rows, layout.outer)
