@@ -233,9 +233,9 @@ def compile_forward(variant: ForwardVariant, options: str = "") -> Callable:
     """Compile (uncached) the forward kernel of `variant` on fake arguments, for sm_90a."""
     import cutlass.cute as cute
 
-    from flash_cute.kernels import FlashAttentionForwardSm90
+    from flash_cute.kernels import forward_kernel
 
-    kernel = FlashAttentionForwardSm90(variant)
+    kernel = forward_kernel(variant)
     sig = signature(variant)
     fakes = fake_arguments(variant)
     # A variant taking the short signature may use none of the optional tensors.

@@ -79,6 +79,15 @@ def wide_config(head_dim: int, head_dim_v: int, v_in_k: bool = False) -> "Attent
     raise ValueError(f"no tile fits head_dim={head_dim}, head_dim_v={head_dim_v}")
 
 
+def seesaw_config() -> "AttentionConfig":
+    """The absorbed-MLA decode kernel's config (kernels/mla_decode/, AttentionConfig.seesaw):
+    the latent's wide config with the seesaw, and the registers of a producer that only issues
+    TMA (24) beside MMA warps holding half of O, a block's scores, P and Q's rope part (240)."""
+    return wide_config(576, 512, v_in_k=True).replace(
+        seesaw=True, producer_registers=24, mma_registers=240
+    )
+
+
 # Hopper limits used by validation.
 MAX_SMEM_BYTES_PER_BLOCK = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on H100/H200
 SMEM_BYTES_PER_SM = 233472  # 228 KB, of which each resident CTA reserves 1 KB
@@ -156,6 +165,11 @@ class AttentionConfig:
         page-table entries a producer thread reads before it issues their copies (1-32; 1: each
         read just before its copy). Above 1 the entries take registers: producer_registers
         >= 128. The plan sets it (plan.GATHER_LOOKAHEAD) where the producer has them.
+    seesaw: absorbed MLA (V the first 512 of K's 576 columns): the latent decode kernel
+        (kernels/mla_decode/), FlashMLA's schedule: key blocks in pairs, each of the two
+        warpgroups computing one block's scores and both blocks' P V on its half of O, so one's
+        softmax runs under the other's GEMMs. Needs the wide latent config (tile 64 x 64, two
+        stages, o_split 2, split_scores, one CTA per tile).
     transpose_batch: FP8 math: steps of a warp transposing V whose loads go before their
         stores (1-4; kernels/v_transpose.py); each holds four registers of the producer's. A
         lone transposing warp (beside gathering warps) always goes one step at a time.
@@ -183,6 +197,7 @@ class AttentionConfig:
     trace: bool = False
     gather_lookahead: int = 1
     transpose_batch: int = 2
+    seesaw: bool = False
 
     def __post_init__(self):
         for name in (
@@ -215,6 +230,7 @@ class AttentionConfig:
             "store_o_from_registers",
             "split_scores",
             "trace",
+            "seesaw",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -435,6 +451,16 @@ class AttentionConfig:
             )
         if self.rescale_o_before_pv and not self.intra_wg_overlap:
             problems.append("rescale_o_before_pv needs intra_wg_overlap")
+        if self.seesaw and not (
+            (self.tile_m, self.tile_n, self.num_stages) == (64, 64, 2)
+            and self.split_scores
+            and self.store_o_from_registers
+            and not self.persistent
+        ):
+            problems.append(
+                "seesaw needs the wide latent config: tile 64 x 64, two stages, split_scores, "
+                "O from registers, one CTA per tile"
+            )
         if not 1 <= self.transpose_batch <= 4:
             problems.append(f"transpose_batch={self.transpose_batch} must be in [1, 4]")
         if not 1 <= self.gather_lookahead <= 32:
@@ -461,6 +487,8 @@ class AttentionConfig:
                     f"accumulators need ~{acc} registers per MMA thread, more than mma_registers "
                     f"- {REGISTER_HEADROOM} = {self.mma_registers - REGISTER_HEADROOM}"
                 )
+        if self.seesaw and not (v_in_k and (head_dim, head_dim_v) == (576, 512)):
+            problems.append("seesaw serves absorbed MLA only: head_dim 576, head_dim_v 512, V in K")
         smem = self.smem_bytes(head_dim, 2, head_dim_v, v_in_k)
         smem_limit = self.smem_limit()
         dims = f"head_dim={head_dim}" + (

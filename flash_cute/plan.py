@@ -126,6 +126,38 @@ class CallShape:
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
 
+    def seesaw_problem(self) -> Optional[str]:
+        """Why the absorbed-MLA decode kernel (kernels/mla_decode/, AttentionConfig.seesaw)
+        cannot serve this shape, or None: it serves the latent (576 wide, V its first 512
+        columns) or qv form, 16-bit, over a padded or paged cache with per-sequence lengths
+        (seqused_k), padded queries, plain or causal (the cache's layout is checked where its
+        page size is known)."""
+        if not (
+            (self.v_in_k or self.qv)
+            and (self.head_dim, self.head_dim_v) == (576, 512)
+            and self.kv_layout != "packed"
+            and self.seqused_k
+        ):
+            return "absorbed MLA (head_dim 576, head_dim_v 512, V in K or qv), lengths per sequence"
+        unserved = [
+            name
+            for name in (
+                "varlen_q",
+                "scalar_kv_length",
+                "kv_batch_idx",
+                "leftpad_k",
+                "softcap",
+                "learnable_sink",
+                "kv_dtype",
+                "q_dtype",
+                "after_append",
+            )
+            if getattr(self, name)
+        ]
+        if self.window_left >= 0 or self.window_right >= 0 or self.attention_chunk:
+            unserved.append("local window or chunk")
+        return f"not served: {', '.join(unserved)}" if unserved else None
+
 
 SHAPE_FIELDS = tuple(f.name for f in fields(CallShape))
 
@@ -262,6 +294,16 @@ class ForwardVariant(CallShape):
             self.fused_append and self.rotary_dim % 2 == 0 and self.rotary_dim <= self.head_dim
         ):
             problems.append("rotary_dim: an even count <= head_dim, with fused_append")
+        if c.seesaw:
+            problem = self.seesaw_problem()
+            if problem is None and not (
+                self.kv_layout == "padded" or self.page_box_rows == c.tile_n
+            ):
+                problem = "pages of a multiple of 64 keys (TMA boxes of whole key blocks)"
+            if problem is None and c.trace:
+                problem = "no trace"
+            if problem is not None:
+                problems.append(f"the seesaw (latent decode) kernel: {problem}")
         if self.leftpad_k and not (self.kv_layout == "padded" or self.gather_page_size):
             problems.append("leftpad_k offsets padded cache rows or gathered pages")
         if self.kv_batch_idx and self.kv_layout == "packed":
@@ -324,6 +366,7 @@ class ForwardVariant(CallShape):
             f"{c.tile_m}x{c.tile_n}",
             c.scheduler,
         ]
+        flags += ["seesaw"] if c.seesaw else []
         flags += [
             name
             for name in (

@@ -19,3 +19,10 @@ class NamedBarrier(enum.IntEnum):
     # The MMA warps after converting Q to fp16 (FP8 K/V, bf16 q: kv_dequant) or rotating it (a
     # fused append).
     Q_CONVERT = 11
+    # The absorbed-MLA decode kernel's seesaw (kernels/mla_decode/seesaw.py), one arrive and one
+    # sync of a warpgroup each per pair of key blocks: warpgroup 0's row maxima are in shared
+    # memory, warpgroup 1's are, warpgroup 0's P is in sP0, warpgroup 1's in sP1.
+    SEESAW_MAX_0 = 12
+    SEESAW_MAX_1 = 13
+    SEESAW_P_0 = 14
+    SEESAW_P_1 = 15

@@ -15,7 +15,7 @@ from flash_cute.compile_cache import (
     compile_combine,
     compile_forward,
 )
-from flash_cute.config import FORWARD_CONFIGS, SHORT_WINDOW_CONFIGS
+from flash_cute.config import FORWARD_CONFIGS, SHORT_WINDOW_CONFIGS, seesaw_config
 from flash_cute.plan import ForwardVariant, Problem, plan_forward
 from flash_cute.precompile import compile_with_ptx_report, decode_variants, table_variants
 
@@ -588,6 +588,22 @@ O_SPLIT_KEYS = [
 ]
 
 
+# The absorbed-MLA decode kernel (config.seesaw, kernels/mla_decode/): both call forms, padded
+# and paged, unsplit, split with the merge in the kernel and with the combine kernel.
+def _seesaw(dtype, causal, kv_layout="paged", **flags) -> ForwardVariant:
+    return ragged(
+        dtype, 576, causal, seesaw_config(), True, kv_layout=kv_layout, seqused_k=True,
+        pack_gqa_ratio=64, head_dim_v=512, v_in_k=True, **flags,
+    )  # fmt: skip
+
+
+SEESAW_KEYS = [
+    _seesaw("bfloat16", True, page_box_rows=64),
+    _seesaw("float16", False, kv_layout="padded", split=True),
+    _seesaw("bfloat16", True, page_box_rows=64, split=True, combine_launch=True, qv=True),
+]
+
+
 # Traced variants (AttentionConfig.trace): one CTA per tile, persistent, split with the merge
 # in the kernel, varlen.
 TRACE_KEYS = [
@@ -722,7 +738,8 @@ def test_fp8_math_keys_are_fp8_math():
     + ODD_HEAD_DIM_KEYS
     + TRACE_KEYS
     + FP8_KEYS
-    + FP8_MATH_KEYS,
+    + FP8_MATH_KEYS
+    + SEESAW_KEYS,
     ids=_id,
 )
 def test_variant_compiles_clean(key):

@@ -136,6 +136,20 @@ def test_invalid_configs_are_refused(kwargs, head_dim, message):
         AttentionConfig(**kwargs).validate(head_dim)
 
 
+def test_seesaw_config_serves_the_latent_only():
+    from flash_cute.config import seesaw_config
+
+    config = seesaw_config()
+    assert config.seesaw and (config.producer_registers, config.mma_registers) == (24, 240)
+    assert config.validate(576, "bfloat16", 512, v_in_k=True) is config
+    with pytest.raises(ValueError, match="seesaw serves absorbed MLA only"):
+        config.validate(576, "bfloat16", 512)
+    with pytest.raises(ValueError, match="seesaw needs the wide latent config"):
+        config.replace(tile_n=32).validate(576, "bfloat16", 512, v_in_k=True)
+    with pytest.raises(TypeError, match="seesaw must be a bool"):
+        AttentionConfig(64, 64, seesaw=1)
+
+
 def test_bad_tile_m_and_types():
     with pytest.raises(ValueError, match="tile_m"):
         AttentionConfig(tile_m=100, tile_n=128)

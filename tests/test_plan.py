@@ -533,3 +533,27 @@ def test_fp8_math_variants_that_cannot_run_are_refused():
     ):
         with pytest.raises(ValueError):
             variant(**{**ok, **changes})
+
+
+def test_seesaw_variants_that_cannot_run_are_refused():
+    from flash_cute.config import seesaw_config
+
+    def variant(causal=True, **flags):
+        fields = dict(
+            config=seesaw_config(), head_dim_v=512, v_in_k=True, seqused_k=True, writes_lse=True
+        )
+        return ForwardVariant("bfloat16", 576, causal, **{**fields, **flags})
+
+    assert variant().config.seesaw and variant(kv_layout="paged", page_box_rows=64)
+    for flags, message in [
+        (dict(kv_layout="paged", page_box_rows=32), "multiple of 64"),
+        (dict(kv_layout="paged", gather_page_size=16), "multiple of 64"),
+        (dict(seqused_k=False), "lengths per sequence"),
+        (dict(varlen_q=True), "varlen_q"),
+        (dict(softcap=30.0), "softcap"),
+        (dict(learnable_sink="bfloat16"), "learnable_sink"),
+        (dict(causal=False, window_left=128, window_right=0), "local window"),
+        (dict(config=seesaw_config().replace(trace=True)), "no trace"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            variant(**flags)

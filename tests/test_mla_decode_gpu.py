@@ -1,0 +1,102 @@
+"""GPU checks of the absorbed-MLA decode kernel (kernels/mla_decode/, config.seesaw): both call
+forms (FlashMLA's 576-wide latent with v its first 512 dims, FlashAttention-3's qv), padded and
+paged caches, 1-2 query tokens, 16-128 heads, splits, graph replay, bf16 and fp16, against the
+float32 reference on poisoned outputs. Each case plans its variant with the seesaw config and
+launches it through a launch plan."""
+
+import math
+
+import pytest
+import torch
+from kv_cases import assert_close_to_reference, cache_reference, make_cache, per_batch
+
+from flash_cute.call import Call
+from flash_cute.config import seesaw_config
+from flash_cute.forward import kernel_call_args
+from flash_cute.plan import Problem, plan_forward
+from flash_cute.reference import stable_seed
+from flash_cute.runtime import LaunchPlan, num_sms
+
+pytestmark = pytest.mark.gpu
+D, DV = 576, 512
+# Key counts: one key, a partial block alone, even and odd block counts, partial last blocks.
+LENS = [1500, 1, 333, 17, 1000, 4097]
+CAPACITY = 4160
+
+
+def _problem(batch, seqlen_q, nheads, dtype, page_size, causal, qv):
+    return Problem(
+        batch=batch, nheads=nheads, nheads_kv=1, head_dim=D, head_dim_v=DV, dtype=dtype,
+        max_seqlen_q=seqlen_q, max_seqlen_k=CAPACITY, kv_capacity=CAPACITY, causal=causal,
+        writes_lse=True, kv_layout="paged" if page_size else "padded", page_size=page_size,
+        seqused_k=True, v_in_k=not qv, qv=qv,
+    )  # fmt: skip
+
+
+def _case(seqlen_q, nheads, page_size, dtype, qv, gen):
+    """(q, k, v, qv or None, page_table, q and k as the reference takes them, v padded)."""
+    batch = len(LENS)
+    if qv:
+        k_cache, v_cache, table, k_pad, v_pad = make_cache(
+            batch, CAPACITY, 1, D - DV, dtype, page_size, gen, head_dim_v=DV
+        )
+        q = torch.randn(batch, seqlen_q, nheads, D - DV, device="cuda", dtype=dtype, generator=gen)
+        q_v = torch.randn(batch, seqlen_q, nheads, DV, device="cuda", dtype=dtype, generator=gen)
+        ref_q, ref_k = torch.cat([q_v, q], -1), torch.cat([v_pad, k_pad], -1)
+        return q, k_cache, v_cache, q_v, table, ref_q, ref_k, v_pad
+    k_cache, _, table, k_pad, _ = make_cache(batch, CAPACITY, 1, D, dtype, page_size, gen)
+    q = torch.randn(batch, seqlen_q, nheads, D, device="cuda", dtype=dtype, generator=gen)
+    return q, k_cache, k_cache[..., :DV], None, table, q, k_pad, k_pad[..., :DV]
+
+
+def _launch(problem, q, k, v, num_splits, **tensors):
+    plan = plan_forward(problem, num_sms(0), seesaw_config(), num_splits)
+    assert plan.variant.config.seesaw
+    out = torch.full((*q.shape[:-1], DV), float("nan"), device="cuda", dtype=q.dtype)
+    lse_shape = (problem.batch, problem.nheads, problem.max_seqlen_q)
+    runner = LaunchPlan.build(plan, q, k, v, out, lse_shape, math.log2(math.e) / math.sqrt(D))
+    return plan, runner, out, tensors
+
+
+@pytest.mark.parametrize("qv", [False, True], ids=["latent", "qv"])
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+@pytest.mark.parametrize("page_size", [None, 64, 128])
+@pytest.mark.parametrize("seqlen_q, nheads", [(1, 128), (2, 64), (1, 16), (2, 128)])
+def test_decode(seqlen_q, nheads, page_size, num_splits, qv):
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("seesaw", seqlen_q, page_size))
+    case = _case(seqlen_q, nheads, page_size, torch.bfloat16, qv, gen)
+    q, k, v, q_v, table, ref_q, ref_k, ref_v = case
+    lens = torch.tensor(LENS, device="cuda", dtype=torch.int32)
+    problem = _problem(len(LENS), seqlen_q, nheads, "bfloat16", page_size, True, qv)
+    plan, runner, out, _ = _launch(problem, q, k, v, num_splits)
+    call = Call(q, k, v, seqused_k=lens, page_table=table, qv=q_v)
+    out, lse = runner.launch(q, k, v, out, kernel_call_args(call))
+    refs, lowps, lse_refs = cache_reference(ref_q, ref_k, ref_v, LENS, True)
+    assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_dtypes_masks_and_graph_replay(dtype, causal):
+    """Both 16-bit dtypes, with and without the causal mask (2 query tokens), then a CUDA graph
+    of the launch replayed with other lengths."""
+    name = str(dtype).split(".")[-1]
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("seesaw-graph", name, causal))
+    q, k, v, _, table, ref_q, ref_k, ref_v = _case(2, 128, 64, dtype, False, gen)
+    lens = torch.tensor(LENS, device="cuda", dtype=torch.int32)
+    problem = _problem(len(LENS), 2, 128, name, 64, causal, False)
+    plan, runner, out, _ = _launch(problem, q, k, v, 0)
+    args = kernel_call_args(Call(q, k, v, seqused_k=lens, page_table=table))
+    out, lse = runner.launch(q, k, v, out, args)
+    refs, lowps, lse_refs = cache_reference(ref_q, ref_k, ref_v, LENS, causal)
+    assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = runner.launch(q, k, v, out, args)
+    new_lens = [64, 4160, 2, 129, 3, 1999]
+    lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+    g_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    refs, lowps, lse_refs = cache_reference(ref_q, ref_k, ref_v, new_lens, causal)
+    assert_close_to_reference(*per_batch(g_out, g_lse), refs, lowps, lse_refs)
