@@ -25,6 +25,9 @@ LEFT_TILES = 4  # boxes 0-3: the left half
 # (first box, end box) of each half, by half index (0: left, 1: right).
 HALVES = ((0, LEFT_TILES), (LEFT_TILES, TILES))
 LEFT, RIGHT = 0, 1
+# L2 eviction hint of the key loads: evict first (streamed once; FlashMLA's choice). H100,
+# same processes as FlashAttention-3: 2-3% faster than no hint, evict-last no faster.
+EVICT_FIRST = 0x12F0000000000000
 
 
 def half_bytes(half: int, element_bytes: int) -> int:
@@ -106,7 +109,10 @@ class LatentBlockLoads:
             dst, src_part = cpasync.tma_partition(
                 atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
             )
-            cute.copy(atom, src_part, dst, tma_bar_ptr=ring.producer_get_barrier(state))
+            cute.copy(
+                atom, src_part, dst, tma_bar_ptr=ring.producer_get_barrier(state),
+                cache_policy=cutlass.Int64(EVICT_FIRST),
+            )  # fmt: skip
 
     @cute.jit
     def load_blocks(self, n_block_min: Int32, n_block_max: Int32, states):
