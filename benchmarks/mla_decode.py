@@ -1,6 +1,6 @@
 """Absorbed-MLA decode (DeepSeek V3 / Kimi K2: nheads query heads against one 576-wide latent
 head whose first 512 dims are V): the latent decode kernel (AttentionConfig.seesaw,
-kernels/mla_decode/) beside the forward kernel's latent path (the plan's own config) and
+kernels/mla_decode/) beside the forward kernel's latent path (its decode row) and
 FlashAttention-3's qv form (fa3_fwd_interface: q 64 + qv 512 against k_cache 64 + v_cache
 512, contiguous), in one process, rounds interleaved, CUDA-graph replays of STEPS steps.
 bf16, causal, every sequence `keys` long, the split count each library picks.
@@ -19,7 +19,7 @@ import torch
 
 import flash_cute
 from flash_cute import timing
-from flash_cute.config import seesaw_config
+from flash_cute.config import decode_config, seesaw_config
 
 try:
     import fa3_fwd_interface as fa3
@@ -52,8 +52,9 @@ def peers(heads, batch, seqlen_q, keys):
     kvcache = flash_cute.flash_attn_with_kvcache
     common = dict(cache_seqlens=lens, causal=True)
     v = latent[..., :D_LATENT]
+    forward = decode_config(D_LATENT + D_ROPE, "bfloat16", D_LATENT, v_in_k=True)
     steps = {
-        "forward": lambda: kvcache(q, latent, v, **common),
+        "forward": lambda: kvcache(q, latent, v, config=forward, **common),
         "seesaw": lambda: kvcache(q, latent, v, config=seesaw_config(), **common),
     }
     if PAGED:

@@ -38,6 +38,7 @@ from .config import (
     default_config,
     fp8_kv_config,
     fp8_math_config,
+    seesaw_config,
 )
 
 MAX_SPLITS = 128
@@ -56,6 +57,11 @@ GATHER_LOOKAHEAD = 16
 # of its 120 us there on an H100.
 MERGE_IN_KERNEL_BYTES = 1 << 20
 KV_LAYOUTS = ("padded", "packed", "paged")
+# Absorbed-MLA decode takes the seesaw kernel (seesaw_routes) unsplit and with tiles for at
+# least this share of a wave. H100, 128 heads, bf16, graph replays beside the forward kernel's
+# latent path: batch 128 x 2 tokens x 4k keys 604 us against 687, 132 x 16k 1287 against 1323,
+# 64 x 8k 338 against 344; split launches (batch 1-8) and 16 heads measured 2-10% slower.
+SEESAW_MIN_WAVE = 0.9
 
 
 @dataclass(frozen=True)
@@ -559,6 +565,8 @@ def plan_forward(
             num_splits = min(num_splits, combine_launch_split_cap(n_blocks))
     if problem.kv_capacity == 0:  # no keys: nothing for a kernel (or TMA) to read
         return ForwardPlan(None, num_splits, max_ctas, 0)
+    if caller_config is None and seesaw_routes(problem, num_splits, num_sms):
+        config = seesaw_config()  # (the latent config's tiles: the split count stands)
     split = num_splits > 1
     page_box_rows, gather_page_size = _page_loads(problem, config)
     config = _effective_config(
@@ -596,6 +604,19 @@ def plan_forward(
     if config.trace:  # one record per work tile
         trace_slots = split_tiles(problem, config.tile_m, pack_ratio) * num_splits
     return ForwardPlan(variant, num_splits, max_ctas, num_counters, trace_slots)
+
+
+def seesaw_routes(problem: Problem, num_splits: int, num_sms: int) -> bool:
+    """Whether absorbed-MLA decode takes the seesaw kernel (kernels/mla_decode/) rather than
+    the forward kernel's latent path: a shape it serves (CallShape.seesaw_problem; pages of a
+    multiple of 64 keys), at least 64 q heads per kv head (whole 64-row tiles), unsplit, with
+    tiles for at least SEESAW_MIN_WAVE of a wave: where it measured at least as fast."""
+    if problem.seesaw_problem() is not None or _tracing:
+        return False
+    if problem.kv_layout == "paged" and problem.page_size % 64:
+        return False
+    tiles = padded_tiles(problem, 64, 64) if problem.qheads_per_kvhead >= 64 else 0
+    return num_splits == 1 and tiles >= SEESAW_MIN_WAVE * num_sms
 
 
 def serves_fp8_math(problem: Problem) -> bool:

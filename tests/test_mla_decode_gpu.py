@@ -100,3 +100,37 @@ def test_dtypes_masks_and_graph_replay(dtype, causal):
     torch.cuda.synchronize()
     refs, lowps, lse_refs = cache_reference(ref_q, ref_k, ref_v, new_lens, causal)
     assert_close_to_reference(*per_batch(g_out, g_lse), refs, lowps, lse_refs)
+
+
+@pytest.mark.parametrize("qv", [False, True], ids=["latent", "qv"])
+def test_api_routes_unsplit_latent_decode_here(qv):
+    """flash_attn_with_kvcache at a shape the plan sends to this kernel (128 heads, unsplit,
+    tiles for most of a wave: plan.seesaw_routes), against the reference."""
+    import flash_cute
+    from flash_cute.runtime import KVCACHE_PLANS
+
+    batch, keys = num_sms(0), 320
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("seesaw-api", qv))
+    lens = torch.randint(1, keys + 1, (batch,), device="cuda", dtype=torch.int32, generator=gen)
+    call = dict(cache_seqlens=lens, causal=True, return_softmax_lse=True)
+    KVCACHE_PLANS.clear()
+    if qv:
+        k_rope, v_cache, table, k_pad, v_pad = make_cache(
+            batch, keys, 1, D - DV, torch.bfloat16, 64, gen, head_dim_v=DV
+        )
+        q = torch.randn(batch, 1, 128, D - DV, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q_v = torch.randn(batch, 1, 128, DV, device="cuda", dtype=torch.bfloat16, generator=gen)
+        out, lse = flash_cute.flash_attn_with_kvcache(
+            q, k_rope, v_cache, qv=q_v, page_table=table, **call
+        )
+        ref_q, ref_k = torch.cat([q_v, q], -1), torch.cat([v_pad, k_pad], -1)
+    else:
+        k_cache, _, table, k_pad, _ = make_cache(batch, keys, 1, D, torch.bfloat16, 64, gen)
+        q = torch.randn(batch, 1, 128, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        out, lse = flash_cute.flash_attn_with_kvcache(
+            q, k_cache, k_cache[..., :DV], page_table=table, **call
+        )
+        ref_q, ref_k, v_pad = q, k_pad, k_pad[..., :DV]
+    assert [p.variant.config.seesaw for p in KVCACHE_PLANS.values()] == [True]
+    refs, lowps, lse_refs = cache_reference(ref_q, ref_k, v_pad, lens.tolist(), True)
+    assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)

@@ -535,6 +535,43 @@ def test_fp8_math_variants_that_cannot_run_are_refused():
             variant(**{**ok, **changes})
 
 
+def _latent_decode(batch, nheads, seqlen_q, keys, page_size=64, qv=False, **flags) -> Problem:
+    flags = {"seqused_k": True, **flags}
+    return Problem(
+        dtype="bfloat16", head_dim=576, head_dim_v=512, v_in_k=not qv, qv=qv, causal=True,
+        batch=batch,
+        nheads=nheads, nheads_kv=1, max_seqlen_q=seqlen_q, max_seqlen_k=keys, kv_capacity=keys,
+        kv_layout="paged" if page_size else "padded", page_size=page_size, **flags,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "problem, seesaw",
+    [
+        # Unsplit, whole 64-row tiles for most of a wave: the seesaw kernel.
+        (_latent_decode(64, 128, 1, 8192), True),
+        (_latent_decode(128, 128, 2, 4096), True),
+        (_latent_decode(132, 128, 1, 16384, page_size=None), True),
+        (_latent_decode(64, 128, 1, 8192, qv=True), True),
+        (_latent_decode(64, 128, 1, 8192, page_size=128), True),
+        # Split launches, partial tiles, pages no whole-block TMA box follows, unserved forms.
+        (_latent_decode(8, 128, 1, 16384), False),
+        (_latent_decode(64, 16, 1, 8192), False),
+        (_latent_decode(64, 128, 1, 8192, page_size=16), False),
+        (_latent_decode(64, 128, 1, 8192, window_left=1024), False),
+        (_latent_decode(64, 128, 1, 8192, seqused_k=False), False),
+    ],
+)
+def test_absorbed_mla_decode_takes_the_seesaw_kernel_where_it_wins(problem, seesaw):
+    plan = plan_forward(problem, 132, num_splits=0)
+    assert plan.variant.config.seesaw == seesaw
+    assert (plan.num_splits == 1) or not seesaw
+    # A caller's config is taken as it is.
+    assert not plan_forward(problem, 132, AttentionConfig(64, 64, pingpong=False, o_split=2,
+        store_o_from_registers=True, pv_from_registers=False, split_scores=True,
+        intra_wg_overlap=False), num_splits=0).variant.config.seesaw  # fmt: skip
+
+
 def test_seesaw_variants_that_cannot_run_are_refused():
     from flash_cute.config import seesaw_config
 
