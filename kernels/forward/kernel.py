@@ -321,11 +321,8 @@ class FlashAttentionForwardSm90(Piece):
         views = self.host.views(
             args.q, args.k, args.v, args.qv, args.out, args.lse, out_partial, lse_partial
         )
-        mmas = self.host.tiled_mmas()
         layouts = self.host.smem_layouts()
-        atoms, loads, mO_kernel = self.host.tma(views, layouts)
-        self.tma_bytes_q, self.tma_bytes_k, self.tma_bytes_v = self.host.stage_bytes(layouts)
-        self.shared_storage = self.host.shared_storage(layouts)
+        atoms, loads, mO_kernel, mmas = self._device_setup(views, layouts)
         v_written = None  # (a fused append's: it writes v's new rows)
         if const_expr(self.variant.fused_append):
             v_written = views.v
@@ -358,6 +355,15 @@ class FlashAttentionForwardSm90(Piece):
             # its writes where it reads them: Producer.load).
             use_pdl=self.overlaps_append,
         )
+
+    def _device_setup(self, views, layouts):
+        """(TmaAtoms, GmemLoads, O as the kernel takes it, the tiled MMAs) of the launch; sets
+        the stage bytes the rings expect and the shared storage the kernel allocates."""
+        mmas = self.host.tiled_mmas()
+        atoms, loads, mO_kernel = self.host.tma(views, layouts)
+        self.tma_bytes_q, self.tma_bytes_k, self.tma_bytes_v = self.host.stage_bytes(layouts)
+        self.shared_storage = self.host.shared_storage(layouts)
+        return atoms, loads, mO_kernel, mmas
 
     def _scratch_views(self, args):
         """(out_partial, lse_partial, counters): a split launch's partials and the counters as

@@ -28,7 +28,6 @@ from ..forward.host import HostSetup
 from ..forward.kernel import FlashAttentionForwardSm90
 from ..forward.producer import Producer
 from ..forward.records import (
-    CALL_TENSORS,
     GmemLoads,
     MmaSetup,
     Outputs,
@@ -114,38 +113,13 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
 
         return SharedStorage
 
-    @cute.jit
-    def _launch(self, args, stream):
-        out_partial, lse_partial, mCounters = self._scratch_views(args)
-        views = self.host.views(
-            args.q, args.k, args.v, args.qv, args.out, args.lse, out_partial, lse_partial
-        )
-        layouts = self.host.smem_layouts()
+    def _device_setup(self, views, layouts):
+        """The forward kernel's launch with this kernel's pieces: Q's and the cache's TMA
+        (_tma), its tiled MMAs and shared storage; O as the launch takes it (from registers)."""
         atoms, loads = self._tma(views, layouts)
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, layouts.q)
         self.shared_storage = self._shared_storage(layouts)
-        call_tensors = {n: getattr(args, n) for n in CALL_TENSORS}
-        problem = ProblemShapes(views.q, views.k, None, **call_tensors)
-        space = self.facts.tile_space(
-            views.q, views.k, args.cu_seqlens_q, args.page_table, args.num_splits, args.max_ctas
-        )
-        self.kernel(
-            loads,
-            Outputs(views.o, views.lse, views.o_partial, views.lse_partial),
-            problem,
-            mCounters,
-            args.trace,
-            Scalars(args.num_splits, args.max_ctas, args.kv_length),
-            atoms,
-            args.scale_log2,
-            layouts,
-            self._tiled_mmas(),
-        ).launch(
-            grid=self.scheduler_cls.grid(space),
-            block=[self.num_threads, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
-        )
+        return atoms, loads, views.o, self._tiled_mmas()
 
     # ------------------------------------------------------------------------------------
     # Device side

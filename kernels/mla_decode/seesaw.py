@@ -210,10 +210,7 @@ class Seesaw(Piece):
         scale = cute.make_rmem_tensor(softmax.num_rows, Float32)
         for r in cutlass.range_constexpr(softmax.num_rows):
             m_new = cute.arch.fmax(maxes[r], softmax.row_max[r])
-            if ops.writer:
-                buf.sRows[0, 0, ops.rows[r]] = m_new
-            scale[r] = self._exp2_diff(ops, softmax.row_max[r], m_new)
-            softmax.row_max[r] = m_new
+            scale[r] = self._move_max(buf, ops, r, m_new, publish=0)
         self._exponentiate(ops, acc_S, scale)
         rescale_rows(ops.acc_O, scale)
         self._clear_v_tail(buf, ops, n_block, 0)
@@ -224,9 +221,7 @@ class Seesaw(Piece):
         self._sync(NamedBarrier.SEESAW_MAX_1)
         for r in cutlass.range_constexpr(softmax.num_rows):
             m1 = buf.sRows[0, 1, ops.rows[r]]
-            scale[r] = self._exp2_diff(ops, softmax.row_max[r], m1)
-            softmax.row_max[r] = m1
-            softmax.row_sum[r] = softmax.row_sum[r] * scale[r]
+            scale[r] = self._move_max(buf, ops, r, m1, rescale_sum=True)
         rescale_rows(acc_S, scale)
         self._store_p(ops, acc_S, ops.tPsP0)
         cute.arch.fence_view_async_shared()  # P's smem writes -> warpgroup 1's WGMMA reads
@@ -259,10 +254,7 @@ class Seesaw(Piece):
             self._sync(NamedBarrier.SEESAW_MAX_0)
             for r in cutlass.range_constexpr(softmax.num_rows):
                 m_new = cute.arch.fmax(maxes[r], buf.sRows[0, 0, ops.rows[r]])
-                if ops.writer:
-                    buf.sRows[0, 1, ops.rows[r]] = m_new
-                scale[r] = self._exp2_diff(ops, softmax.row_max[r], m_new)
-                softmax.row_max[r] = m_new
+                scale[r] = self._move_max(buf, ops, r, m_new, publish=1)
             self._exponentiate(ops, acc_S, scale)
             rescale_rows(ops.acc_O, scale)
             self._arrive(NamedBarrier.SEESAW_MAX_1)
@@ -274,11 +266,7 @@ class Seesaw(Piece):
             self._sync(NamedBarrier.SEESAW_MAX_0)
             for r in cutlass.range_constexpr(softmax.num_rows):
                 m_new = buf.sRows[0, 0, ops.rows[r]]
-                if ops.writer:
-                    buf.sRows[0, 1, ops.rows[r]] = m_new
-                scale[r] = self._exp2_diff(ops, softmax.row_max[r], m_new)
-                softmax.row_max[r] = m_new
-                softmax.row_sum[r] = softmax.row_sum[r] * scale[r]
+                scale[r] = self._move_max(buf, ops, r, m_new, publish=1, rescale_sum=True)
             rescale_rows(ops.acc_O, scale)
             self._arrive(NamedBarrier.SEESAW_MAX_1)
             self._arrive(NamedBarrier.SEESAW_P_1)
@@ -397,6 +385,21 @@ class Seesaw(Piece):
                 row[c] = cute.math.exp2(scores[r, c] * softmax.scale_log2 - m_scaled, fastmath=True)
             softmax.row_sum[r] = softmax.row_sum[r] * scale[r] + _row_sum(row, ncols)
             scores[r, None].store(row.load())
+
+    @cute.jit
+    def _move_max(self, buf, ops, r: int, m_new: Float32, publish: int = -1, rescale_sum=False):
+        """Row r's running max becomes m_new (published for the other warpgroup in its slot
+        of sRows unless publish is -1); returns the row's rescale of what was taken against
+        the old max (its row sum rescaled too where rescale_sum)."""
+        softmax = ops.softmax
+        if const_expr(publish >= 0):
+            if ops.writer:
+                buf.sRows[0, publish, ops.rows[r]] = m_new
+        scale = self._exp2_diff(ops, softmax.row_max[r], m_new)
+        softmax.row_max[r] = m_new
+        if const_expr(rescale_sum):
+            softmax.row_sum[r] = softmax.row_sum[r] * scale
+        return scale
 
     @cute.jit
     def _exp2_diff(self, ops, m_old: Float32, m_new: Float32) -> Float32:
