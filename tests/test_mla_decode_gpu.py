@@ -49,6 +49,17 @@ def _case(seqlen_q, nheads, page_size, dtype, qv, gen):
     return q, k_cache, k_cache[..., :DV], None, table, q, k_pad, k_pad[..., :DV]
 
 
+def _poison_past(cache, table, lengths, page_size):
+    """NaN in every cache slot past each sequence's length (V's rows there must not reach O)."""
+    for b, n in enumerate(lengths):
+        slots = torch.arange(n, CAPACITY, device="cuda")
+        if page_size is None:
+            cache[b, n:] = float("nan")
+        else:
+            pages = table[b, slots // page_size].long()
+            cache[pages, slots % page_size] = float("nan")
+
+
 def _launch(problem, q, k, v, num_splits, **tensors):
     plan = plan_forward(problem, num_sms(0), seesaw_config(), num_splits)
     assert plan.variant.config.seesaw
@@ -66,6 +77,8 @@ def test_decode(seqlen_q, nheads, page_size, num_splits, qv):
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("seesaw", seqlen_q, page_size))
     case = _case(seqlen_q, nheads, page_size, torch.bfloat16, qv, gen)
     q, k, v, q_v, table, ref_q, ref_k, ref_v = case
+    for cache in (k, v) if qv else (k,):  # (the latent's v is a view of k)
+        _poison_past(cache, table, LENS, page_size)
     lens = torch.tensor(LENS, device="cuda", dtype=torch.int32)
     problem = _problem(len(LENS), seqlen_q, nheads, "bfloat16", page_size, True, qv)
     plan, runner, out, _ = _launch(problem, q, k, v, num_splits)
@@ -103,11 +116,14 @@ def test_dtypes_masks_and_graph_replay(dtype, causal):
 
 
 @pytest.mark.parametrize("qv", [False, True], ids=["latent", "qv"])
-def test_api_routes_unsplit_latent_decode_here(qv):
+def test_api_routes_unsplit_latent_decode_here(qv, monkeypatch):
     """flash_attn_with_kvcache at a shape the plan sends to this kernel (128 heads, unsplit,
-    tiles for most of a wave: plan.seesaw_routes), against the reference."""
+    tiles for most of a wave: plan.seesaw_routes, routing on), against the reference."""
     import flash_cute
+    from flash_cute import plan
     from flash_cute.runtime import KVCACHE_PLANS
+
+    monkeypatch.setattr(plan, "SEESAW_ROUTING", True)
 
     batch, keys = num_sms(0), 320
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("seesaw-api", qv))
@@ -132,5 +148,28 @@ def test_api_routes_unsplit_latent_decode_here(qv):
         )
         ref_q, ref_k, v_pad = q, k_pad, k_pad[..., :DV]
     assert [p.variant.config.seesaw for p in KVCACHE_PLANS.values()] == [True]
+    KVCACHE_PLANS.clear()  # (planned with the routing on)
     refs, lowps, lse_refs = cache_reference(ref_q, ref_k, v_pad, lens.tolist(), True)
+    assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
+
+
+def test_scores_far_below_zero():
+    """Every score about -4096 (the rope columns alone: q's -8 against the keys' 8), far below
+    what 2^(-max * scale) can hold: the first rescale of each row must give 0, not inf (0 * inf
+    would be NaN), and the output the mean of V."""
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("seesaw-negative"))
+    k, _, table, k_pad, _ = make_cache(len(LENS), CAPACITY, 1, D, torch.bfloat16, 64, gen)
+    k[..., :DV] *= 0.1
+    k[..., DV:] = 8.0
+    k_pad = k_pad.clone()
+    k_pad[..., :DV] *= 0.1
+    k_pad[..., DV:] = 8.0
+    q = torch.zeros(len(LENS), 1, 128, D, device="cuda", dtype=torch.bfloat16)
+    q[..., DV:] = -8.0
+    lens = torch.tensor(LENS, device="cuda", dtype=torch.int32)
+    problem = _problem(len(LENS), 1, 128, "bfloat16", 64, True, False)
+    plan, runner, out, _ = _launch(problem, q, k, k[..., :DV], 1)
+    call = Call(q, k, k[..., :DV], seqused_k=lens, page_table=table)
+    out, lse = runner.launch(q, k, k[..., :DV], out, kernel_call_args(call))
+    refs, lowps, lse_refs = cache_reference(q, k_pad, k_pad[..., :DV], LENS, True)
     assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)

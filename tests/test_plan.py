@@ -560,9 +560,16 @@ def _latent_decode(batch, nheads, seqlen_q, keys, page_size=64, qv=False, **flag
         (_latent_decode(64, 128, 1, 8192, page_size=16), False),
         (_latent_decode(64, 128, 1, 8192, window_left=1024), False),
         (_latent_decode(64, 128, 1, 8192, seqused_k=False), False),
+        # 96 heads pack 32 to a tile (rows half empty); more query tokens than tested.
+        (_latent_decode(132, 96, 1, 8192), False),
+        (_latent_decode(64, 128, 4, 8192), False),
     ],
 )
-def test_absorbed_mla_decode_takes_the_seesaw_kernel_where_it_wins(problem, seesaw):
+def test_absorbed_mla_decode_takes_the_seesaw_kernel_where_it_wins(problem, seesaw, monkeypatch):
+    from flash_cute import plan as plan_module
+
+    assert not plan_forward(problem, 132, num_splits=0).variant.config.seesaw  # (routing off)
+    monkeypatch.setattr(plan_module, "SEESAW_ROUTING", True)
     plan = plan_forward(problem, 132, num_splits=0)
     assert plan.variant.config.seesaw == seesaw
     assert (plan.num_splits == 1) or not seesaw
@@ -585,7 +592,8 @@ def test_seesaw_variants_that_cannot_run_are_refused():
     for flags, message in [
         (dict(kv_layout="paged", page_box_rows=32), "multiple of 64"),
         (dict(kv_layout="paged", gather_page_size=16), "multiple of 64"),
-        (dict(seqused_k=False), "lengths per sequence"),
+        (dict(seqused_k=False), "per-sequence lengths"),
+        (dict(v_in_k=False), "absorbed MLA only"),
         (dict(varlen_q=True), "varlen_q"),
         (dict(softcap=30.0), "softcap"),
         (dict(learnable_sink="bfloat16"), "learnable_sink"),

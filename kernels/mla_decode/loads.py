@@ -39,7 +39,8 @@ def half_bytes(half: int, element_bytes: int) -> int:
 @dataclass(frozen=True)
 class HalfRings:
     """The four one-stage rings over the K buffers' halves, by (buffer, half): buffer 0 holds
-    the even blocks of a pair (warpgroup 0's scores), buffer 1 the odd ones (warpgroup 1's)."""
+    each pair's later block (warpgroup 0's scores; an odd count's lone last block too), buffer
+    1 its earlier one (warpgroup 1's)."""
 
     left0: pipeline.PipelineAsync
     right0: pipeline.PipelineAsync

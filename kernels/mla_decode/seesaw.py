@@ -11,9 +11,9 @@ running row max (both warpgroups keep it; it moves through shared memory):
   WG0: S_a; m0 = max(M, rowmax S_a), to smem; O_L, l0 *= 2^(M - m0); P_a = 2^(S_a - m0)
        -> [MAX_0] -> O_L += P_a V_aL (P from registers)
   WG1: S_b; [MAX_0] m1 = max(m0, rowmax S_b), to smem; O_R, l1 *= 2^(M - m1); P_b = 2^(S_b - m1)
-       -> [MAX_1]; P_b to sP1 -> [P_1]; O_R += P_b V_bR (registers)
+       -> [MAX_1]; P_b to sP1 -> [P_1]
   WG0: [MAX_1] P_a *= 2^(m0 - m1), to sP0 -> [P_0]; l0 *= 2^(m0 - m1)
-  WG1: [P_0] O_R += P_a V_aR (P from smem)
+  WG1: [P_0] O_R += P_a V_aR (P from smem); O_R += P_b V_bR (registers)
   WG0: [P_1] O_L *= 2^(m0 - m1); O_L += P_b V_bL (smem)
 
 (exponents in log2 units, the softmax scale folded in; [X] is a named barrier, arrived on by
@@ -403,11 +403,12 @@ class Seesaw(Piece):
 
     @cute.jit
     def _exp2_diff(self, ops, m_old: Float32, m_new: Float32) -> Float32:
-        """The rescale 2^((m_old - m_new) * scale) of a row whose max moves (a max of -inf, no
-        key yet, counts as 0: the probabilities against it are all 0)."""
-        old = Float32(0.0) if m_old == -Float32.inf else m_old
+        """The rescale 2^((m_old - m_new) * scale) of a row whose max moves: 0 from an old max
+        of -inf (no key yet: O and the row sum are 0, and 2^(0 - m_new) could overflow to
+        inf, 0 * inf = NaN, where the new max is below -128 / scale); a new max of -inf counts
+        as 0, as the probabilities are taken against it (OnlineSoftmax's rule)."""
         new = Float32(0.0) if m_new == -Float32.inf else m_new
-        return cute.math.exp2((old - new) * ops.scale_log2, fastmath=True)
+        return cute.math.exp2((m_old - new) * ops.scale_log2, fastmath=True)
 
     @cute.jit
     def _clear_v_tail(self, buf, ops, n_block: Int32, warpgroup_idx: int):
