@@ -82,14 +82,12 @@ from .producer import Producer
 from .records import (
     CALL_TENSORS,
     CtaBuffers,
-    GmemLoads,
+    KernelParams,
     MmaSetup,
     Outputs,
     ProblemShapes,
     Scalars,
     SmemLayouts,
-    TiledMmas,
-    TmaAtoms,
 )
 
 
@@ -332,16 +330,18 @@ class FlashAttentionForwardSm90(Piece):
             views.q, views.k, args.cu_seqlens_q, args.page_table, args.num_splits, args.max_ctas
         )
         self.kernel(
-            loads,
-            Outputs(mO_kernel, views.lse, views.o_partial, views.lse_partial),
-            problem,
-            mCounters,
-            args.trace,
-            Scalars(args.num_splits, args.max_ctas, args.kv_length),
-            atoms,
-            args.scale_log2,
-            layouts,
-            mmas,
+            KernelParams(
+                loads,
+                Outputs(mO_kernel, views.lse, views.o_partial, views.lse_partial),
+                problem,
+                mCounters,
+                args.trace,
+                Scalars(args.num_splits, args.max_ctas, args.kv_length),
+                atoms,
+                args.scale_log2,
+                layouts,
+                mmas,
+            )
         ).launch(
             grid=self.scheduler_cls.grid(space),
             block=[self.num_threads, 1, 1],
@@ -391,25 +391,14 @@ class FlashAttentionForwardSm90(Piece):
     # ------------------------------------------------------------------------------------
 
     @cute.kernel
-    def kernel(
-        self,
-        loads: GmemLoads,
-        outputs: Outputs,
-        problem: ProblemShapes,
-        mCounters: Optional[cute.Tensor],
-        mTrace: Optional[cute.Tensor],
-        scalars: Scalars,
-        atoms: TmaAtoms,
-        softmax_scale_log2: Float32,
-        layouts: SmemLayouts,
-        mmas: TiledMmas,
-    ):
+    def kernel(self, params: KernelParams):
         """The skeleton: shared memory and the rings, then the warp roles. The producer
         warpgroup lowers its registers; its loading warps run the producer's loads tile after
         tile (and with an FP8 cache its other warps convert the blocks); the MMA warpgroups
         raise theirs and run the mainloop and the epilogue of each tile the scheduler hands
-        them (a split tile's merge after it). The parameters are the launch's groups
-        (records.py), flattened by the DSL in field order."""
+        them (a split tile's merge after it). params: the launch's groups (records.py)."""
+        loads, outputs, problem, mCounters, mTrace, scalars, atoms = params[:7]
+        softmax_scale_log2, layouts, mmas = params[7:]
         mO, mLSE, mOPartial, mLSEPartial = outputs
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:

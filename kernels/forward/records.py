@@ -112,6 +112,23 @@ class TiledMmas(NamedTuple):
     pv: cute.TiledMma
 
 
+class KernelParams(NamedTuple):
+    """The kernel's parameters: the launch's groups in order, one declaration for the forward
+    kernel and the latent decode kernel (whose mmas are its own); the DSL flattens them in
+    field order."""
+
+    loads: GmemLoads
+    outputs: Outputs
+    problem: ProblemShapes
+    counters: Optional[cute.Tensor]
+    trace: Optional[cute.Tensor]
+    scalars: Scalars
+    atoms: TmaAtoms
+    softmax_scale_log2: Float32
+    layouts: SmemLayouts
+    mmas: object  # TiledMmas (the latent decode kernel's: SeesawMmas)
+
+
 # ----------------------------------------------------------------------------------------
 # What a CTA's warps share on the device
 # ----------------------------------------------------------------------------------------

@@ -29,11 +29,9 @@ from ..forward.kernel import FlashAttentionForwardSm90
 from ..forward.producer import Producer
 from ..forward.records import (
     GmemLoads,
+    KernelParams,
     MmaSetup,
-    Outputs,
-    ProblemShapes,
     QLoad,
-    Scalars,
     TmaAtoms,
 )
 from .loads import BOX, HalfRings, LatentBlockLoads, half_bytes
@@ -126,22 +124,13 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
     # ------------------------------------------------------------------------------------
 
     @cute.kernel
-    def kernel(
-        self,
-        loads: GmemLoads,
-        outputs: Outputs,
-        problem: ProblemShapes,
-        mCounters,
-        mTrace,
-        scalars: Scalars,
-        atoms: TmaAtoms,
-        softmax_scale_log2: Float32,
-        layouts,
-        mmas: SeesawMmas,
-    ):
+    def kernel(self, params: KernelParams):
         """Shared memory and the rings, then the roles: the loading warp (Q, then the key
         blocks' halves in the seesaw's order) and the two MMA warpgroups (the seesaw, the
-        epilogue, a split tile's merge)."""
+        epilogue, a split tile's merge). params: the forward kernel's launch groups, mmas this
+        kernel's SeesawMmas."""
+        loads, outputs, problem, mCounters, _, scalars, atoms = params[:7]
+        softmax_scale_log2, layouts, mmas = params[7:]
         mO, mLSE, mOPartial, mLSEPartial = outputs
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
