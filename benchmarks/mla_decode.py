@@ -53,9 +53,10 @@ def peers(heads, batch, seqlen_q, keys):
     common = dict(cache_seqlens=lens, causal=True)
     v = latent[..., :D_LATENT]
     forward = decode_config(D_LATENT + D_ROPE, "bfloat16", D_LATENT, v_in_k=True)
+    seesaw = seesaw_config()
     steps = {
         "forward": lambda: kvcache(q, latent, v, config=forward, **common),
-        "seesaw": lambda: kvcache(q, latent, v, config=seesaw_config(), **common),
+        "seesaw": lambda: kvcache(q, latent, v, config=seesaw, **common),
     }
     if PAGED:
         pages = keys // PAGE
@@ -63,7 +64,7 @@ def peers(heads, batch, seqlen_q, keys):
         paged = torch.empty(batch * pages, PAGE, 1, D_LATENT + D_ROPE, device="cuda", dtype=BF16)
         paged[table.long()] = latent.view(batch, pages, PAGE, 1, D_LATENT + D_ROPE)
         steps["seesaw p64"] = lambda: kvcache(
-            q, paged, paged[..., :D_LATENT], page_table=table, config=seesaw_config(), **common
+            q, paged, paged[..., :D_LATENT], page_table=table, config=seesaw, **common
         )
     if fa3 is not None:
         q_rope, qv = q[..., D_LATENT:].contiguous(), q[..., :D_LATENT].contiguous()
@@ -72,13 +73,6 @@ def peers(heads, batch, seqlen_q, keys):
             q_rope, k_rope, v_cache, qv=qv, softmax_scale=(D_LATENT + D_ROPE) ** -0.5, **common
         )
     return steps
-
-
-def copy_tbs(nbytes):
-    src = torch.empty(nbytes // 2, device="cuda", dtype=BF16)
-    dst = torch.empty_like(src)
-    replay = {"copy": timing.captured(lambda: dst.copy_(src), STEPS)}
-    return 2 * nbytes / timing.graph_step_rounds_us(replay, STEPS, 1)["copy"] / 1e6
 
 
 def main():
@@ -94,7 +88,7 @@ def main():
         flops = 2 * batch * heads * seqlen_q * keys * (D_LATENT + D_ROPE + D_LATENT)
         replays = {name: timing.captured(fn, STEPS) for name, fn in steps.items()}
         us = timing.graph_step_rounds_us(replays, STEPS, ROUNDS)
-        copy = copy_tbs(cache_bytes)
+        copy = timing.copy_bandwidth_gbs(cache_bytes) / 1e3  # (TB/s, read + write)
         print(f"h={heads} {batch} x {seqlen_q} x {keys} (copy {copy:.2f} TB/s):", flush=True)
         for name, t in us.items():
             print(

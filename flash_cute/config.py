@@ -9,6 +9,7 @@ instruction shapes) with a ValueError saying which limit was broken.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -79,6 +80,7 @@ def wide_config(head_dim: int, head_dim_v: int, v_in_k: bool = False) -> "Attent
     raise ValueError(f"no tile fits head_dim={head_dim}, head_dim_v={head_dim_v}")
 
 
+@functools.cache  # (frozen: one object for every plan that takes it)
 def seesaw_config() -> "AttentionConfig":
     """The absorbed-MLA decode kernel's config (kernels/mla_decode/, AttentionConfig.seesaw):
     the latent's wide config with the seesaw, and the registers of a producer that only issues

@@ -119,6 +119,21 @@ def _row_sum(row: cute.Tensor, ncols: cutlass.Constexpr[int]) -> Float32:
     return (s[0] + s[1]) + (s[2] + s[3])
 
 
+@cute.jit
+def max_or_zero(row_max: Float32) -> Float32:
+    """The max probabilities are taken against: a row with no key yet (max -inf) uses 0, so
+    exp2 gives 0 rather than NaN."""
+    return Float32(0.0) if row_max == -Float32.inf else row_max
+
+
+@cute.jit
+def max_rescale(row_max_prev: Float32, row_max_safe: Float32, scale_log2: Float32) -> Float32:
+    """What a row's O and sum are multiplied by when its max moves from row_max_prev to
+    row_max_safe (max_or_zero of the new one): 0 from a previous max of -inf (nothing to keep;
+    2^(0 - max) could overflow to inf, and 0 * inf is NaN)."""
+    return cute.math.exp2((row_max_prev - row_max_safe) * scale_log2, fastmath=True)
+
+
 @dataclass(frozen=True)
 class OnlineSoftmax:
     """Running row max and (per-thread partial) row sum for the rows a thread owns.
@@ -221,7 +236,7 @@ class OnlineSoftmax:
         ncols = cute.size(row)
         self.row_max[r] = row_max
         # A row masked out so far has max -inf: use 0 so exp2 gives 0, not NaN.
-        row_max_safe = Float32(0.0) if row_max == -Float32.inf else row_max
+        row_max_safe = max_or_zero(row_max)
         max_scaled = row_max_safe * self.scale_log2
         if const_expr(self.max_offset):
             max_scaled = max_scaled - Float32(self.max_offset)
@@ -236,7 +251,7 @@ class OnlineSoftmax:
             row_scale[r] = Float32(1.0)
             self.row_sum[r] = row_sum
         else:
-            scale = cute.math.exp2((row_max_prev - row_max_safe) * self.scale_log2, fastmath=True)
+            scale = max_rescale(row_max_prev, row_max_safe, self.scale_log2)
             row_scale[r] = scale
             self.row_sum[r] = self.row_sum[r] * scale + row_sum
         scores[r, None].store(row.load())

@@ -48,6 +48,16 @@ class TmaBlockLoader:
         )
 
 
+@cute.jit
+def page_of_key(page_table_row: cute.Tensor, key: Int32, page_size: Int32, num_pages: Int32):
+    """The page holding a sequence's key, from its row of the page table: positions past the
+    table's width (only in a last block's masked tail) reuse its last entry, and entries are
+    clamped to the pages there are (a stray one reads a real page)."""
+    last_entry = cute.size(page_table_row) - 1
+    page = page_table_row[cutlass.min(key // page_size, last_entry)]
+    return cutlass.max(cutlass.min(page, num_pages - 1), 0)
+
+
 @dataclass(frozen=True)
 class TmaPagedBlockLoader:
     """Copies key block n of a paged cache into one ring stage as tile_n / box_rows TMA boxes.
@@ -99,12 +109,10 @@ class TmaPagedBlockLoader:
 
     @cute.jit
     def copy(self, n_block: Int32, state: pipeline.PipelineState):
-        last_page = cute.size(self.page_table_row) - 1
         num_pages = cute.size(self.src_boxes, mode=[3])
         for j in cutlass.range_constexpr(self.tile_n // self.box_rows):
             key = n_block * self.tile_n + j * self.box_rows
-            page = self.page_table_row[cutlass.min(key // self.page_size, last_page)]
-            page = cutlass.max(cutlass.min(page, num_pages - 1), 0)
+            page = page_of_key(self.page_table_row, key, self.page_size, num_pages)
             box_in_page = (key % self.page_size) // self.box_rows
             cute.copy(
                 self.atom,

@@ -43,6 +43,30 @@ FP8_P_OFFSET = 8
 Q_ANGLES_AHEAD = 2
 
 
+@cute.jit
+def zero_rows_from(tile: cute.Tensor, first_row: Int32, warpgroup_idx: Int32):
+    """A warpgroup zeroes rows first_row.. of a (rows, cols) smem tile (cols a multiple of 8)
+    in 16-byte pieces, then makes the stores visible to its WGMMAs (its V_TAIL barrier): the V
+    rows past a sequence's last key, which P's zeros would otherwise meet as NaN or inf."""
+    rows = cute.size(tile, mode=[0])
+    pieces_per_row = cute.size(tile, mode=[1]) // 8
+    pieces = cute.zipped_divide(tile, (1, 8))  # ((1, 8), (rows, cols / 8))
+    zeros = cute.make_rmem_tensor((1, 8), tile.element_type)
+    zeros.fill(0.0)
+    wg_thread = cute.arch.thread_idx()[0] % THREADS_PER_WARPGROUP
+    first = cutlass.max(first_row, 0) * pieces_per_row
+    for j in cutlass.range(
+        first + wg_thread, rows * pieces_per_row, THREADS_PER_WARPGROUP, unroll=1
+    ):
+        row = j // pieces_per_row
+        cute.autovec_copy(zeros, pieces[None, (row, j - row * pieces_per_row)])
+    cute.arch.fence_view_async_shared()  # generic-proxy stores -> the WGMMA's reads
+    cute.arch.barrier(
+        barrier_id=int(NamedBarrier.V_TAIL_1) + warpgroup_idx,
+        number_of_threads=THREADS_PER_WARPGROUP,
+    )
+
+
 class Mainloop(Piece):
     """One tile's mainloop (`mma`) and the per-key-block steps it is built from."""
 
@@ -631,27 +655,7 @@ class Mainloop(Piece):
         pieces, then makes the stores visible to its WGMMA. Runs while Q K^T is in flight."""
         valid = ctx.last_block_keys
         if v_block == ctx.last_block and valid < self.config.tile_n:
-            pieces_per_row = self.variant.head_dim_v // 8
-            pieces = cute.zipped_divide(
-                ctx.sV[None, None, stage], (1, 8)
-            )  # ((1, 8), (rows, d / 8))
-            zeros = cute.make_rmem_tensor((1, 8), self.dtype)
-            zeros.fill(0.0)
-            wg_thread = cute.arch.thread_idx()[0] % THREADS_PER_WARPGROUP
-            first = cutlass.max(valid, 0) * pieces_per_row
-            for j in cutlass.range(
-                first + wg_thread,
-                self.config.tile_n * pieces_per_row,
-                THREADS_PER_WARPGROUP,
-                unroll=1,
-            ):
-                row = j // pieces_per_row
-                cute.autovec_copy(zeros, pieces[None, (row, j - row * pieces_per_row)])
-            cute.arch.fence_view_async_shared()  # generic-proxy stores -> the WGMMA's reads
-            cute.arch.barrier(
-                barrier_id=int(NamedBarrier.V_TAIL_1) + ctx.warpgroup_idx,
-                number_of_threads=THREADS_PER_WARPGROUP,
-            )
+            zero_rows_from(ctx.sV[None, None, stage], valid, ctx.warpgroup_idx)
 
     # With v_in_k, V is part of K's stage: the stage stays held from its Q K^T (whose wait
     # covers V) until its P V is done, and is released once, then.

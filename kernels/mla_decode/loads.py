@@ -18,6 +18,7 @@ from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from .. import hopper_mma
+from ..tma_loads import page_of_key
 
 BOX = 64  # keys and columns of one TMA box (a 128-byte swizzle row of 16-bit elements)
 TILES = 9  # boxes across a block's 576 columns
@@ -95,10 +96,8 @@ class LatentBlockLoads:
         rows, page = n_block, None
         if const_expr(self.page_table_row is not None):
             key = n_block * BOX
-            last_entry = cute.size(self.page_table_row) - 1
-            page = self.page_table_row[cutlass.min(key // self.page_size, last_entry)]
             num_pages = cute.size(self.boxes[0][1], mode=[2])
-            page = cutlass.max(cutlass.min(page, num_pages - 1), 0)  # a stray entry reads a page
+            page = page_of_key(self.page_table_row, key, self.page_size, num_pages)
             rows = (key % self.page_size) // BOX
         first, end = HALVES[half]
         for c in cutlass.range_constexpr(first, end):

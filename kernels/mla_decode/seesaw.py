@@ -37,6 +37,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from .. import hopper_mma
 from ..forward.facts import THREADS_PER_WARPGROUP, Piece
+from ..forward.mainloop import zero_rows_from
 from ..forward.records import MmaSetup, TileResult
 from ..masking import AttentionMask
 from ..named_barriers import NamedBarrier
@@ -46,6 +47,8 @@ from ..softmax import (
     _quad_allreduce_max,
     _row_max,
     _row_sum,
+    max_or_zero,
+    max_rescale,
     rescale_rows,
 )
 from ..tile_scheduler import WorkTile
@@ -378,8 +381,7 @@ class Seesaw(Piece):
         scores = hopper_mma.acc_as_rows_cols(acc_S)
         ncols = cute.size(scores, mode=[1])
         for r in cutlass.range_constexpr(softmax.num_rows):
-            m = softmax.row_max[r]
-            m_scaled = (Float32(0.0) if m == -Float32.inf else m) * softmax.scale_log2
+            m_scaled = max_or_zero(softmax.row_max[r]) * softmax.scale_log2
             row = cute.make_rmem_tensor(ncols, Float32)
             for c in cutlass.range_constexpr(ncols):
                 row[c] = cute.math.exp2(scores[r, c] * softmax.scale_log2 - m_scaled, fastmath=True)
@@ -395,20 +397,11 @@ class Seesaw(Piece):
         if const_expr(publish >= 0):
             if ops.writer:
                 buf.sRows[0, publish, ops.rows[r]] = m_new
-        scale = self._exp2_diff(ops, softmax.row_max[r], m_new)
+        scale = max_rescale(softmax.row_max[r], max_or_zero(m_new), ops.scale_log2)
         softmax.row_max[r] = m_new
         if const_expr(rescale_sum):
             softmax.row_sum[r] = softmax.row_sum[r] * scale
         return scale
-
-    @cute.jit
-    def _exp2_diff(self, ops, m_old: Float32, m_new: Float32) -> Float32:
-        """The rescale 2^((m_old - m_new) * scale) of a row whose max moves: 0 from an old max
-        of -inf (no key yet: O and the row sum are 0, and 2^(0 - m_new) could overflow to
-        inf, 0 * inf = NaN, where the new max is below -128 / scale); a new max of -inf counts
-        as 0, as the probabilities are taken against it (OnlineSoftmax's rule)."""
-        new = Float32(0.0) if m_new == -Float32.inf else m_new
-        return cute.math.exp2((m_old - new) * ops.scale_log2, fastmath=True)
 
     @cute.jit
     def _clear_v_tail(self, buf, ops, n_block: Int32, warpgroup_idx: int):
@@ -418,23 +411,8 @@ class Seesaw(Piece):
         readers of those columns are done (its scores) or are this warpgroup."""
         if const_expr(self.clears_v_tail):
             if n_block == ops.last_block and ops.tail_keys < KEYS:
-                pieces_per_row = HALF_V // 8
-                sV_half = cute.local_tile(buf.sV[None, None, 0], (KEYS, HALF_V), (0, warpgroup_idx))
-                pieces = cute.zipped_divide(sV_half, (1, 8))
-                zeros = cute.make_rmem_tensor((1, 8), self.dtype)
-                zeros.fill(0.0)
-                thread = cute.arch.thread_idx()[0] % THREADS_PER_WARPGROUP
-                first = cutlass.max(ops.tail_keys, 0) * pieces_per_row
-                for j in cutlass.range(
-                    first + thread, KEYS * pieces_per_row, THREADS_PER_WARPGROUP, unroll=1
-                ):
-                    row = j // pieces_per_row
-                    cute.autovec_copy(zeros, pieces[None, (row, j - row * pieces_per_row)])
-                cute.arch.fence_view_async_shared()  # generic-proxy stores -> the WGMMA's reads
-                cute.arch.barrier(
-                    barrier_id=int(NamedBarrier.V_TAIL_1) + warpgroup_idx,
-                    number_of_threads=THREADS_PER_WARPGROUP,
-                )
+                half = cute.local_tile(buf.sV[None, None, 0], (KEYS, HALF_V), (0, warpgroup_idx))
+                zero_rows_from(half, ops.tail_keys, warpgroup_idx)
 
     def _arrive(self, barrier: NamedBarrier):
         cute.arch.barrier_arrive(barrier_id=int(barrier), number_of_threads=self.num_mma_threads)
