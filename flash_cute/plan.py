@@ -57,17 +57,16 @@ GATHER_LOOKAHEAD = 16
 # of its 120 us there on an H100.
 MERGE_IN_KERNEL_BYTES = 1 << 20
 KV_LAYOUTS = ("padded", "packed", "paged")
-# Absorbed-MLA decode takes the seesaw kernel (seesaw_routes) unsplit and with tiles for at
-# least this share of a wave. H100, 128 heads, bf16, graph replays beside the forward kernel's
-# latent path: batch 128 x 2 tokens x 4k keys 604 us against 687, 132 x 16k 1287 against 1323,
-# 64 x 8k 338 against 344; split launches mixed (1 x 8k 25.0 against 26.4, 8 x 16k 118.7
-# against 107.6), 16 heads 8-10% slower.
-SEESAW_MIN_WAVE = 0.9
-# Query tokens per sequence the seesaw kernel is routed for (its GPU tests' 1-2).
+# Absorbed-MLA decode takes the seesaw kernel (seesaw_routes) for up to this many query tokens
+# per sequence (its GPU tests' 1-2) and these q heads packed to a tile (its GPU tests' 16, 64
+# and 128 heads per kv head). H100, bf16, graph replays beside the forward kernel's latent path,
+# same process: 128 heads 1 x 8k 24.5 us against 26.8, 8 x 16k (split) 102.2 against 109.0,
+# 64 x 8k 270.0 against 331.9, 128 x 2 x 4k 511.6 against 660.8, 132 x 16k 1112 against 1283;
+# 16 heads 16 x 32k 213.6 against 215.3, 64 x 8k 210.7 against 212.7.
 SEESAW_MAX_TOKENS = 2
-# Whether the plan routes by seesaw_routes: off until the kernel's code of the row-rescale fix
-# (its first rescale 0, not 2^-max, from no key: no 0 * inf) has run its GPU tests.
-SEESAW_ROUTING = False
+SEESAW_PACK_RATIOS = (16, 64)
+# Whether the plan routes by seesaw_routes (off: the forward kernel's latent path, for A/B).
+SEESAW_ROUTING = True
 
 
 @dataclass(frozen=True)
@@ -567,11 +566,7 @@ def plan_forward(
             num_splits = min(num_splits, combine_launch_split_cap(n_blocks))
     if problem.kv_capacity == 0:  # no keys: nothing for a kernel (or TMA) to read
         return ForwardPlan(None, num_splits, max_ctas, 0)
-    if (
-        SEESAW_ROUTING
-        and caller_config is None
-        and seesaw_routes(problem, num_splits, num_sms, pack_ratio)
-    ):
+    if SEESAW_ROUTING and caller_config is None and seesaw_routes(problem, pack_ratio):
         config = seesaw_config()  # (the latent config's tiles: the split count stands)
     split = num_splits > 1
     page_box_rows, gather_page_size = _page_loads(problem, config)
@@ -612,22 +607,16 @@ def plan_forward(
     return ForwardPlan(variant, num_splits, max_ctas, num_counters, trace_slots)
 
 
-def seesaw_routes(problem: Problem, num_splits: int, num_sms: int, pack_ratio: int) -> bool:
+def seesaw_routes(problem: Problem, pack_ratio: int) -> bool:
     """Whether absorbed-MLA decode takes the seesaw kernel (kernels/mla_decode/) rather than
     the forward kernel's latent path: a shape it serves (CallShape.seesaw_problem; pages of a
-    multiple of 64 keys), tiles of 64 packed q heads (a multiple of 64 per kv head), at most
-    SEESAW_MAX_TOKENS query tokens, unsplit, with tiles for at least SEESAW_MIN_WAVE of a
-    wave: where it measured at least as fast."""
+    multiple of 64 keys), at most SEESAW_MAX_TOKENS query tokens, q heads packed to a tile as
+    SEESAW_PACK_RATIOS: where it measured at least as fast, split or not."""
     if problem.seesaw_problem() is not None or _tracing:
         return False
     if problem.kv_layout == "paged" and problem.page_size % 64:
         return False
-    return (
-        pack_ratio == 64
-        and problem.max_seqlen_q <= SEESAW_MAX_TOKENS
-        and num_splits == 1
-        and padded_tiles(problem, 64, pack_ratio) >= SEESAW_MIN_WAVE * num_sms
-    )
+    return pack_ratio in SEESAW_PACK_RATIOS and problem.max_seqlen_q <= SEESAW_MAX_TOKENS
 
 
 def serves_fp8_math(problem: Problem) -> bool:

@@ -116,14 +116,11 @@ def test_dtypes_masks_and_graph_replay(dtype, causal):
 
 
 @pytest.mark.parametrize("qv", [False, True], ids=["latent", "qv"])
-def test_api_routes_unsplit_latent_decode_here(qv, monkeypatch):
-    """flash_attn_with_kvcache at a shape the plan sends to this kernel (128 heads, unsplit,
-    tiles for most of a wave: plan.seesaw_routes, routing on), against the reference."""
+def test_api_routes_latent_decode_here(qv):
+    """flash_attn_with_kvcache at a shape the plan sends to this kernel (128 heads, one token:
+    plan.seesaw_routes), against the reference."""
     import flash_cute
-    from flash_cute import plan
     from flash_cute.runtime import KVCACHE_PLANS
-
-    monkeypatch.setattr(plan, "SEESAW_ROUTING", True)
 
     batch, keys = num_sms(0), 320
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("seesaw-api", qv))
@@ -148,7 +145,7 @@ def test_api_routes_unsplit_latent_decode_here(qv, monkeypatch):
         )
         ref_q, ref_k, v_pad = q, k_pad, k_pad[..., :DV]
     assert [p.variant.config.seesaw for p in KVCACHE_PLANS.values()] == [True]
-    KVCACHE_PLANS.clear()  # (planned with the routing on)
+    KVCACHE_PLANS.clear()
     refs, lowps, lse_refs = cache_reference(ref_q, ref_k, v_pad, lens.tolist(), True)
     assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
 

@@ -548,31 +548,35 @@ def _latent_decode(batch, nheads, seqlen_q, keys, page_size=64, qv=False, **flag
 @pytest.mark.parametrize(
     "problem, seesaw",
     [
-        # Unsplit, whole 64-row tiles for most of a wave: the seesaw kernel.
+        # 16, 64 or 128 heads per kv head, 1-2 tokens, split or not: the seesaw kernel.
         (_latent_decode(64, 128, 1, 8192), True),
         (_latent_decode(128, 128, 2, 4096), True),
         (_latent_decode(132, 128, 1, 16384, page_size=None), True),
         (_latent_decode(64, 128, 1, 8192, qv=True), True),
         (_latent_decode(64, 128, 1, 8192, page_size=128), True),
-        # Split launches, partial tiles, pages no whole-block TMA box follows, unserved forms.
-        (_latent_decode(8, 128, 1, 16384), False),
-        (_latent_decode(64, 16, 1, 8192), False),
+        (_latent_decode(8, 128, 1, 16384), True),
+        (_latent_decode(1, 128, 1, 8192), True),
+        (_latent_decode(64, 16, 1, 8192), True),
+        (_latent_decode(16, 64, 2, 8192), True),
+        # Pages no whole-block TMA box follows, unserved forms.
         (_latent_decode(64, 128, 1, 8192, page_size=16), False),
         (_latent_decode(64, 128, 1, 8192, window_left=1024), False),
         (_latent_decode(64, 128, 1, 8192, seqused_k=False), False),
-        # 96 heads pack 32 to a tile (rows half empty); more query tokens than tested.
+        # 96 heads pack 32 to a tile, 8 heads 8; more query tokens than tested.
         (_latent_decode(132, 96, 1, 8192), False),
+        (_latent_decode(64, 8, 1, 8192), False),
         (_latent_decode(64, 128, 4, 8192), False),
     ],
 )
 def test_absorbed_mla_decode_takes_the_seesaw_kernel_where_it_wins(problem, seesaw, monkeypatch):
     from flash_cute import plan as plan_module
 
-    assert not plan_forward(problem, 132, num_splits=0).variant.config.seesaw  # (routing off)
-    monkeypatch.setattr(plan_module, "SEESAW_ROUTING", True)
     plan = plan_forward(problem, 132, num_splits=0)
     assert plan.variant.config.seesaw == seesaw
-    assert (plan.num_splits == 1) or not seesaw
+    # The switch off: the forward kernel's latent path, with the same split count.
+    monkeypatch.setattr(plan_module, "SEESAW_ROUTING", False)
+    off = plan_forward(problem, 132, num_splits=0)
+    assert not off.variant.config.seesaw and off.num_splits == plan.num_splits
     # A caller's config is taken as it is.
     assert not plan_forward(problem, 132, AttentionConfig(64, 64, pingpong=False, o_split=2,
         store_o_from_registers=True, pv_from_registers=False, split_scores=True,

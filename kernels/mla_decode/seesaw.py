@@ -196,15 +196,17 @@ class Seesaw(Piece):
     ):
         """Warpgroup 0's part of the pair (n_block, n_block - 1): block a's scores, its P V on
         O_L, P_a for warpgroup 1, and (has_b) block b's P V on O_L, left in flight. after_pair:
-        the last step's P V on buffer 1 is in flight: once done (while the scores run), its
-        left half is free."""
+        the last pair's P V on buffer 1 is in flight: its left half is freed as soon as that
+        is done, before the scores wait for buffer 0 (warpgroup 1's next scores wait for
+        that half's refill, so freeing it after this block's scores were issued put buffer
+        0's load latency on warpgroup 1's path too: 285 -> 267 us at 64 x 8k, H100)."""
         rings = buf.rings
-        # Buffer 0's left half was freed first (its last reader was this warpgroup's P V).
-        acc_S = self._scores(mmas, ops, 0, (rings.left0, rings.right0), (LEFT, RIGHT), state)
         if const_expr(has_b):
             if after_pair:
-                warpgroup.wait_group(1)
+                warpgroup.wait_group(0)
                 rings.left1.consumer_release(state)  # (one stage: any state's index)
+        # Buffer 0's left half was freed first (its last reader was this warpgroup's P V).
+        acc_S = self._scores(mmas, ops, 0, (rings.left0, rings.right0), (LEFT, RIGHT), state)
         warpgroup.wait_group(0)
         rings.right0.consumer_release(state)
         self._mask(ops, acc_S, n_block)
