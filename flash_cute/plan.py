@@ -54,8 +54,12 @@ GATHER_LOOKAHEAD = 16
 # over the GPU, merges them after the launch (varlen launches, which the combine kernel cannot
 # take, are split at most this far instead). One CTA reads partials at ~0.1 TB/s (latency-
 # bound), so 1 MiB is ~10 us: absorbed MLA at batch 1 (61 splits of 64 rows x 512) spent ~110
-# of its 120 us there on an H100.
+# of its 120 us there on an H100. V head dims above COMBINE_ALWAYS_ABOVE_DV take the combine
+# kernel at any split count: absorbed MLA (dv 512), 128 heads 8 x 16k keys in 8 splits (1 MiB
+# of partials a tile, merged in the kernel) took 100.5 us against 77.7 with the combine
+# kernel, 16 heads 16 x 32k 211.7 against 207.8 (H100, the seesaw kernel).
 MERGE_IN_KERNEL_BYTES = 1 << 20
+COMBINE_ALWAYS_ABOVE_DV = 256
 KV_LAYOUTS = ("padded", "packed", "paged")
 # Absorbed-MLA decode takes the seesaw kernel (seesaw_routes) for up to this many query tokens
 # per sequence (its GPU tests' 1-2) and these q heads packed to a tile (its GPU tests' 16, 64
@@ -562,7 +566,7 @@ def plan_forward(
         )
         if problem.varlen_q:  # merged in the kernel: at most MERGE_IN_KERNEL_BYTES per tile
             num_splits = max(1, min(num_splits, MERGE_IN_KERNEL_BYTES // split_bytes))
-        elif num_splits * split_bytes > MERGE_IN_KERNEL_BYTES and problem.head_dim_v > 256:
+        elif problem.head_dim_v > COMBINE_ALWAYS_ABOVE_DV:  # (merged by the combine kernel)
             num_splits = min(num_splits, combine_launch_split_cap(n_blocks))
     if problem.kv_capacity == 0:  # no keys: nothing for a kernel (or TMA) to read
         return ForwardPlan(None, num_splits, max_ctas, 0)
@@ -591,7 +595,10 @@ def plan_forward(
         gather_page_size=gather_page_size,
         split=split,
         combine_launch=split
-        and num_splits * split_bytes > MERGE_IN_KERNEL_BYTES
+        and (
+            num_splits * split_bytes > MERGE_IN_KERNEL_BYTES
+            or problem.head_dim_v > COMBINE_ALWAYS_ABOVE_DV
+        )
         and not problem.varlen_q,
         pack_gqa_ratio=pack_ratio,
     )

@@ -119,6 +119,20 @@ CASES = {
         # The wave rule's 61 splits, capped at 2 sqrt(64 key blocks): 16 x 64 rows x 512 fp32.
         dict(num_splits=16, num_counters=0),
     ),
+    "absorbed MLA, batch 8: 8 splits of 1 MiB of partials a tile, still the combine kernel's": (
+        decode(
+            batch=8,
+            nheads=128,
+            nheads_kv=1,
+            head_dim=576,
+            head_dim_v=512,
+            v_in_k=True,
+            keys=16384,
+        ),  # fmt: skip
+        dict(num_splits=0),
+        dict(split=True, combine_launch=True, pack_gqa_ratio=64, v_in_k=True),
+        dict(num_splits=8, num_counters=0),
+    ),
     "the same, varlen: merged in the kernel, so split at most 1 MiB of partials per tile": (
         decode(
             nheads=128,

@@ -80,8 +80,8 @@ def test_o_split_prefill(head_dims, tile_n, causal, seqlens, scores):
 def test_absorbed_mla_decode(seqlen_q, nheads, page_size, num_splits, scores):
     """q (batch, seqlen_q, nheads, 576) against one latent head of 576 whose first 512 dims are
     V (v = k_cache[..., :512], a view): FlashMLA's form of DeepSeek's decode. num_splits 0: the
-    heuristic's 9 splits (its cap for wide partials, 2 sqrt(24 key blocks)), whose partials
-    (64 rows) the combine kernel merges."""
+    heuristic's 9 splits (its cap for wide partials, 2 sqrt(24 key blocks)); a split launch's
+    partials (V 512 wide) are merged by the combine kernel (plan.COMBINE_ALWAYS_ABOVE_DV)."""
     d, dv, batch, capacity = 576, 512, 3, 1500
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla", seqlen_q, page_size))
     k_cache, _, page_table, k_pad, _ = make_cache(batch, capacity, 1, d, BF16, page_size, gen)
@@ -98,7 +98,7 @@ def test_absorbed_mla_decode(seqlen_q, nheads, page_size, num_splits, scores):
         True, seqused_k=lens, page_table=page_table,
     )  # fmt: skip
     assert variant.v_in_k and variant.pack_gqa_ratio == min(nheads, 64)
-    assert variant.combine_launch == (num_splits == 0 and nheads * seqlen_q >= 64)
+    assert variant.combine_launch == variant.split
     refs, lowps, lse_refs = cache_reference(q, k_pad, v_pad, lens.tolist(), True)
     assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
 
@@ -145,7 +145,7 @@ def test_absorbed_mla_qv_form(seqlen_q, nheads, page_size, num_splits, scores):
         problem, AttentionConfig(64, 64, **SCORES[scores]), q, k_cache, v_cache, num_splits,
         True, seqused_k=lens, page_table=page_table, qv=qv,
     )  # fmt: skip
-    assert variant.qv and variant.v_in_k and variant.combine_launch == (num_splits == 0)
+    assert variant.qv and variant.v_in_k and variant.combine_launch == variant.split
     # The same attention with q' = [qv, q] against k' = [v, k].
     q_all, k_all = torch.cat([qv, q], -1), torch.cat([v_pad, k_pad], -1)
     refs, lowps, lse_refs = cache_reference(q_all, k_all, v_pad, lens.tolist(), True)
