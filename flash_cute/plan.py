@@ -54,21 +54,22 @@ GATHER_LOOKAHEAD = 16
 # over the GPU, merges them after the launch (varlen launches, which the combine kernel cannot
 # take, are split at most this far instead). One CTA reads partials at ~0.1 TB/s (latency-
 # bound), so 1 MiB is ~10 us: absorbed MLA at batch 1 (61 splits of 64 rows x 512) spent ~110
-# of its 120 us there on an H100. V head dims above COMBINE_ALWAYS_ABOVE_DV take the combine
-# kernel at any split count: absorbed MLA (dv 512), 128 heads 8 x 16k keys in 8 splits (1 MiB
-# of partials a tile, merged in the kernel) took 100.5 us against 77.7 with the combine
-# kernel, 16 heads 16 x 32k 211.7 against 207.8 (H100, the seesaw kernel).
+# of its 120 us there on an H100. Wide partials (V above 256 wide, a tile's partial at least
+# WIDE_PARTIAL_BYTES: absorbed MLA's 16-64 rows of 512) take the combine kernel at any split
+# count: 128 heads 8 x 16k keys in 8 splits (1 MiB of partials a tile, merged in the kernel)
+# took 100.5 us against 77.7 with the combine kernel (H100, the seesaw kernel; 16 heads 16 x
+# 32k 211.7 against 207.8, separate processes, within their noise). Narrower partials (head
+# dim 512 with a few q heads per kv head) keep the in-kernel merge they were measured with.
 MERGE_IN_KERNEL_BYTES = 1 << 20
-COMBINE_ALWAYS_ABOVE_DV = 256
+WIDE_PARTIAL_BYTES = 16 * 512 * 4
 KV_LAYOUTS = ("padded", "packed", "paged")
-# Absorbed-MLA decode takes the seesaw kernel (seesaw_routes) for up to this many query tokens
-# per sequence (its GPU tests' 1-2) and these q heads packed to a tile (its GPU tests' 16, 64
-# and 128 heads per kv head). H100, bf16, graph replays beside the forward kernel's latent path,
-# same process: 128 heads 1 x 8k 24.5 us against 26.8, 8 x 16k (split) 102.2 against 109.0,
-# 64 x 8k 270.0 against 331.9, 128 x 2 x 4k 511.6 against 660.8, 132 x 16k 1112 against 1283;
-# 16 heads 16 x 32k 213.6 against 215.3, 64 x 8k 210.7 against 212.7.
-SEESAW_MAX_TOKENS = 2
-SEESAW_PACK_RATIOS = (16, 64)
+# Absorbed-MLA decode takes the seesaw kernel (seesaw_routes) for these q heads on one latent
+# head and up to this many query tokens: the shapes its GPU tests cover. H100, bf16, graph
+# replays beside the forward kernel's latent path, same process (2fdb219, BENCHMARKS.md): 128
+# heads 1 x 8k 25.0 us against 27.3, 8 x 16k (split) 78.9 against 87.2, 64 x 8k 265.4 against
+# 322.7, 128 x 2 x 4k 502.4 against 633.7, 132 x 16k 1064 against 1314; 16 heads 16 x 32k
+# 207.9 against 210.0, 64 x 8k 207.0 against 210.6.
+SEESAW_MAX_TOKENS = {16: 1, 64: 2, 128: 2}
 # Whether the plan routes by seesaw_routes (off: the forward kernel's latent path, for A/B).
 SEESAW_ROUTING = True
 
@@ -566,11 +567,11 @@ def plan_forward(
         )
         if problem.varlen_q:  # merged in the kernel: at most MERGE_IN_KERNEL_BYTES per tile
             num_splits = max(1, min(num_splits, MERGE_IN_KERNEL_BYTES // split_bytes))
-        elif problem.head_dim_v > COMBINE_ALWAYS_ABOVE_DV:  # (merged by the combine kernel)
+        elif problem.head_dim_v > 256 and _combine_merges(problem, num_splits, split_bytes):
             num_splits = min(num_splits, combine_launch_split_cap(n_blocks))
     if problem.kv_capacity == 0:  # no keys: nothing for a kernel (or TMA) to read
         return ForwardPlan(None, num_splits, max_ctas, 0)
-    if SEESAW_ROUTING and caller_config is None and seesaw_routes(problem, pack_ratio):
+    if SEESAW_ROUTING and caller_config is None and seesaw_routes(problem):
         config = seesaw_config()  # (the latent config's tiles: the split count stands)
     split = num_splits > 1
     page_box_rows, gather_page_size = _page_loads(problem, config)
@@ -594,12 +595,7 @@ def plan_forward(
         page_box_rows=page_box_rows,
         gather_page_size=gather_page_size,
         split=split,
-        combine_launch=split
-        and (
-            num_splits * split_bytes > MERGE_IN_KERNEL_BYTES
-            or problem.head_dim_v > COMBINE_ALWAYS_ABOVE_DV
-        )
-        and not problem.varlen_q,
+        combine_launch=split and _combine_merges(problem, num_splits, split_bytes),
         pack_gqa_ratio=pack_ratio,
     )
     if variant.uses_tile_counter:
@@ -614,16 +610,29 @@ def plan_forward(
     return ForwardPlan(variant, num_splits, max_ctas, num_counters, trace_slots)
 
 
-def seesaw_routes(problem: Problem, pack_ratio: int) -> bool:
+def _combine_merges(problem: Problem, num_splits: int, split_bytes: int) -> bool:
+    """Whether a launch of num_splits splits (split_bytes of fp32 partial per split of a tile)
+    leaves the merge to the combine kernel rather than to each tile's last split: above
+    MERGE_IN_KERNEL_BYTES of partials a tile, or wide partials (WIDE_PARTIAL_BYTES); never for
+    varlen queries, which the combine kernel cannot take."""
+    if problem.varlen_q or num_splits <= 1:
+        return False
+    wide = problem.head_dim_v > 256 and split_bytes >= WIDE_PARTIAL_BYTES
+    return wide or num_splits * split_bytes > MERGE_IN_KERNEL_BYTES
+
+
+def seesaw_routes(problem: Problem) -> bool:
     """Whether absorbed-MLA decode takes the seesaw kernel (kernels/mla_decode/) rather than
     the forward kernel's latent path: a shape it serves (CallShape.seesaw_problem; pages of a
-    multiple of 64 keys), at most SEESAW_MAX_TOKENS query tokens, q heads packed to a tile as
-    SEESAW_PACK_RATIOS: where it measured at least as fast, split or not."""
+    multiple of 64 keys) with the q heads and tokens its GPU tests cover (SEESAW_MAX_TOKENS:
+    16 heads one token, 64 or 128 heads up to two, on one latent head), where it measured at
+    least as fast, split or not."""
     if problem.seesaw_problem() is not None or _tracing:
         return False
     if problem.kv_layout == "paged" and problem.page_size % 64:
         return False
-    return pack_ratio in SEESAW_PACK_RATIOS and problem.max_seqlen_q <= SEESAW_MAX_TOKENS
+    max_tokens = SEESAW_MAX_TOKENS.get(problem.nheads) if problem.nheads_kv == 1 else None
+    return max_tokens is not None and problem.max_seqlen_q <= max_tokens
 
 
 def serves_fp8_math(problem: Problem) -> bool:

@@ -133,6 +133,12 @@ CASES = {
         dict(split=True, combine_launch=True, pack_gqa_ratio=64, v_in_k=True),
         dict(num_splits=8, num_counters=0),
     ),
+    "head dim 512, 2 q heads per kv head: narrow partials (2 rows), merged in the kernel": (
+        decode(batch=8, nheads=8, nheads_kv=4, head_dim=512, keys=8192),
+        dict(num_splits=0),
+        dict(split=True, combine_launch=False, pack_gqa_ratio=2),
+        dict(num_splits=4),
+    ),
     "the same, varlen: merged in the kernel, so split at most 1 MiB of partials per tile": (
         decode(
             nheads=128,
@@ -562,7 +568,7 @@ def _latent_decode(batch, nheads, seqlen_q, keys, page_size=64, qv=False, **flag
 @pytest.mark.parametrize(
     "problem, seesaw",
     [
-        # 16, 64 or 128 heads per kv head, 1-2 tokens, split or not: the seesaw kernel.
+        # 16 heads and 1 token, 64 or 128 heads and 1-2 tokens, split or not: the seesaw kernel.
         (_latent_decode(64, 128, 1, 8192), True),
         (_latent_decode(128, 128, 2, 4096), True),
         (_latent_decode(132, 128, 1, 16384, page_size=None), True),
@@ -576,9 +582,12 @@ def _latent_decode(batch, nheads, seqlen_q, keys, page_size=64, qv=False, **flag
         (_latent_decode(64, 128, 1, 8192, page_size=16), False),
         (_latent_decode(64, 128, 1, 8192, window_left=1024), False),
         (_latent_decode(64, 128, 1, 8192, seqused_k=False), False),
-        # 96 heads pack 32 to a tile, 8 heads 8; more query tokens than tested.
+        # Heads and tokens its GPU tests do not cover: 96 heads (32 to a tile), 8, 256; 16
+        # heads with 2 tokens, 128 with 4.
         (_latent_decode(132, 96, 1, 8192), False),
         (_latent_decode(64, 8, 1, 8192), False),
+        (_latent_decode(16, 256, 1, 8192), False),
+        (_latent_decode(64, 16, 2, 8192), False),
         (_latent_decode(64, 128, 4, 8192), False),
     ],
 )

@@ -81,7 +81,7 @@ def test_absorbed_mla_decode(seqlen_q, nheads, page_size, num_splits, scores):
     """q (batch, seqlen_q, nheads, 576) against one latent head of 576 whose first 512 dims are
     V (v = k_cache[..., :512], a view): FlashMLA's form of DeepSeek's decode. num_splits 0: the
     heuristic's 9 splits (its cap for wide partials, 2 sqrt(24 key blocks)); a split launch's
-    partials (V 512 wide) are merged by the combine kernel (plan.COMBINE_ALWAYS_ABOVE_DV)."""
+    partials (16-64 rows of V 512 wide: plan.WIDE_PARTIAL_BYTES) go to the combine kernel."""
     d, dv, batch, capacity = 576, 512, 3, 1500
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla", seqlen_q, page_size))
     k_cache, _, page_table, k_pad, _ = make_cache(batch, capacity, 1, d, BF16, page_size, gen)

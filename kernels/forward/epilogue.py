@@ -1,7 +1,7 @@
 """The MMA warpgroups' last step of a tile: O and the LSE out, through shared memory and one
 TMA store or straight from registers; a split tile's partials, and the merge of a tile's splits
 by the last of them to finish (in the kernel, so a split launch needs no combine kernel unless
-its partials are too wide for one CTA: plan.MERGE_IN_KERNEL_BYTES).
+its partials are too large or too wide for one CTA: plan._combine_merges).
 """
 
 from typing import Optional
