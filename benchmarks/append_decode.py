@@ -16,11 +16,7 @@ import torch
 from flash_cute import flash_attn_interface as ours
 from flash_cute import timing
 
-try:
-    import fa3_fwd_interface as fa3
-except ImportError as e:
-    fa3 = None
-    print("no FlashAttention-3:", e)
+fa3 = timing.optional_fa3()
 
 BF16 = torch.bfloat16
 ROUNDS = int(os.environ.get("ROUNDS", "5"))

@@ -21,11 +21,7 @@ import torch
 import flash_cute
 from flash_cute import bench, timing
 
-try:
-    import fa3_fwd_interface as fa3
-except ImportError as e:
-    fa3 = None
-    print("no FlashAttention-3:", e)
+fa3 = timing.optional_fa3()
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 ROUNDS = int(os.environ.get("ROUNDS", "5"))

@@ -24,13 +24,9 @@ from flash_cute import bench, forward, plan, runtime
 from flash_cute.call import Call
 from flash_cute.reference import attention_ref
 from flash_cute.runtime import FUNC_PLANS
-from flash_cute.timing import time_cuda
+from flash_cute.timing import optional_fa3, time_cuda
 
-try:
-    import fa3_fwd_interface as fa3
-except ImportError as e:
-    fa3 = None
-    print("no FlashAttention-3:", e)
+fa3 = optional_fa3()
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 DIMS = [int(d) for d in os.environ.get("DIMS", "64,128,256").split(",")]

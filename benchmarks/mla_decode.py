@@ -21,11 +21,7 @@ import flash_cute
 from flash_cute import timing
 from flash_cute.config import decode_config, seesaw_config
 
-try:
-    import fa3_fwd_interface as fa3
-except ImportError as e:
-    fa3 = None
-    print("no FlashAttention-3:", e)
+fa3 = timing.optional_fa3()
 
 BF16 = torch.bfloat16
 ROUNDS = int(os.environ.get("ROUNDS", "5"))

@@ -140,6 +140,17 @@ def captured(fn: Callable[[], object], calls: int = 20) -> Callable[[], None]:
     return graph.replay
 
 
+def optional_fa3():
+    """FlashAttention-3's own forward (the fa3-fwd wheel's `fa3_fwd_interface`), the benchmarks'
+    peer, or None where it is not installed (said once, on stdout)."""
+    try:
+        import fa3_fwd_interface
+    except ImportError as e:
+        print("no FlashAttention-3:", e)
+        return None
+    return fa3_fwd_interface
+
+
 def env_points(points: list, var: str = "POINTS") -> list:
     """The benchmark points an environment variable picks by index (POINTS=0,2), or all."""
     picked = os.environ.get(var)
