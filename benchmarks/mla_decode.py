@@ -3,7 +3,9 @@ head whose first 512 dims are V): the latent decode kernel (AttentionConfig.sees
 kernels/mla_decode/) beside the forward kernel's latent path (its decode row) and
 FlashAttention-3's qv form (fa3_fwd_interface: q 64 + qv 512 against k_cache 64 + v_cache
 512, contiguous), in one process, rounds interleaved, CUDA-graph replays of STEPS steps.
-bf16, causal, every sequence `keys` long, the split count each library picks.
+bf16, causal, every sequence `keys` long, the split count each library picks. "fp8": the
+latent decode kernel on the same cache in float8_e4m3fn (per-tensor descales), whose speed is
+also given against the bf16 cache's (its bytes: half).
 
 Prints per point each peer's median of ROUNDS rounds: us, TFLOP/s with FLOPs = 2 * batch *
 nheads * q tokens * keys * (576 + 512), the cache's TB/s (576 x 2 bytes per key and sequence)
@@ -27,6 +29,7 @@ BF16 = torch.bfloat16
 ROUNDS = int(os.environ.get("ROUNDS", "5"))
 PAGED = os.environ.get("PAGED", "1") == "1"
 STEPS = 10  # decode calls per graph
+FP8_PAIRS = (("fp8", "seesaw"), ("fp8 p64", "seesaw p64"))  # (FP8 cache, its bf16 peer)
 D_LATENT, D_ROPE, PAGE = 512, 64, 64
 # (heads, batch, q tokens, keys): the issue's table.
 POINTS = [
@@ -62,6 +65,15 @@ def peers(heads, batch, seqlen_q, keys):
         steps["seesaw p64"] = lambda: kvcache(
             q, paged, paged[..., :D_LATENT], page_table=table, config=seesaw, **common
         )
+    descale = torch.ones(batch, 1, device="cuda")
+    fp8 = dict(k_descale=descale, v_descale=descale, **common)
+    latent8 = latent.to(torch.float8_e4m3fn)
+    steps["fp8"] = lambda: kvcache(q, latent8, latent8[..., :D_LATENT], **fp8)
+    if PAGED:
+        paged8 = paged.to(torch.float8_e4m3fn)
+        steps["fp8 p64"] = lambda: kvcache(
+            q, paged8, paged8[..., :D_LATENT], page_table=table, **fp8
+        )
     if fa3 is not None:
         q_rope, qv = q[..., D_LATENT:].contiguous(), q[..., :D_LATENT].contiguous()
         k_rope, v_cache = latent[..., D_LATENT:].contiguous(), v.contiguous()
@@ -93,6 +105,11 @@ def main():
                 f"copy)  max|diff| {diffs[name]:.1e}",
                 flush=True,
             )
+        print(
+            "  fp8 vs bf16: "
+            + ", ".join(f"{n} {us[b] / us[n]:.2f}x" for n, b in FP8_PAIRS if n in us),
+            flush=True,
+        )
         if "FA3 qv" in us:
             print(
                 "  vs FA3 qv: "

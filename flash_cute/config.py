@@ -81,12 +81,15 @@ def wide_config(head_dim: int, head_dim_v: int, v_in_k: bool = False) -> "Attent
 
 
 @functools.cache  # (frozen: one object for every plan that takes it)
-def seesaw_config() -> "AttentionConfig":
+def seesaw_config(kv_fp8: bool = False) -> "AttentionConfig":
     """The absorbed-MLA decode kernel's config (kernels/mla_decode/, AttentionConfig.seesaw):
     the latent's wide config with the seesaw, and the registers of a producer that only issues
-    TMA (24) beside MMA warps holding half of O, a block's scores, P and Q's rope part (240)."""
+    TMA (24) beside MMA warps holding half of O, a block's scores, P and Q's rope part (240).
+    kv_fp8: an FP8 latent cache, whose producer warpgroup also converts (72; the MMA warps
+    216)."""
+    producer, mma = (72, 216) if kv_fp8 else (24, 240)
     return wide_config(576, 512, v_in_k=True).replace(
-        seesaw=True, producer_registers=24, mma_registers=240
+        seesaw=True, producer_registers=producer, mma_registers=mma
     )
 
 

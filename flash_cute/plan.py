@@ -145,7 +145,8 @@ class CallShape:
     def seesaw_problem(self) -> Optional[str]:
         """Why the absorbed-MLA decode kernel (kernels/mla_decode/, AttentionConfig.seesaw)
         cannot serve this shape, or None: it serves the latent (576 wide, V its first 512
-        columns) or qv form, 16-bit, over a padded or paged cache with per-sequence lengths
+        columns) or qv form (16-bit; the latent form's cache also FP8), over a padded or paged
+        cache with per-sequence lengths
         (seqused_k), padded queries, plain or causal (the cache's layout is checked where its
         page size is known)."""
         if not ((self.v_in_k or self.qv) and (self.head_dim, self.head_dim_v) == (576, 512)):
@@ -160,7 +161,6 @@ class CallShape:
                 "leftpad_k",
                 "softcap",
                 "learnable_sink",
-                "kv_dtype",
                 "q_dtype",
                 "after_append",
             )
@@ -168,6 +168,8 @@ class CallShape:
         ]
         if self.window_left >= 0 or self.window_right >= 0 or self.attention_chunk:
             unserved.append("local window or chunk")
+        if self.kv_dtype is not None and self.qv:
+            unserved.append("an FP8 cache in the qv form")
         return f"not served: {', '.join(unserved)}" if unserved else None
 
 
@@ -254,12 +256,13 @@ class ForwardVariant(CallShape):
             problems.append("page_box_rows must divide tile_n and be a multiple of 16")
         if self.kv_dtype is not None and (
             self.kv_dtype != "float8_e4m3fn"
-            or self.v_in_k
+            or (self.v_in_k and not c.seesaw)
             or (self.q_dtype is None and c.scheduler != "single_tile")
         ):
             problems.append(
-                "an FP8 (float8_e4m3fn) K/V cache runs on separate K and V stages (no v_in_k), "
-                "one CTA per tile (scheduler 'single_tile') unless q is FP8 too"
+                "an FP8 (float8_e4m3fn) K/V cache runs on separate K and V stages (v_in_k: "
+                "only in the seesaw kernel), one CTA per tile (scheduler 'single_tile') unless "
+                "q is FP8 too"
             )
         elif self.q_dtype is not None and not (
             self.q_dtype == self.kv_dtype
@@ -277,7 +280,7 @@ class ForwardVariant(CallShape):
                 "2^8 (rescale_threshold 0), O from registers, one warpgroup per 64 rows, tile_n "
                 "and both head dims multiples of 32"
             )
-        elif self.kv_dtype is not None and self._fp8_smem_bytes() > c.smem_limit():
+        elif self.kv_dtype is not None and not c.seesaw and self._fp8_smem_bytes() > c.smem_limit():
             problems.append(
                 f"with an FP8 cache (FP8 rings, and fp16 or V^T rings) the config needs "
                 f"{self._fp8_smem_bytes()} bytes of shared memory, more than "
@@ -525,6 +528,16 @@ def plan_forward(
                 problem.head_dim_v,
                 problem.v_in_k or problem.qv,
             )
+    fp8_latent = problem.kv_dtype is not None and (problem.v_in_k or problem.qv)
+    if fp8_latent and not (caller_config.seesaw if caller_config else routes_seesaw(problem)):
+        raise NotImplementedError(
+            f"an FP8 latent cache (absorbed MLA, kv_dtype {problem.kv_dtype}) is read by the "
+            "latent decode kernel only: the latent form (v a view of k's first 512 of 576 "
+            "columns), padded or paged (pages of a multiple of 64) caches with cache_seqlens, "
+            f"q heads per latent head and tokens up to {SEESAW_MAX_TOKENS}; got "
+            f"{problem.nheads} q heads on {problem.nheads_kv} kv heads, "
+            f"{problem.max_seqlen_q} tokens ({problem.seesaw_problem() or 'shape not routed'})"
+        )
     fp8_math = caller_config is None and serves_fp8_math(problem)
     if fp8_math:
         config = fp8_math_config(
@@ -534,7 +547,7 @@ def plan_forward(
             decode_like=decode_like,
             causal=bool(causal or local),
         )
-    elif problem.kv_dtype is not None and caller_config is None:
+    elif problem.kv_dtype is not None and caller_config is None and not fp8_latent:
         config = fp8_kv_config(config, problem.head_dim, problem.head_dim_v)
     if _tracing and not config.trace:
         config = config.replace(trace=True)
@@ -571,8 +584,9 @@ def plan_forward(
             num_splits = min(num_splits, combine_launch_split_cap(n_blocks))
     if problem.kv_capacity == 0:  # no keys: nothing for a kernel (or TMA) to read
         return ForwardPlan(None, num_splits, max_ctas, 0)
-    if SEESAW_ROUTING and caller_config is None and seesaw_routes(problem):
-        config = seesaw_config()  # (the latent config's tiles: the split count stands)
+    if caller_config is None and routes_seesaw(problem):
+        # (the latent config's tiles: the split count stands)
+        config = seesaw_config(kv_fp8=problem.kv_dtype is not None)
     split = num_splits > 1
     page_box_rows, gather_page_size = _page_loads(problem, config)
     config = _effective_config(
@@ -619,6 +633,12 @@ def _combine_merges(problem: Problem, num_splits: int, split_bytes: int) -> bool
         return False
     wide = problem.head_dim_v > 256 and split_bytes >= WIDE_PARTIAL_BYTES
     return wide or num_splits * split_bytes > MERGE_IN_KERNEL_BYTES
+
+
+def routes_seesaw(problem: Problem) -> bool:
+    """Whether the plan sends the problem to the seesaw kernel (SEESAW_ROUTING on and
+    seesaw_routes)."""
+    return SEESAW_ROUTING and seesaw_routes(problem)
 
 
 def seesaw_routes(problem: Problem) -> bool:

@@ -629,3 +629,38 @@ def test_seesaw_variants_that_cannot_run_are_refused():
     ]:
         with pytest.raises(ValueError, match=message):
             variant(**flags)
+
+
+@pytest.mark.parametrize(
+    "problem, routed",
+    [
+        (_latent_decode(132, 128, 1, 16384), True),
+        (_latent_decode(64, 16, 1, 8192), True),
+        (_latent_decode(8, 64, 2, 8192), True),
+        # Shapes the seesaw's GPU tests do not cover: the forward kernel's FP8 path takes no
+        # latent, so these are refused, not served another way.
+        (_latent_decode(132, 96, 1, 8192), False),
+        (_latent_decode(64, 16, 2, 8192), False),
+    ],
+)
+def test_fp8_latent_cache_takes_the_seesaw_kernel_or_is_refused(problem, routed, monkeypatch):
+    from flash_cute import plan as plan_module
+    from flash_cute.config import seesaw_config
+
+    fp8 = dataclasses.replace(problem, kv_dtype="float8_e4m3fn")
+    if not routed:
+        with pytest.raises(NotImplementedError, match="FP8 latent cache"):
+            plan_forward(fp8, 132, num_splits=0)
+        return
+    plan, bf16 = plan_forward(fp8, 132, num_splits=0), plan_forward(problem, 132, num_splits=0)
+    assert plan.variant.config == seesaw_config(kv_fp8=True) != bf16.variant.config
+    assert plan.variant.kv_dtype == "float8_e4m3fn" and plan.num_splits == bf16.num_splits
+    # The producer warpgroup converts: more registers there, fewer in the MMA warps.
+    assert plan.variant.config.producer_registers > bf16.variant.config.producer_registers
+    assert plan.variant.config.register_split_problem() is None
+    monkeypatch.setattr(plan_module, "SEESAW_ROUTING", False)
+    with pytest.raises(NotImplementedError, match="FP8 latent cache"):
+        plan_forward(fp8, 132, num_splits=0)
+    # The qv form reads 16-bit caches only.
+    qv = dataclasses.replace(fp8, v_in_k=False, qv=True)
+    assert "qv form" in qv.seesaw_problem()

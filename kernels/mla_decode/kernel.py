@@ -34,7 +34,8 @@ from ..forward.records import (
     QLoad,
     TmaAtoms,
 )
-from .loads import BOX, HalfRings, LatentBlockLoads, half_bytes
+from .fp8_loads import CONVERT_THREADS, CONVERT_WARPS, LatentConverter
+from .loads import BOX, HalfRings, LatentBlockLoads, StagedHalves, half_bytes
 from .seesaw import D_LATENT, Seesaw, SeesawBuffers, SeesawMmas
 
 # Warps reading each K-buffer half (left0, right0, left1, right1): seesaw.py's schedule.
@@ -57,7 +58,7 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
     # ------------------------------------------------------------------------------------
 
     def _tiled_mmas(self) -> SeesawMmas:
-        dtype = self.dtype
+        dtype = self.mma_dtype
         return SeesawMmas(
             qk=hopper_mma.make_tiled_mma(dtype, 1, BOX, b_mn_major=False, a_from_registers=False),
             qk_rope=hopper_mma.make_tiled_mma(
@@ -77,6 +78,8 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
         op = cpasync.CopyBulkTensorTileG2SOp()
         dv = self.variant.head_dim_v
         box_layout = hopper_mma.make_row_major_smem_layout(self.dtype, BOX, BOX)
+        if const_expr(self.kv_fp8):  # (staged unswizzled: kernels/mla_decode/fp8_loads.py)
+            box_layout = cute.make_layout((BOX, BOX), stride=(BOX, 1))
 
         def box_atom(mX):
             return cpasync.make_tiled_tma_atom(op, mX, box_layout, (BOX, BOX), 1)
@@ -96,18 +99,22 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
         )
 
     def _shared_storage(self, layouts):
-        dtype, align = self.dtype, self.smem_align
+        """Q's tile as it is loaded (converted in place to the GEMMs' fp16 with an FP8 cache
+        and bf16 q), the K buffers and sP in the GEMMs' dtype; an FP8 cache's halves have a
+        second ring each (staged bytes)."""
+        dtype, mma_dtype, align = self.dtype, self.mma_dtype, self.smem_align
         sQ_size, sK_size, sP_size = [cute.cosize(x) for x in (layouts.q, layouts.k, layouts.p)]
+        halves = 2 * len(HALF_READERS) * (2 if const_expr(self.kv_fp8) else 1)
 
         @cute.struct
         class SharedStorage:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_halves: cute.struct.MemRange[cutlass.Int64, 2 * len(HALF_READERS)]
+            mbar_halves: cute.struct.MemRange[cutlass.Int64, halves]
             split_last: cute.struct.MemRange[Int32, 1]  # split kernels: this CTA merges
             rows: cute.struct.MemRange[Float32, 4 * 64]  # seesaw.SeesawBuffers.sRows
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, sQ_size], align]
-            sK: cute.struct.Align[cute.struct.MemRange[dtype, sK_size], align]
-            sP: cute.struct.Align[cute.struct.MemRange[dtype, sP_size], align]
+            sK: cute.struct.Align[cute.struct.MemRange[mma_dtype, sK_size], align]
+            sP: cute.struct.Align[cute.struct.MemRange[mma_dtype, sP_size], align]
 
         return SharedStorage
 
@@ -122,6 +129,38 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
     # ------------------------------------------------------------------------------------
     # Device side
     # ------------------------------------------------------------------------------------
+
+    def _half_rings(self, barriers, tma_thread):
+        """(the MMA warps' HalfRings, an FP8 cache's staged HalfRings or None) over the halves'
+        mbarriers (two per ring). 16-bit: TMA fills the halves the MMA warps read. FP8: TMA
+        fills the staged rings, the converting warps consume them and fill the MMA rings."""
+
+        def tma_ring(i, consumer_warps, element_bytes):
+            return pipeline.PipelineTmaAsync.create(
+                barrier_storage=barriers + 2 * i,
+                num_stages=1,
+                producer_group=tma_thread,
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+                tx_count=half_bytes(i % 2, element_bytes),
+                defer_sync=True,
+            )
+
+        if const_expr(not self.kv_fp8):
+            rings = [tma_ring(i, r, self.dtype.width // 8) for i, r in enumerate(HALF_READERS)]
+            return HalfRings(*rings), None
+        converted = [
+            pipeline.PipelineAsync.create(
+                barrier_storage=barriers + 2 * i,
+                num_stages=1,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONVERT_THREADS),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * readers),
+                defer_sync=True,
+            )
+            for i, readers in enumerate(HALF_READERS)
+        ]
+        n = len(HALF_READERS)
+        staged = [tma_ring(n + i, CONVERT_WARPS, 1) for i in range(n)]
+        return HalfRings(*converted), HalfRings(*staged)
 
     @cute.kernel
     def kernel(self, params: KernelParams):
@@ -149,20 +188,7 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
             tx_count=self.tma_bytes_q,
             defer_sync=True,
         )
-        halves = storage.mbar_halves.data_ptr()
-        rings = HalfRings(
-            *[
-                pipeline.PipelineTmaAsync.create(
-                    barrier_storage=halves + 2 * i,
-                    num_stages=1,
-                    producer_group=tma_thread,
-                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, readers),
-                    tx_count=half_bytes(i % 2, self.dtype.width // 8),
-                    defer_sync=True,
-                )
-                for i, readers in enumerate(HALF_READERS)
-            ]
-        )
+        rings, staged = self._half_rings(storage.mbar_halves.data_ptr(), tma_thread)
         space = self.facts.tile_space(
             problem.q, problem.k, problem.cu_seqlens_q, problem.page_table, scalars.num_splits,
             scalars.max_ctas,
@@ -171,9 +197,20 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
         pipeline.pipeline_init_arrive()
 
         sQ = storage.sQ.get_tensor(layouts.q.outer, swizzle=layouts.q.inner)
+        sQ_mma = sQ
+        if const_expr(self.converts_q):  # the same smem as fp16, with the same swizzle
+            sQ_mma = cute.make_tensor(
+                cute.recast_ptr(storage.sQ.data_ptr(), layouts.q.inner, dtype=self.mma_dtype),
+                layouts.q.outer,
+            )
         sK = storage.sK.get_tensor(layouts.k.outer, swizzle=layouts.k.inner)
+        if const_expr(self.kv_fp8):
+            staged = StagedHalves(
+                staged, cute.recast_ptr(storage.sK.data_ptr(), dtype=self.kv_dtype)
+            )
         buf = SeesawBuffers(
-            sQ=sQ,
+            sQ=sQ_mma,
+            sQ_loaded=sQ,
             sK=sK,
             sV=storage.sK.get_tensor(layouts.v.outer, swizzle=layouts.v.inner),
             sP0=storage.sP.get_tensor(layouts.p.outer, swizzle=layouts.p.inner),
@@ -190,6 +227,18 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.config.producer_registers)
+            if const_expr(self.kv_fp8):  # the converting warps
+                if warp_idx >= 4 - CONVERT_WARPS:
+                    _, _, n_block_min, n_block_max = self.tile_problem(tile, shapes)
+                    if n_block_max > n_block_min:
+                        states = [
+                            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                            for _ in HALF_READERS
+                        ]
+                        thread = cute.arch.thread_idx()[0] - 32 * (4 - CONVERT_WARPS)
+                        LatentConverter(sK, rings, staged, thread).convert_blocks(
+                            n_block_min, n_block_max, states
+                        )
             if warp_idx == 0:
                 seqlen, _, n_block_min, n_block_max = self.tile_problem(tile, shapes)
                 if n_block_max > n_block_min:
@@ -207,7 +256,7 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
                     ]
                     LatentBlockLoads.create(
                         atoms, loads, sK, rings, self.variant, tile.head_kv_idx, tile.batch_idx,
-                        shapes.page_table,
+                        shapes.page_table, staged if const_expr(self.kv_fp8) else None,
                     ).load_blocks(n_block_min, n_block_max, states)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.config.mma_registers)

@@ -10,6 +10,7 @@ k_cache (the rope, 64 wide).
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -32,9 +33,42 @@ EVICT_FIRST = 0x12F0000000000000
 
 
 def half_bytes(half: int, element_bytes: int) -> int:
-    """Bytes TMA brings into one half of a buffer (its ring's transaction count)."""
+    """Bytes TMA brings into one half of a buffer (its ring's transaction count; an FP8
+    cache's: element_bytes 1)."""
+    return half_boxes(half) * BOX * BOX * element_bytes
+
+
+def half_boxes(half: int) -> int:
     first, end = HALVES[half]
-    return (end - first) * BOX * BOX * element_bytes
+    return end - first
+
+
+def half_start(buffer: int, half: int) -> int:
+    """Bytes from the K buffers' first byte to the half's (16-bit boxes of 8 KB, each buffer
+    TILES of them)."""
+    return (buffer * TILES + HALVES[half][0]) * BOX * BOX * 2
+
+
+def staged_offset(half: int, box: int) -> int:
+    """An FP8 cache (kernels/mla_decode/fp8_loads.py): bytes from the half's first byte to
+    where its box `box` (0-based) is staged, in the half's upper half (4 KB a box)."""
+    return BOX * BOX * (half_boxes(half) + box)
+
+
+@dataclass(frozen=True)
+class StagedHalves:
+    """An FP8 cache's staging: the rings TMA completes on (consumed by the converting warps)
+    and the K buffers' first byte as an e4m3 pointer."""
+
+    rings: "HalfRings"
+    base: cute.Pointer
+
+    def box(self, buffer: int, half: int, box: int) -> cute.Tensor:
+        """Where box `box` of the half lands: 64 keys x 64 e4m3, row-major, unswizzled."""
+        return cute.make_tensor(
+            self.base + half_start(buffer, half) + staged_offset(half, box),
+            cute.make_layout((BOX, BOX), stride=(BOX, 1)),
+        )
 
 
 @dataclass(frozen=True)
@@ -63,12 +97,14 @@ class LatentBlockLoads:
     rings: HalfRings
     page_table_row: cute.Tensor  # paged caches: this batch's row of the table; else None
     page_size: Int32
+    staged: Optional[StagedHalves] = None  # an FP8 cache's: the boxes land there
 
     @staticmethod
-    def create(atoms, loads, sK, rings, variant, head, batch, page_table):
+    def create(atoms, loads, sK, rings, variant, head, batch, page_table, staged=None):
         """atoms/loads: the launch's TmaAtoms and GmemLoads (k: the 576 latent, or with qv k
         the rope's 64 and v the 512), TMA views in kernel mode order (rows, cols, heads,
-        batch or pages)."""
+        batch or pages). staged: an FP8 cache's staging (the MMA rings are then filled by
+        the converting warps, and this side waits on them only for free halves)."""
         paged = variant.kv_layout == "paged"
 
         def view(mX):
@@ -85,14 +121,17 @@ class LatentBlockLoads:
         if const_expr(paged):
             page_table_row = page_table[batch, None]
             page_size = loads.k.shape[0]
-        return LatentBlockLoads(boxes, sK, rings, page_table_row, page_size)
+        return LatentBlockLoads(boxes, sK, rings, page_table_row, page_size, staged)
 
     @cute.jit
     def load_half(self, n_block: Int32, buffer: int, half: int, state: pipeline.PipelineState):
         """Wait for the half to be free, then issue its boxes of key block n_block; they
-        complete on the half's full barrier."""
+        complete on the half's full barrier (an FP8 cache's: its staged ring's)."""
         ring = self.rings.ring(buffer, half)
         ring.producer_acquire(state)
+        if const_expr(self.staged is not None):
+            ring = self.staged.rings.ring(buffer, half)
+            ring.producer_acquire(state)
         rows, page = n_block, None
         if const_expr(self.page_table_row is not None):
             key = n_block * BOX
@@ -105,7 +144,10 @@ class LatentBlockLoads:
             if const_expr(page is not None):
                 src = src[None, None, page]
             g = cute.local_tile(src, (BOX, BOX), (rows, src_col))
-            s = hopper_mma.column_slice(self.sK, c * BOX, BOX)[None, None, buffer]
+            if const_expr(self.staged is not None):
+                s = self.staged.box(buffer, half, c - first)
+            else:
+                s = hopper_mma.column_slice(self.sK, c * BOX, BOX)[None, None, buffer]
             dst, src_part = cpasync.tma_partition(
                 atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
             )
@@ -116,24 +158,9 @@ class LatentBlockLoads:
 
     @cute.jit
     def load_blocks(self, n_block_min: Int32, n_block_max: Int32, states):
-        """The tile's key blocks, last first, as the seesaw takes them: an odd count's last
-        block alone into buffer 0, then pairs (n, n - 1) into buffers 0 and 1, the halves in
-        the order their readers free them: buffer 0's left, buffer 0's right, buffer 1's
-        right, buffer 1's left (one warp issues them in turn, so a half freed early must not
-        queue behind one freed late: on H100 this order took 64 x 8k at 128 heads from 325 us
-        to 285). states: the producer states of (left0, right0, left1, right1)."""
-        left0, right0, left1, right1 = states
-        count = n_block_max - n_block_min
-        odd = count % 2
-        if odd == 1:
-            left0 = self._issue(n_block_max - 1, 0, LEFT, left0)
-            right0 = self._issue(n_block_max - 1, 0, RIGHT, right0)
-        for p in cutlass.range(count // 2, unroll=1):
-            hi = n_block_max - 1 - odd - 2 * p
-            left0 = self._issue(hi, 0, LEFT, left0)
-            right0 = self._issue(hi, 0, RIGHT, right0)
-            right1 = self._issue(hi - 1, 1, RIGHT, right1)
-            left1 = self._issue(hi - 1, 1, LEFT, left1)
+        """The tile's key blocks' halves in walk_halves' order. states: the producer states of
+        (left0, right0, left1, right1)."""
+        walk_halves(self._issue, n_block_min, n_block_max, states)
 
     def _issue(self, n_block, buffer: int, half: int, state: pipeline.PipelineState):
         """load_half, then the state past it (rebound by the caller: the DSL carries it
@@ -141,3 +168,25 @@ class LatentBlockLoads:
         self.load_half(n_block, buffer, half, state)
         state.advance()
         return state
+
+
+@cute.jit
+def walk_halves(step, n_block_min: Int32, n_block_max: Int32, states):
+    """The tile's key blocks, last first, as the seesaw takes them: an odd count's last block
+    alone into buffer 0, then pairs (n, n - 1) into buffers 0 and 1, the halves in the order
+    their readers free them: buffer 0's left, buffer 0's right, buffer 1's right, buffer 1's
+    left (one warp issues them in turn, so a half freed early must not queue behind one freed
+    late: on H100 this order took 64 x 8k at 128 heads from 325 us to 285). step(n_block,
+    buffer, half, state) -> the half's state after it; states: (left0, right0, left1, right1)."""
+    left0, right0, left1, right1 = states
+    count = n_block_max - n_block_min
+    odd = count % 2
+    if odd == 1:
+        left0 = step(n_block_max - 1, 0, LEFT, left0)
+        right0 = step(n_block_max - 1, 0, RIGHT, right0)
+    for p in cutlass.range(count // 2, unroll=1):
+        hi = n_block_max - 1 - odd - 2 * p
+        left0 = step(hi, 0, LEFT, left0)
+        right0 = step(hi, 0, RIGHT, right0)
+        right1 = step(hi - 1, 1, RIGHT, right1)
+        left1 = step(hi - 1, 1, LEFT, left1)

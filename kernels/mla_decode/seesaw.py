@@ -26,6 +26,7 @@ order): buffer 0's left after WG0's P V on it, its right after WG1's; buffer 1's
 WG1's P V on it, its left after WG0's.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -39,6 +40,7 @@ from .. import hopper_mma
 from ..forward.facts import THREADS_PER_WARPGROUP, Piece
 from ..forward.mainloop import zero_rows_from
 from ..forward.records import MmaSetup, TileResult
+from ..kv_dequant import convert_block
 from ..masking import AttentionMask
 from ..named_barriers import NamedBarrier
 from ..softmax import (
@@ -76,7 +78,8 @@ class SeesawMmas(NamedTuple):
 class SeesawBuffers:
     """The CTA's tiles and rings as the MMA warpgroups see them."""
 
-    sQ: cute.Tensor  # (64, 576)
+    sQ: cute.Tensor  # (64, 576), as the GEMMs read it
+    sQ_loaded: cute.Tensor  # the same smem as Q is loaded (bf16 q with an FP8 cache: bf16)
     sK: cute.Tensor  # (64, 576, 2): the two K buffers
     sV: cute.Tensor  # (64, 512, 2): their first 512 columns
     sP0: cute.Tensor  # (64, 64): warpgroup 0's P
@@ -137,6 +140,15 @@ class Seesaw(Piece):
         Each warpgroup waits on its own buffer's half rings (0: buffer 0's, 1: buffer 1's) and
         releases the halves it reads."""
         seqlen, block_range, n_block_min, n_block_max = self.tile_problem(tile, shapes)
+        # An FP8 cache's descales: K's multiplies every score, V's every O row.
+        v_descale = None
+        if const_expr(shapes.k_descale is not None):
+            k_descale = shapes.k_descale[tile.batch_idx, tile.head_kv_idx]
+            setup = dataclasses.replace(
+                setup, softmax_scale_log2=setup.softmax_scale_log2 * k_descale
+            )
+        if const_expr(shapes.v_descale is not None):
+            v_descale = shapes.v_descale[tile.batch_idx, tile.head_kv_idx]
         ops = self._operands(mmas, buf, setup, tile, seqlen, block_range, n_block_max)
         acc_O, softmax = ops.acc_O, ops.softmax
         acc_O.fill(0.0)
@@ -146,6 +158,11 @@ class Seesaw(Piece):
         lse.fill(-Float32.inf)  # an empty tile or split: out = 0, lse = -inf
         if n_block_max > n_block_min:
             buf.pipeline_q.consumer_wait(q_state)
+            if const_expr(self.converts_q):  # bf16 q, FP8 cache: the GEMMs run in fp16
+                convert_block(
+                    buf.sQ_loaded, buf.sQ, setup.tidx, self.num_mma_threads, ROWS, saturate=True
+                )
+                self._sync(NamedBarrier.Q_CONVERT)
             self._load_q_rope(buf, ops)
             count = n_block_max - n_block_min
             odd = count % 2
@@ -175,6 +192,9 @@ class Seesaw(Piece):
             )
             softmax.combine_halves(halves)
             inv_row_sum, row_lse = softmax.finalize()
+            if const_expr(v_descale is not None):
+                for r in cutlass.range_constexpr(cute.size(inv_row_sum)):
+                    inv_row_sum[r] = inv_row_sum[r] * v_descale
             rescale_rows(acc_O, inv_row_sum)
             lse.store(row_lse.load())
         return TileResult(acc_O=acc_O, lse=lse, seqlen=seqlen)
@@ -338,7 +358,7 @@ class Seesaw(Piece):
         """P (fp32 in the score accumulator) rounded to 16 bits into this warpgroup's sP (not
         yet fenced for the WGMMAs)."""
         p_as_a = hopper_mma.acc_as_operand_a(acc_S)
-        rP = cute.make_rmem_tensor_like(p_as_a, self.dtype)
+        rP = cute.make_rmem_tensor_like(p_as_a, self.mma_dtype)
         hopper_mma.convert_to_16bit(p_as_a, rP)
         cute.copy(ops.copy_P, ops.copy_P.retile(rP), tPsP)
 
@@ -411,7 +431,9 @@ class Seesaw(Piece):
         partial, zero its V rows past the last key in this warpgroup's columns (P is 0 there,
         but the rows hold whatever follows the sequence: 0 * NaN would reach O). Block a's
         readers of those columns are done (its scores) or are this warpgroup."""
-        if const_expr(self.clears_v_tail):
+        # (An FP8 cache's converting warps leave those rows as they are, too. Without this
+        # clear, ptxas serialized the FP8 variants' WGMMAs: C7515.)
+        if const_expr(self.clears_v_tail or self.kv_fp8):
             if n_block == ops.last_block and ops.tail_keys < KEYS:
                 half = cute.local_tile(buf.sV[None, None, 0], (KEYS, HALF_V), (0, warpgroup_idx))
                 zero_rows_from(half, ops.tail_keys, warpgroup_idx)

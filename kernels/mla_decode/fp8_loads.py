@@ -1,0 +1,125 @@
+"""The latent decode kernel's key loads from an FP8 (float8_e4m3fn) latent cache: each half of
+a K buffer filled in two steps, in the buffer itself (the kernel's shared memory has no room
+for FP8 stages beside Q and the two 16-bit buffers).
+
+1. The TMA warp, once the half's MMA readers have freed it, loads the half's 64 x 64 boxes of
+   e4m3 (4 KB each, unswizzled rows of 64 bytes) into the upper half of the half's bytes, on
+   the half's "staged" ring (PipelineTmaAsync).
+2. The converting warps (the producer warpgroup's other three) turn them into the fp16 boxes
+   the WGMMAs read (SW128, as the 16-bit loads leave them), and commit the half on its MMA
+   ring (PipelineAsync, one arrive per converting thread after a proxy fence). Rows past the
+   sequence's last key are converted as they are: the seesaw masks their scores and zeroes
+   their V rows, as with a 16-bit cache.
+
+In place: box j's fp16 lands at 8 KB * j, its FP8 bytes sit at 4 KB * (n + j) (n boxes in the
+half), so box j's fp16 covers the staged bytes of boxes 2j - n and 2j - n + 1: the boxes are
+converted in order, and from the middle on the converting warps sync between reading a box
+and writing it. e4m3 -> fp16 is exact and one instruction per two values, so the GEMMs run in
+fp16 (kernels/kv_dequant.py says why; the kernel converts a bf16 Q tile once); the cache's
+descales fold into the softmax scale (K) and the final row normalization (V).
+
+The converting warps never wait on the MMA warps (only on staged bytes), and the TMA warp
+waits only for free halves: neither can hold up the other's work on an earlier half.
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Int32, const_expr
+
+from .. import hopper_mma
+from ..named_barriers import NamedBarrier
+from .loads import (
+    BOX,
+    HALVES,
+    HalfRings,
+    StagedHalves,
+    half_boxes,
+    half_start,
+    staged_offset,
+    walk_halves,
+)
+
+PIECE = 16  # e4m3 values per converting step: one 16-byte load, two 16-byte fp16 stores
+PIECES_PER_BOX = BOX * BOX // PIECE
+CONVERT_WARPS = 3  # the producer warpgroup's warps 1-3 (warp 0 issues the TMA)
+CONVERT_THREADS = 32 * CONVERT_WARPS
+STEPS = (PIECES_PER_BOX + CONVERT_THREADS - 1) // CONVERT_THREADS  # a thread's pieces of a box
+
+
+@dataclass(frozen=True)
+class LatentConverter:
+    """The converting warps' side: each staged half of the tile's key blocks, in the loads'
+    order (walk_halves), into the fp16 half the seesaw reads."""
+
+    sK: cute.Tensor  # (64, 576, 2) fp16, swizzled: the two buffers
+    rings: HalfRings  # the MMA warps' (PipelineAsync; this side produces)
+    staged: StagedHalves  # TMA's rings (this side consumes) and the staged bytes
+    thread: Int32  # 0 .. CONVERT_THREADS - 1
+
+    @cute.jit
+    def convert_blocks(self, n_block_min: Int32, n_block_max: Int32, states):
+        """states: the MMA rings' producer states (left0, right0, left1, right1)."""
+        walk_halves(self._convert_half, n_block_min, n_block_max, states)
+
+    def _convert_half(self, n_block, buffer: int, half: int, state: pipeline.PipelineState):
+        # The staged ring is consumed in step with the MMA ring's production: its consumer
+        # phase is the complement of the producer state's.
+        state8 = pipeline.PipelineState(1, state.count, state.index, state.phase ^ 1)
+        staged = self.staged.rings.ring(buffer, half)
+        staged.consumer_wait(state8)
+        self._convert(buffer, half)
+        staged.consumer_release(state8)
+        self.rings.ring(buffer, half).producer_commit(state)
+        state.advance()
+        return state
+
+    @cute.jit
+    def _convert(self, buffer: int, half: int):
+        """The half's boxes in order, one at a time: box j's fp16 covers the staged bytes of
+        boxes 2j - n and 2j - n + 1 (n boxes in the half), so from j >= (n - 1) / 2 on the
+        converting warps sync between reading box j and writing it (the boxes it covers,
+        itself among them for the last, have then been read by every thread)."""
+        n = half_boxes(half)
+        dst = hopper_mma.column_slice(self.sK, HALVES[half][0] * BOX, n * BOX)[None, None, buffer]
+        dst_pieces = cute.zipped_divide(dst, (1, PIECE))  # ((1, 16), (64, n * 4))
+        src = cute.make_tensor(
+            self.staged.base + half_start(buffer, half) + staged_offset(half, 0),
+            cute.make_layout(((1, PIECE), n * PIECES_PER_BOX), stride=((0, 1), PIECE)),
+        )
+        # (a dynamic loop: unrolled, every box's addresses were hoisted and spilled)
+        for j in cutlass.range(n, unroll=1):
+            raw = self._read(src, j)
+            if 2 * j >= n - 1:
+                cute.arch.barrier(
+                    barrier_id=int(NamedBarrier.LATENT_CONVERT),
+                    number_of_threads=CONVERT_THREADS,
+                )
+            self._write(raw, dst_pieces, j)
+        cute.arch.fence_view_async_shared()  # generic-proxy stores -> the WGMMAs' reads
+
+    @cute.jit
+    def _read(self, src: cute.Tensor, box: Int32):
+        """This thread's staged e4m3 pieces of box `box` (piece i of it: thread + step *
+        CONVERT_THREADS), in registers."""
+        raw = []
+        for s in cutlass.range_constexpr(STEPS):
+            raw.append(cute.make_rmem_tensor((1, PIECE), cutlass.Float8E4M3FN))
+            i = self.thread + s * CONVERT_THREADS
+            if i < PIECES_PER_BOX or const_expr(PIECES_PER_BOX % CONVERT_THREADS == 0):
+                cute.autovec_copy(src[None, box * PIECES_PER_BOX + i], raw[s])
+        return raw
+
+    @cute.jit
+    def _write(self, raw, dst_pieces: cute.Tensor, box: Int32):
+        """_read's pieces of box `box` in fp16 into their places."""
+        per_row = BOX // PIECE
+        for s in cutlass.range_constexpr(STEPS):
+            i = self.thread + s * CONVERT_THREADS
+            if i < PIECES_PER_BOX or const_expr(PIECES_PER_BOX % CONVERT_THREADS == 0):
+                row = i // per_row
+                wide = cute.make_rmem_tensor((1, PIECE), self.sK.element_type)
+                wide.store(raw[s].load().to(self.sK.element_type))
+                cute.autovec_copy(wide, dst_pieces[None, (row, box * per_row + i - row * per_row)])

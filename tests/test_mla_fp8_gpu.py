@@ -1,0 +1,85 @@
+"""GPU checks of absorbed-MLA decode on an FP8 (float8_e4m3fn) latent cache (the latent decode
+kernel, kernels/mla_decode/fp8_loads.py), through flash_attn_with_kvcache: FlashMLA's form (one
+576-wide cache, v a view of its first 512 columns), padded and paged caches, 1-2 query tokens,
+16-128 heads, splits, descales (none, one value, per batch and head), bf16 and fp16 q, graph
+replay. Against the float32 reference on the dequantized cache, within the bar of the same math
+in q's dtype on it (tests/test_fp8_kv_gpu.py's check); outputs poisoned, slots past each
+sequence NaN bytes."""
+
+import pytest
+import torch
+from test_fp8_kv_gpu import check_against_dequantized, descales, fp8_cache, padded, poison_past
+
+import flash_cute
+from flash_cute.reference import stable_seed
+from flash_cute.runtime import KVCACHE_PLANS
+
+pytestmark = pytest.mark.gpu
+D, DV = 576, 512
+# One key, a partial block alone, even and odd block counts, partial last blocks.
+LENS = [1500, 1, 333, 17, 1000, 4097]
+CAPACITY = 4160
+
+CASES = [
+    # (q heads, tokens, page_size, num_splits, dtype, descale)
+    (128, 1, 64, 0, torch.bfloat16, "tensor"),
+    (128, 2, None, 1, torch.bfloat16, "scalar"),
+    (128, 1, 128, 3, torch.float16, None),
+    (64, 2, 64, 0, torch.bfloat16, "tensor"),
+    (64, 1, None, 0, torch.float16, "scalar"),
+    (16, 1, 64, 0, torch.bfloat16, "tensor"),
+    (16, 1, None, 1, torch.bfloat16, None),
+    (16, 1, 256, 5, torch.float16, "tensor"),
+]
+
+
+def _run(q, cache, table, lengths, causal, kd, vd, **kw):
+    out = torch.full((*q.shape[:-1], DV), float("nan"), device="cuda", dtype=q.dtype)
+    _, lse = flash_cute.flash_attn_with_kvcache(
+        q, cache, cache[..., :DV], cache_seqlens=lengths, page_table=table, causal=causal,
+        out=out, return_softmax_lse=True, k_descale=kd, v_descale=vd, **kw,
+    )  # fmt: skip
+    return out, lse
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c[0]}-s{c[1]}-p{c[2]}-n{c[3]}-{c[5]}")
+def test_fp8_latent_decode(case):
+    nheads, seqlen_q, page_size, num_splits, dtype, descale = case
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla-fp8", case))
+    batch = len(LENS)
+    cache, _, table = fp8_cache(batch, CAPACITY, 1, D, page_size, gen)
+    k_pad = padded(cache, table, CAPACITY)
+    poison_past(cache, table, LENS, CAPACITY)
+    q = torch.randn(batch, seqlen_q, nheads, D, device="cuda", dtype=dtype, generator=gen)
+    kd, vd = descales(descale, batch, 1, gen)
+    lengths = torch.tensor(LENS, device="cuda", dtype=torch.int32)
+    KVCACHE_PLANS.clear()
+    out, lse = _run(q, cache, table, lengths, True, kd, vd, num_splits=num_splits)
+    plans = list(KVCACHE_PLANS.values())
+    assert [(p.variant.config.seesaw, p.variant.kv_dtype) for p in plans] == [
+        (True, "float8_e4m3fn")
+    ]
+    KVCACHE_PLANS.clear()
+    check_against_dequantized(q, out, k_pad, k_pad[..., :DV], kd, vd, LENS, True, lse=lse)
+
+
+def test_fp8_latent_graph_replay():
+    """A CUDA graph of a call replayed with other lengths (and a non-causal call first)."""
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla-fp8-graph"))
+    batch = len(LENS)
+    cache, _, table = fp8_cache(batch, CAPACITY, 1, D, 64, gen)
+    k_pad = padded(cache, table, CAPACITY)
+    q = torch.randn(batch, 2, 128, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    kd, vd = descales("tensor", batch, 1, gen)
+    lengths = torch.tensor(LENS, device="cuda", dtype=torch.int32)
+    out, lse = _run(q, cache, table, lengths, False, kd, vd)
+    check_against_dequantized(q, out, k_pad, k_pad[..., :DV], kd, vd, LENS, False, lse=lse)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = _run(q, cache, table, lengths, True, kd, vd)
+    new_lens = [64, 4160, 2, 129, 3, 1999]
+    lengths.copy_(torch.tensor(new_lens, dtype=torch.int32))
+    g_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check_against_dequantized(q, g_out, k_pad, k_pad[..., :DV], kd, vd, new_lens, True, lse=g_lse)
