@@ -7,12 +7,14 @@ It takes the forward kernel's launch whole (its signature, ForwardVariant, tile 
 load, epilogue, split partials and their merge) and replaces what runs between: K loaded as
 64 x 64 boxes into two buffers of two halves (loads.py), and the two MMA warpgroups' seesaw.
 
-Warp roles (384 threads): warpgroup 0's warp 0 issues the TMA loads (registers lowered);
-warpgroups 1 and 2 are the seesaw's warpgroups 0 and 1 (O columns 0-255 and 256-511).
+Warp roles (384 threads): warpgroup 0's warp 0 issues the TMA loads (registers lowered; with
+an FP8 cache its warps 1-3 convert the staged halves: fp8_loads.py); warpgroups 1 and 2 are the
+seesaw's warpgroups 0 and 1 (O columns 0-255 and 256-511).
 
 Shared memory: Q (64 x 576, 72 KB; its rope columns hold warpgroup 1's P once each warpgroup has
 them in registers), two K buffers (64 x 576 each), warpgroup 0's P (64 x 64), the row
-exchange and the barriers: 231,424 of the 232,448 bytes a CTA may have.
+exchange and the barriers: 231,424 of the 232,448 bytes a CTA may have (an FP8 cache: 64 more,
+its staged rings' barriers; its bytes land in the K buffers themselves).
 """
 
 import cutlass
