@@ -22,6 +22,7 @@ The converting warps never wait on the MMA warps (only on staged bytes), and the
 waits only for free halves: neither can hold up the other's work on an earlier half.
 """
 
+import functools
 from dataclasses import dataclass
 
 import cutlass
@@ -29,11 +30,9 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Int32, const_expr
 
-from .. import hopper_mma
 from ..named_barriers import NamedBarrier
 from .loads import (
     BOX,
-    HALVES,
     HalfRings,
     StagedHalves,
     half_boxes,
@@ -54,7 +53,7 @@ class LatentConverter:
     """The converting warps' side: each staged half of the tile's key blocks, in the loads'
     order (walk_halves), into the fp16 half the seesaw reads."""
 
-    sK: cute.Tensor  # (64, 576, 2) fp16, swizzled: the two buffers
+    k_buffers: cute.Pointer  # the K buffers' first element, fp16, as raw (unswizzled) smem
     rings: HalfRings  # the MMA warps' (PipelineAsync; this side produces)
     staged: StagedHalves  # TMA's rings (this side consumes) and the staged bytes
     thread: Int32  # 0 .. CONVERT_THREADS - 1
@@ -62,64 +61,75 @@ class LatentConverter:
     @cute.jit
     def convert_blocks(self, n_block_min: Int32, n_block_max: Int32, states):
         """states: the MMA rings' producer states (left0, right0, left1, right1)."""
-        walk_halves(self._convert_half, n_block_min, n_block_max, states)
+        offsets = self._piece_offsets()
+        step = functools.partial(self._convert_half, offsets=offsets)
+        walk_halves(step, n_block_min, n_block_max, states)
 
-    def _convert_half(self, n_block, buffer: int, half: int, state: pipeline.PipelineState):
+    @cute.jit
+    def _piece_offsets(self) -> cute.Tensor:
+        """(STEPS, 3) bytes within a box of this thread's pieces (piece i: thread + step *
+        CONVERT_THREADS, row i // 4, 16 values from column 16 (i % 4)), the same in every box:
+        its staged e4m3 (rows of 64 bytes), and its two 16-byte fp16 chunks in the SW128 box
+        (rows of 128 bytes, chunk c of row r at (c ^ (r % 8)) * 16)."""
+        offsets = cute.make_rmem_tensor((STEPS, 3), Int32)
+        for s in cutlass.range_constexpr(STEPS):
+            i = self.thread + s * CONVERT_THREADS
+            row = i // 4
+            chunk = 2 * (i - 4 * row)
+            offsets[s, 0] = i * PIECE
+            offsets[s, 1] = row * 128 + ((chunk ^ (row % 8)) * 16)
+            offsets[s, 2] = row * 128 + (((chunk + 1) ^ (row % 8)) * 16)
+        return offsets
+
+    def _convert_half(self, n_block, buffer: int, half: int, state, offsets):
         # The staged ring is consumed in step with the MMA ring's production: its consumer
         # phase is the complement of the producer state's.
         state8 = pipeline.PipelineState(1, state.count, state.index, state.phase ^ 1)
         staged = self.staged.rings.ring(buffer, half)
         staged.consumer_wait(state8)
-        self._convert(buffer, half)
+        self._convert(buffer, half, offsets)
         staged.consumer_release(state8)
         self.rings.ring(buffer, half).producer_commit(state)
         state.advance()
         return state
 
     @cute.jit
-    def _convert(self, buffer: int, half: int):
+    def _convert(self, buffer: int, half: int, offsets: cute.Tensor):
         """The half's boxes in order, one at a time: box j's fp16 covers the staged bytes of
         boxes 2j - n and 2j - n + 1 (n boxes in the half), so from j >= (n - 1) / 2 on the
         converting warps sync between reading box j and writing it (the boxes it covers,
         itself among them for the last, have then been read by every thread)."""
         n = half_boxes(half)
-        dst = hopper_mma.column_slice(self.sK, HALVES[half][0] * BOX, n * BOX)[None, None, buffer]
-        dst_pieces = cute.zipped_divide(dst, (1, PIECE))  # ((1, 16), (64, n * 4))
-        src = cute.make_tensor(
-            self.staged.base + half_start(buffer, half) + staged_offset(half, 0),
-            cute.make_layout(((1, PIECE), n * PIECES_PER_BOX), stride=((0, 1), PIECE)),
-        )
+        start = half_start(buffer, half)
+        staged = start + staged_offset(half, 0)
         # (a dynamic loop: unrolled, every box's addresses were hoisted and spilled)
         for j in cutlass.range(n, unroll=1):
-            raw = self._read(src, j)
+            raw = []
+            for s in cutlass.range_constexpr(STEPS):
+                raw.append(cute.make_rmem_tensor((8, 2), cutlass.Float8E4M3FN))
+                if self._holds(s):
+                    at = cute.assume(staged + j * BOX * BOX + offsets[s, 0], divby=PIECE)
+                    src = cute.make_tensor(self.staged.base + at, cute.make_layout((8, 2)))
+                    cute.autovec_copy(src, raw[s])
             if 2 * j >= n - 1:
                 cute.arch.barrier(
                     barrier_id=int(NamedBarrier.LATENT_CONVERT),
                     number_of_threads=CONVERT_THREADS,
                 )
-            self._write(raw, dst_pieces, j)
+            for s in cutlass.range_constexpr(STEPS):
+                if self._holds(s):
+                    wide = cute.make_rmem_tensor((8, 2), self.k_buffers.dtype)
+                    wide.store(raw[s].load().to(self.k_buffers.dtype))
+                    for c in cutlass.range_constexpr(2):  # (bytes -> fp16 elements: / 2)
+                        at = cute.assume(
+                            (start + j * 2 * BOX * BOX + offsets[s, 1 + c]) // 2, divby=8
+                        )
+                        dst = cute.make_tensor(self.k_buffers + at, cute.make_layout(8))
+                        cute.autovec_copy(wide[None, c], dst)
         cute.arch.fence_view_async_shared()  # generic-proxy stores -> the WGMMAs' reads
 
-    @cute.jit
-    def _read(self, src: cute.Tensor, box: Int32):
-        """This thread's staged e4m3 pieces of box `box` (piece i of it: thread + step *
-        CONVERT_THREADS), in registers."""
-        raw = []
-        for s in cutlass.range_constexpr(STEPS):
-            raw.append(cute.make_rmem_tensor((1, PIECE), cutlass.Float8E4M3FN))
-            i = self.thread + s * CONVERT_THREADS
-            if i < PIECES_PER_BOX or const_expr(PIECES_PER_BOX % CONVERT_THREADS == 0):
-                cute.autovec_copy(src[None, box * PIECES_PER_BOX + i], raw[s])
-        return raw
-
-    @cute.jit
-    def _write(self, raw, dst_pieces: cute.Tensor, box: Int32):
-        """_read's pieces of box `box` in fp16 into their places."""
-        per_row = BOX // PIECE
-        for s in cutlass.range_constexpr(STEPS):
-            i = self.thread + s * CONVERT_THREADS
-            if i < PIECES_PER_BOX or const_expr(PIECES_PER_BOX % CONVERT_THREADS == 0):
-                row = i // per_row
-                wide = cute.make_rmem_tensor((1, PIECE), self.sK.element_type)
-                wide.store(raw[s].load().to(self.sK.element_type))
-                cute.autovec_copy(wide, dst_pieces[None, (row, box * per_row + i - row * per_row)])
+    def _holds(self, step: int):
+        """Whether this thread has a piece at `step` (the last step's: the first threads)."""
+        if const_expr(PIECES_PER_BOX % CONVERT_THREADS == 0 or step < STEPS - 1):
+            return True
+        return self.thread + step * CONVERT_THREADS < PIECES_PER_BOX

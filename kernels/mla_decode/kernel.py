@@ -238,7 +238,8 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
                             for _ in HALF_READERS
                         ]
                         thread = cute.arch.thread_idx()[0] - 32 * (4 - CONVERT_WARPS)
-                        LatentConverter(sK, rings, staged, thread).convert_blocks(
+                        k_buffers = storage.sK.data_ptr()  # (unswizzled: fp8_loads swizzles)
+                        LatentConverter(k_buffers, rings, staged, thread).convert_blocks(
                             n_block_min, n_block_max, states
                         )
             if warp_idx == 0:
