@@ -4,8 +4,8 @@ kernels/mla_decode/) beside the forward kernel's latent path (its decode row) an
 FlashAttention-3's qv form (fa3_fwd_interface: q 64 + qv 512 against k_cache 64 + v_cache
 512, contiguous), in one process, rounds interleaved, CUDA-graph replays of STEPS steps.
 bf16, causal, every sequence `keys` long, the split count each library picks. "fp8": the
-latent decode kernel on the same cache in float8_e4m3fn (per-tensor descales), whose speed is
-also given against the bf16 cache's (its bytes: half).
+latent decode kernel on the same cache in float8_e4m3fn ((batch, 1) descales of 1), whose
+speed is also given against the bf16 cache's (its TB/s count its own bytes: half).
 
 Prints per point each peer's median of ROUNDS rounds: us, TFLOP/s with FLOPs = 2 * batch *
 nheads * q tokens * keys * (576 + 512), the cache's TB/s (576 x 2 bytes per key and sequence)
@@ -99,9 +99,10 @@ def main():
         copy = timing.copy_bandwidth_gbs(cache_bytes) / 1e3  # (TB/s, read + write)
         print(f"h={heads} {batch} x {seqlen_q} x {keys} (copy {copy:.2f} TB/s):", flush=True)
         for name, t in us.items():
+            nbytes = cache_bytes // 2 if name.startswith("fp8") else cache_bytes
             print(
                 f"  {name:12s} {t:8.1f} us {flops / t / 1e6:6.0f} TFLOP/s "
-                f"{cache_bytes / t / 1e6:5.2f} TB/s ({cache_bytes / t / 1e6 / copy:4.0%} of "
+                f"{nbytes / t / 1e6:5.2f} TB/s ({nbytes / t / 1e6 / copy:4.0%} of "
                 f"copy)  max|diff| {diffs[name]:.1e}",
                 flush=True,
             )

@@ -70,7 +70,8 @@ KV_LAYOUTS = ("padded", "packed", "paged")
 # 322.7, 128 x 2 x 4k 502.4 against 633.7, 132 x 16k 1064 against 1314; 16 heads 16 x 32k
 # 207.9 against 210.0, 64 x 8k 207.0 against 210.6.
 SEESAW_MAX_TOKENS = {16: 1, 64: 2, 128: 2}
-# Whether the plan routes by seesaw_routes (off: the forward kernel's latent path, for A/B).
+# Whether the plan routes by seesaw_routes (off: the forward kernel's latent path, for A/B;
+# FP8 latent calls, which only the seesaw kernel reads, then raise).
 SEESAW_ROUTING = True
 
 
@@ -146,9 +147,8 @@ class CallShape:
         """Why the absorbed-MLA decode kernel (kernels/mla_decode/, AttentionConfig.seesaw)
         cannot serve this shape, or None: it serves the latent (576 wide, V its first 512
         columns) or qv form (16-bit; the latent form's cache also FP8), over a padded or paged
-        cache with per-sequence lengths
-        (seqused_k), padded queries, plain or causal (the cache's layout is checked where its
-        page size is known)."""
+        cache with per-sequence lengths (seqused_k), padded queries, plain or causal (the
+        cache's layout is checked where its page size is known)."""
         if not ((self.v_in_k or self.qv) and (self.head_dim, self.head_dim_v) == (576, 512)):
             return "absorbed MLA only (head_dim 576, head_dim_v 512, V in K's columns or qv)"
         if self.kv_layout == "packed" or not self.seqused_k:
@@ -317,6 +317,8 @@ class ForwardVariant(CallShape):
                 problem = "pages of a multiple of 64 keys (TMA boxes of whole key blocks)"
             if problem is None and c.trace:
                 problem = "no trace"
+            if problem is None and self.kv_dtype and c.producer_registers < 40:
+                problem = "an FP8 cache's converting warps need producer_registers >= 40"
             if problem is not None:
                 problems.append(f"the seesaw (latent decode) kernel: {problem}")
         if self.leftpad_k and not (self.kv_layout == "padded" or self.gather_page_size):
@@ -529,15 +531,13 @@ def plan_forward(
                 problem.v_in_k or problem.qv,
             )
     fp8_latent = problem.kv_dtype is not None and (problem.v_in_k or problem.qv)
-    if fp8_latent and not (caller_config.seesaw if caller_config else routes_seesaw(problem)):
-        raise NotImplementedError(
-            f"an FP8 latent cache (absorbed MLA, kv_dtype {problem.kv_dtype}) is read by the "
-            "latent decode kernel only: the latent form (v a view of k's first 512 of 576 "
-            "columns), padded or paged (pages of a multiple of 64) caches with cache_seqlens, "
-            f"q heads per latent head and tokens up to {SEESAW_MAX_TOKENS}; got "
-            f"{problem.nheads} q heads on {problem.nheads_kv} kv heads, "
-            f"{problem.max_seqlen_q} tokens ({problem.seesaw_problem() or 'shape not routed'})"
-        )
+    if fp8_latent and problem.kv_capacity > 0:
+        refusal = _fp8_latent_refusal(problem, caller_config)
+        if refusal:
+            raise NotImplementedError(
+                f"an FP8 latent cache (absorbed MLA, kv_dtype {problem.kv_dtype}) is read by "
+                f"the latent decode kernel only, which this call cannot take: {refusal}"
+            )
     fp8_math = caller_config is None and serves_fp8_math(problem)
     if fp8_math:
         config = fp8_math_config(
@@ -633,6 +633,28 @@ def _combine_merges(problem: Problem, num_splits: int, split_bytes: int) -> bool
         return False
     wide = problem.head_dim_v > 256 and split_bytes >= WIDE_PARTIAL_BYTES
     return wide or num_splits * split_bytes > MERGE_IN_KERNEL_BYTES
+
+
+def _fp8_latent_refusal(problem: Problem, caller_config) -> Optional[str]:
+    """Why an FP8 latent call cannot run on the seesaw kernel (the only one that reads an
+    FP8 latent cache), or None."""
+    if caller_config is not None:
+        return None if caller_config.seesaw else "config: a caller's config without seesaw"
+    if _tracing:
+        return "tracing (the seesaw kernel has no trace)"
+    if not SEESAW_ROUTING:
+        return "plan.SEESAW_ROUTING is off"
+    if problem.seesaw_problem() is not None:
+        return problem.seesaw_problem()
+    if problem.kv_layout == "paged" and problem.page_size % 64:
+        return f"page_size {problem.page_size}: pages of a multiple of 64 keys"
+    if not seesaw_routes(problem):
+        return (
+            f"{problem.nheads} q heads on {problem.nheads_kv} kv heads, "
+            f"{problem.max_seqlen_q} tokens: served are one latent head with q heads and "
+            f"tokens up to {SEESAW_MAX_TOKENS}"
+        )
+    return None
 
 
 def routes_seesaw(problem: Problem) -> bool:

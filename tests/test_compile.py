@@ -604,9 +604,9 @@ SEESAW_KEYS = [
 ]
 
 
-# ... and on an FP8 latent cache (kernels/mla_decode/fp8_loads.py): its converting warps and
-# MMA warps share a register file both want more of, and ptxas spills a few bytes at the split
-# kept (PERF_NOTES "Wide heads and MLA"): held to FP8_SEESAW_SPILL_BYTES, not clean.
+# ... and on an FP8 latent cache (kernels/mla_decode/fp8_loads.py): the non-causal variant
+# compiles clean; in the causal one the MMA warps (232 registers beside the converters' 40)
+# spill a little, held to FP8_SEESAW_CAUSAL_SPILL_BYTES (PERF_NOTES "Wide heads and MLA").
 def _fp8_seesaw(dtype, causal, kv_layout="paged", **flags) -> ForwardVariant:
     return ragged(
         dtype, 576, causal, seesaw_config(kv_fp8=True), True, kv_layout=kv_layout,
@@ -617,9 +617,9 @@ def _fp8_seesaw(dtype, causal, kv_layout="paged", **flags) -> ForwardVariant:
 
 FP8_SEESAW_KEYS = [
     _fp8_seesaw("bfloat16", False, page_box_rows=64, split=True, combine_launch=True),
-    _fp8_seesaw("float16", True, kv_layout="padded"),
 ]
-FP8_SEESAW_SPILL_BYTES = 400  # stores and loads (measured 0, and 372 causal)
+FP8_SEESAW_CAUSAL_KEYS = [_fp8_seesaw("float16", True, kv_layout="padded")]
+FP8_SEESAW_CAUSAL_SPILL_BYTES = 400  # stores and loads (measured 372)
 
 
 # Traced variants (AttentionConfig.trace): one CTA per tile, persistent, split with the merge
@@ -757,7 +757,8 @@ def test_fp8_math_keys_are_fp8_math():
     + TRACE_KEYS
     + FP8_KEYS
     + FP8_MATH_KEYS
-    + SEESAW_KEYS,
+    + SEESAW_KEYS
+    + FP8_SEESAW_KEYS,
     ids=_id,
 )
 def test_variant_compiles_clean(key):
@@ -766,10 +767,10 @@ def test_variant_compiles_clean(key):
     assert report.target == "sm_90a" and report.instruction_counts["wgmma.mma_async"] > 0
 
 
-@pytest.mark.parametrize("key", FP8_SEESAW_KEYS, ids=_id)
-def test_fp8_latent_variants_compile_within_their_spills(key):
+@pytest.mark.parametrize("key", FP8_SEESAW_CAUSAL_KEYS, ids=_id)
+def test_causal_fp8_latent_variants_compile_within_their_spills(key):
     report = compile_with_ptx_report(key)
-    assert report.spill_bytes <= FP8_SEESAW_SPILL_BYTES, report.problems()
+    assert report.spill_bytes <= FP8_SEESAW_CAUSAL_SPILL_BYTES, report.problems()
     others = [p for p in report.problems() if "spill" not in p]
     assert not others and report.instruction_counts["wgmma.mma_async"] > 0, others
 

@@ -649,7 +649,7 @@ def test_fp8_latent_cache_takes_the_seesaw_kernel_or_is_refused(problem, routed,
 
     fp8 = dataclasses.replace(problem, kv_dtype="float8_e4m3fn")
     if not routed:
-        with pytest.raises(NotImplementedError, match="FP8 latent cache"):
+        with pytest.raises(NotImplementedError, match="FP8 latent cache.* q heads on 1 kv"):
             plan_forward(fp8, 132, num_splits=0)
         return
     plan, bf16 = plan_forward(fp8, 132, num_splits=0), plan_forward(problem, 132, num_splits=0)
@@ -657,9 +657,16 @@ def test_fp8_latent_cache_takes_the_seesaw_kernel_or_is_refused(problem, routed,
     assert plan.variant.kv_dtype == "float8_e4m3fn" and plan.num_splits == bf16.num_splits
     # The producer warpgroup converts: more registers there, fewer in the MMA warps.
     assert plan.variant.config.producer_registers > bf16.variant.config.producer_registers
-    assert plan.variant.config.register_split_problem() is None
+    # A caller's config: the seesaw with the converters' registers, or refused by name.
+    assert plan_forward(fp8, 132, seesaw_config(kv_fp8=True), 0).variant.config.seesaw
+    with pytest.raises(ValueError, match="producer_registers >= 40"):
+        plan_forward(fp8, 132, seesaw_config(), 0)
+    with pytest.raises(NotImplementedError, match="config: a caller's config without seesaw"):
+        plan_forward(fp8, 132, bf16.variant.config.replace(seesaw=False), 0)
+    # An empty cache: no kernel (as with bf16), not a refusal.
+    assert plan_forward(dataclasses.replace(fp8, kv_capacity=0), 132, num_splits=0).variant is None
     monkeypatch.setattr(plan_module, "SEESAW_ROUTING", False)
-    with pytest.raises(NotImplementedError, match="FP8 latent cache"):
+    with pytest.raises(NotImplementedError, match="SEESAW_ROUTING is off"):
         plan_forward(fp8, 132, num_splits=0)
     # The qv form reads 16-bit caches only.
     qv = dataclasses.replace(fp8, v_in_k=False, qv=True)

@@ -115,7 +115,8 @@ class ForwardFacts:
     @cached_property
     def clears_v_tail(self) -> bool:
         """Whether K/V rows past a sequence's end can be loaded (Mainloop._clear_v_tail; with
-        an FP8 cache the converting warps write them as zeros instead)."""
+        an FP8 cache the forward kernel's converting warps write them as zeros instead; the
+        latent decode kernel's do not, and it clears them itself: Seesaw._clear_v_tail)."""
         v = self.variant
         return not self.kv_fp8 and (
             v.kv_layout != "padded" or v.seqused_k or v.scalar_kv_length or v.leftpad_k

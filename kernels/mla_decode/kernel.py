@@ -259,7 +259,7 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
                     ]
                     LatentBlockLoads.create(
                         atoms, loads, sK, rings, self.variant, tile.head_kv_idx, tile.batch_idx,
-                        shapes.page_table, staged if const_expr(self.kv_fp8) else None,
+                        shapes.page_table, staged,
                     ).load_blocks(n_block_min, n_block_max, states)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.config.mma_registers)

@@ -431,8 +431,9 @@ class Seesaw(Piece):
         partial, zero its V rows past the last key in this warpgroup's columns (P is 0 there,
         but the rows hold whatever follows the sequence: 0 * NaN would reach O). Block a's
         readers of those columns are done (its scores) or are this warpgroup."""
-        # (An FP8 cache's converting warps leave those rows as they are, too. Without this
-        # clear, ptxas serialized the FP8 variants' WGMMAs: C7515.)
+        # (An FP8 cache's converting warps leave those rows as they are too, NaN bytes
+        # included: needed there as well. Without it ptxas also serialized the FP8 variants'
+        # WGMMAs, C7515.)
         if const_expr(self.clears_v_tail or self.kv_fp8):
             if n_block == ops.last_block and ops.tail_keys < KEYS:
                 half = cute.local_tile(buf.sV[None, None, 0], (KEYS, HALF_V), (0, warpgroup_idx))
