@@ -18,7 +18,7 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
 PIECE = 16  # elements per thread and step: one 16-byte FP8 load, or two 16-byte 16-bit loads
 FP16_MAX = 65504.0
@@ -27,6 +27,27 @@ BATCH = 4  # pieces loaded ahead of their stores (11: 4% slower, 1: 22% slower)
 # the warpgroup's other two convert. (H200, batch 8 x 32k keys, page 1: one gathering warp
 # 304 us, two 217, three 436.)
 FP8_GATHER_WARPS = 2
+
+
+def fold_descales(shapes, tile, scale_log2):
+    """(the softmax scale in log2 units with a tile's score descales folded in: q's with FP8
+    math, K's with an FP8 cache; V's descale, or None) of the tile's batch and kv head (shapes:
+    the launch's ProblemShapes, whose descales are (batch, nheads_kv) fp32)."""
+    if const_expr(shapes.q_descale is not None):
+        scale_log2 = scale_log2 * shapes.q_descale[tile.batch_idx, tile.head_kv_idx]
+    if const_expr(shapes.k_descale is not None):
+        scale_log2 = scale_log2 * shapes.k_descale[tile.batch_idx, tile.head_kv_idx]
+    v_descale = None
+    if const_expr(shapes.v_descale is not None):
+        v_descale = shapes.v_descale[tile.batch_idx, tile.head_kv_idx]
+    return scale_log2, v_descale
+
+
+def apply_v_descale(inv_row_sum: cute.Tensor, v_descale) -> None:
+    """V's descale folded into the rows' final 1 / row sum (None: nothing)."""
+    if const_expr(v_descale is not None):
+        for r in range(cute.size(inv_row_sum)):  # (a plain Python loop: not a jit function)
+            inv_row_sum[r] = inv_row_sum[r] * v_descale
 
 
 @cute.jit

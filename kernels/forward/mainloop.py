@@ -16,7 +16,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from .. import hopper_mma, trace_records
-from ..kv_dequant import convert_block
+from ..kv_dequant import apply_v_descale, convert_block, fold_descales
 from ..masking import AttentionMask
 from ..named_barriers import NamedBarrier
 from ..softmax import (
@@ -156,9 +156,7 @@ class Mainloop(Piece):
             if const_expr(self.split_scores):
                 softmax.combine_halves(ctx.halves)
             inv_row_sum, row_lse = softmax.finalize(sink_log2)
-            if const_expr(v_descale is not None):
-                for r in cutlass.range_constexpr(cute.size(inv_row_sum)):
-                    inv_row_sum[r] = inv_row_sum[r] * v_descale
+            apply_v_descale(inv_row_sum, v_descale)
             rescale_rows(acc_O, inv_row_sum)
             lse.store(row_lse.load())
         else:
@@ -221,17 +219,7 @@ class Mainloop(Piece):
             tPsP = smem_copy_P.partition_D(buf.sP)
         # FP8 K/V: K's descale (and with FP8 math q's) multiplies every score (folded into the
         # softmax scale), V's every output row (folded into the final 1 / row sum).
-        v_descale = None
-        if const_expr(shapes.q_descale is not None):
-            softmax_scale_log2 = (
-                softmax_scale_log2 * shapes.q_descale[tile.batch_idx, tile.head_kv_idx]
-            )
-        if const_expr(shapes.k_descale is not None):
-            softmax_scale_log2 = (
-                softmax_scale_log2 * shapes.k_descale[tile.batch_idx, tile.head_kv_idx]
-            )
-        if const_expr(shapes.v_descale is not None):
-            v_descale = shapes.v_descale[tile.batch_idx, tile.head_kv_idx]
+        softmax_scale_log2, v_descale = fold_descales(shapes, tile, softmax_scale_log2)
         # Softcap: the scores become tanh(s * scale / softcap), and the softmax's scale is
         # softcap * log2(e).
         softcap_prescale = None

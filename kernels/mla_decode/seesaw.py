@@ -40,7 +40,7 @@ from .. import hopper_mma
 from ..forward.facts import THREADS_PER_WARPGROUP, Piece
 from ..forward.mainloop import zero_rows_from
 from ..forward.records import MmaSetup, TileResult
-from ..kv_dequant import convert_block
+from ..kv_dequant import apply_v_descale, convert_block, fold_descales
 from ..masking import AttentionMask
 from ..named_barriers import NamedBarrier
 from ..softmax import (
@@ -141,14 +141,8 @@ class Seesaw(Piece):
         releases the halves it reads."""
         seqlen, block_range, n_block_min, n_block_max = self.tile_problem(tile, shapes)
         # An FP8 cache's descales: K's multiplies every score, V's every O row.
-        v_descale = None
-        if const_expr(shapes.k_descale is not None):
-            k_descale = shapes.k_descale[tile.batch_idx, tile.head_kv_idx]
-            setup = dataclasses.replace(
-                setup, softmax_scale_log2=setup.softmax_scale_log2 * k_descale
-            )
-        if const_expr(shapes.v_descale is not None):
-            v_descale = shapes.v_descale[tile.batch_idx, tile.head_kv_idx]
+        scale_log2, v_descale = fold_descales(shapes, tile, setup.softmax_scale_log2)
+        setup = dataclasses.replace(setup, softmax_scale_log2=scale_log2)
         ops = self._operands(mmas, buf, setup, tile, seqlen, block_range, n_block_max)
         acc_O, softmax = ops.acc_O, ops.softmax
         acc_O.fill(0.0)
@@ -192,9 +186,7 @@ class Seesaw(Piece):
             )
             softmax.combine_halves(halves)
             inv_row_sum, row_lse = softmax.finalize()
-            if const_expr(v_descale is not None):
-                for r in cutlass.range_constexpr(cute.size(inv_row_sum)):
-                    inv_row_sum[r] = inv_row_sum[r] * v_descale
+            apply_v_descale(inv_row_sum, v_descale)
             rescale_rows(acc_O, inv_row_sum)
             lse.store(row_lse.load())
         return TileResult(acc_O=acc_O, lse=lse, seqlen=seqlen)
