@@ -584,7 +584,7 @@ def plan_forward(
             num_splits = min(num_splits, combine_launch_split_cap(n_blocks))
     if problem.kv_capacity == 0:  # no keys: nothing for a kernel (or TMA) to read
         return ForwardPlan(None, num_splits, max_ctas, 0)
-    if caller_config is None and routes_seesaw(problem):
+    if caller_config is None and SEESAW_ROUTING and seesaw_routes(problem):
         # (the latent config's tiles: the split count stands)
         config = seesaw_config(kv_fp8=problem.kv_dtype is not None)
     split = num_splits > 1
@@ -640,41 +640,36 @@ def _fp8_latent_refusal(problem: Problem, caller_config) -> Optional[str]:
     FP8 latent cache), or None."""
     if caller_config is not None:
         return None if caller_config.seesaw else "config: a caller's config without seesaw"
-    if _tracing:
-        return "tracing (the seesaw kernel has no trace)"
     if not SEESAW_ROUTING:
         return "plan.SEESAW_ROUTING is off"
+    return seesaw_route_problem(problem)
+
+
+def seesaw_routes(problem: Problem) -> bool:
+    """Whether absorbed-MLA decode takes the seesaw kernel (kernels/mla_decode/) rather than
+    the forward kernel's latent path (seesaw_route_problem)."""
+    return seesaw_route_problem(problem) is None
+
+
+def seesaw_route_problem(problem: Problem) -> Optional[str]:
+    """Why the problem does not take the seesaw kernel, or None where it does: a shape it
+    serves (CallShape.seesaw_problem; pages of a multiple of 64 keys), not traced, with the q
+    heads and tokens its GPU tests cover (SEESAW_MAX_TOKENS: 16 heads one token, 64 or 128
+    heads up to two, on one latent head), where it measured at least as fast, split or not."""
     if problem.seesaw_problem() is not None:
         return problem.seesaw_problem()
+    if _tracing:
+        return "tracing (the seesaw kernel has no trace)"
     if problem.kv_layout == "paged" and problem.page_size % 64:
         return f"page_size {problem.page_size}: pages of a multiple of 64 keys"
-    if not seesaw_routes(problem):
+    max_tokens = SEESAW_MAX_TOKENS.get(problem.nheads) if problem.nheads_kv == 1 else None
+    if max_tokens is None or problem.max_seqlen_q > max_tokens:
         return (
             f"{problem.nheads} q heads on {problem.nheads_kv} kv heads, "
             f"{problem.max_seqlen_q} tokens: served are one latent head with q heads and "
             f"tokens up to {SEESAW_MAX_TOKENS}"
         )
     return None
-
-
-def routes_seesaw(problem: Problem) -> bool:
-    """Whether the plan sends the problem to the seesaw kernel (SEESAW_ROUTING on and
-    seesaw_routes)."""
-    return SEESAW_ROUTING and seesaw_routes(problem)
-
-
-def seesaw_routes(problem: Problem) -> bool:
-    """Whether absorbed-MLA decode takes the seesaw kernel (kernels/mla_decode/) rather than
-    the forward kernel's latent path: a shape it serves (CallShape.seesaw_problem; pages of a
-    multiple of 64 keys) with the q heads and tokens its GPU tests cover (SEESAW_MAX_TOKENS:
-    16 heads one token, 64 or 128 heads up to two, on one latent head), where it measured at
-    least as fast, split or not."""
-    if problem.seesaw_problem() is not None or _tracing:
-        return False
-    if problem.kv_layout == "paged" and problem.page_size % 64:
-        return False
-    max_tokens = SEESAW_MAX_TOKENS.get(problem.nheads) if problem.nheads_kv == 1 else None
-    return max_tokens is not None and problem.max_seqlen_q <= max_tokens
 
 
 def serves_fp8_math(problem: Problem) -> bool:
