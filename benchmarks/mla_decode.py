@@ -12,7 +12,8 @@ nheads * q tokens * keys * (576 + 512), the cache's TB/s (576 x 2 bytes per key 
 beside a same-run copy of those bytes (read + write), and the outputs' largest difference from
 the forward kernel's. Run from the repository root on a GPU:
 
-    python benchmarks/mla_decode.py        (env: ROUNDS=5, POINTS=0,2 to pick, PAGED=1)
+    python benchmarks/mla_decode.py        (env: ROUNDS=5, POINTS=0,2 to pick, PAGED=1,
+                                            PEERS=seesaw,FA3 qv to keep only those)
 """
 
 import os
@@ -28,6 +29,7 @@ fa3 = timing.optional_fa3()
 BF16 = torch.bfloat16
 ROUNDS = int(os.environ.get("ROUNDS", "5"))
 PAGED = os.environ.get("PAGED", "1") == "1"
+PEERS = os.environ.get("PEERS")  # (the forward kernel is always kept: the reference)
 STEPS = 10  # decode calls per graph
 FP8_PAIRS = (("fp8", "seesaw"), ("fp8 p64", "seesaw p64"))  # (FP8 cache, its bf16 peer)
 D_LATENT, D_ROPE, PAGE = 512, 64, 64
@@ -40,6 +42,11 @@ POINTS = [
     (128, 132, 1, 16384),
     (16, 16, 1, 32768),
     (16, 64, 1, 8192),
+    # Tensor-parallel shards and speculative tokens beyond it (plan.SEESAW_HEADS).
+    (32, 64, 1, 8192),
+    (16, 64, 2, 8192),
+    (8, 64, 4, 8192),
+    (128, 32, 4, 4096),
 ]
 
 
@@ -80,6 +87,9 @@ def peers(heads, batch, seqlen_q, keys):
         steps["FA3 qv"] = lambda: fa3.flash_attn_with_kvcache(
             q_rope, k_rope, v_cache, qv=qv, softmax_scale=(D_LATENT + D_ROPE) ** -0.5, **common
         )
+    if PEERS:
+        kept = {"forward", *PEERS.split(",")}
+        steps = {name: fn for name, fn in steps.items() if name in kept}
     return steps
 
 
@@ -108,7 +118,7 @@ def main():
             )
         print(
             "  fp8 vs bf16: "
-            + ", ".join(f"{n} {us[b] / us[n]:.2f}x" for n, b in FP8_PAIRS if n in us),
+            + ", ".join(f"{n} {us[b] / us[n]:.2f}x" for n, b in FP8_PAIRS if n in us and b in us),
             flush=True,
         )
         if "FA3 qv" in us:

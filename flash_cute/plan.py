@@ -64,12 +64,15 @@ MERGE_IN_KERNEL_BYTES = 1 << 20
 WIDE_PARTIAL_BYTES = 16 * 512 * 4
 KV_LAYOUTS = ("padded", "packed", "paged")
 # Absorbed-MLA decode takes the seesaw kernel (seesaw_routes) for these q heads on one latent
-# head and up to this many query tokens: the shapes its GPU tests cover. H100, bf16, graph
-# replays beside the forward kernel's latent path, same process (2fdb219, BENCHMARKS.md): 128
-# heads 1 x 8k 25.0 us against 27.3, 8 x 16k (split) 78.9 against 87.2, 64 x 8k 265.4 against
-# 322.7, 128 x 2 x 4k 502.4 against 633.7, 132 x 16k 1064 against 1314; 16 heads 16 x 32k
-# 207.9 against 210.0, 64 x 8k 207.0 against 210.6.
-SEESAW_MAX_TOKENS = {16: 1, 64: 2, 128: 2}
+# head (DeepSeek V3's 128 and Kimi K2's 64 under tensor parallelism of 1-16) and up to this
+# many query tokens (1-4: speculative decoding): the shapes its GPU tests cover. H100, bf16,
+# graph replays beside the forward kernel's latent path, same process (2fdb219,
+# BENCHMARKS.md): 128 heads 1 x 8k 25.0 us against 27.3, 8 x 16k (split) 78.9 against 87.2,
+# 64 x 8k 265.4 against 322.7, 128 x 2 x 4k 502.4 against 633.7, 132 x 16k 1064 against 1314;
+# 16 heads 16 x 32k 207.9 against 210.0, 64 x 8k 207.0 against 210.6. The heads and token
+# counts beyond those (8 and 32 heads, 3-4 tokens): BENCHMARKS.md "MLA and wide heads".
+SEESAW_HEADS = (8, 16, 32, 64, 128)
+SEESAW_MAX_TOKENS = 4
 # Whether the plan routes by seesaw_routes (off: the forward kernel's latent path, for A/B;
 # FP8 latent calls, which only the seesaw kernel reads, then raise).
 SEESAW_ROUTING = True
@@ -654,20 +657,23 @@ def seesaw_routes(problem: Problem) -> bool:
 def seesaw_route_problem(problem: Problem) -> Optional[str]:
     """Why the problem does not take the seesaw kernel, or None where it does: a shape it
     serves (CallShape.seesaw_problem; pages of a multiple of 64 keys), not traced, with the q
-    heads and tokens its GPU tests cover (SEESAW_MAX_TOKENS: 16 heads one token, 64 or 128
-    heads up to two, on one latent head), where it measured at least as fast, split or not."""
+    heads and tokens its GPU tests cover (SEESAW_HEADS on one latent head, up to
+    SEESAW_MAX_TOKENS tokens), where it measured at least as fast, split or not."""
     if problem.seesaw_problem() is not None:
         return problem.seesaw_problem()
     if _tracing:
         return "tracing (the seesaw kernel has no trace)"
     if problem.kv_layout == "paged" and problem.page_size % 64:
         return f"page_size {problem.page_size}: pages of a multiple of 64 keys"
-    max_tokens = SEESAW_MAX_TOKENS.get(problem.nheads) if problem.nheads_kv == 1 else None
-    if max_tokens is None or problem.max_seqlen_q > max_tokens:
+    if (
+        problem.nheads_kv != 1
+        or problem.nheads not in SEESAW_HEADS
+        or problem.max_seqlen_q > SEESAW_MAX_TOKENS
+    ):
         return (
             f"{problem.nheads} q heads on {problem.nheads_kv} kv heads, "
-            f"{problem.max_seqlen_q} tokens: served are one latent head with q heads and "
-            f"tokens up to {SEESAW_MAX_TOKENS}"
+            f"{problem.max_seqlen_q} tokens: served are one latent head with q heads in "
+            f"{SEESAW_HEADS} and up to {SEESAW_MAX_TOKENS} tokens"
         )
     return None
 

@@ -1,6 +1,6 @@
 """GPU checks of the absorbed-MLA decode kernel (kernels/mla_decode/, config.seesaw): both call
 forms (FlashMLA's 576-wide latent with v its first 512 dims, FlashAttention-3's qv), padded and
-paged caches, 1-2 query tokens, 16-128 heads, splits, graph replay, bf16 and fp16, against the
+paged caches, 1-4 query tokens, 8-128 heads, splits, graph replay, bf16 and fp16, against the
 float32 reference on poisoned outputs. Each case plans its variant with the seesaw config and
 launches it through a launch plan."""
 
@@ -74,7 +74,36 @@ def _launch(problem, q, k, v, num_splits, **tensors):
 @pytest.mark.parametrize("page_size", [None, 64, 128])
 @pytest.mark.parametrize("seqlen_q, nheads", [(1, 128), (2, 64), (1, 16), (2, 128)])
 def test_decode(seqlen_q, nheads, page_size, num_splits, qv):
-    gen = torch.Generator(device="cuda").manual_seed(stable_seed("seesaw", seqlen_q, page_size))
+    _check_decode(seqlen_q, nheads, page_size, num_splits, qv)
+
+
+# The other head counts and token counts the plan routes here (plan.SEESAW_HEADS, up to
+# SEESAW_MAX_TOKENS): (tokens, heads, page_size, num_splits, qv), the forms spread over them.
+SHAPES = [
+    (1, 8, 64, 0, False),
+    (4, 8, None, 3, False),
+    (2, 16, 128, 0, False),
+    (4, 16, 64, 1, True),
+    (3, 16, None, 0, False),
+    (1, 32, None, 0, False),
+    (3, 32, 64, 3, False),
+    (2, 32, 64, 0, True),
+    (4, 64, 64, 0, False),
+    (3, 64, None, 1, True),
+    (3, 128, None, 1, False),
+    (4, 128, 64, 0, False),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda c: "s{}-h{}-p{}-n{}-qv{:d}".format(*c))
+def test_heads_and_tokens(shape):
+    _check_decode(*shape)
+
+
+def _check_decode(seqlen_q, nheads, page_size, num_splits, qv):
+    gen = torch.Generator(device="cuda").manual_seed(
+        stable_seed("seesaw", seqlen_q, nheads, page_size)
+    )
     case = _case(seqlen_q, nheads, page_size, torch.bfloat16, qv, gen)
     q, k, v, q_v, table, ref_q, ref_k, ref_v = case
     for cache in (k, v) if qv else (k,):  # (the latent's v is a view of k)
@@ -116,30 +145,34 @@ def test_dtypes_masks_and_graph_replay(dtype, causal):
 
 
 @pytest.mark.parametrize("qv", [False, True], ids=["latent", "qv"])
-def test_api_routes_latent_decode_here(qv):
-    """flash_attn_with_kvcache at a shape the plan sends to this kernel (128 heads, one token:
-    plan.seesaw_routes), against the reference."""
+@pytest.mark.parametrize("nheads, seqlen_q", [(128, 1), (16, 2)])
+def test_api_routes_latent_decode_here(nheads, seqlen_q, qv):
+    """flash_attn_with_kvcache at shapes the plan sends to this kernel (plan.seesaw_routes),
+    against the reference."""
     import flash_cute
     from flash_cute.runtime import KVCACHE_PLANS
 
     batch, keys = num_sms(0), 320
-    gen = torch.Generator(device="cuda").manual_seed(stable_seed("seesaw-api", qv))
+    gen = torch.Generator(device="cuda").manual_seed(
+        stable_seed("seesaw-api", nheads, seqlen_q, qv)
+    )
     lens = torch.randint(1, keys + 1, (batch,), device="cuda", dtype=torch.int32, generator=gen)
     call = dict(cache_seqlens=lens, causal=True, return_softmax_lse=True)
     KVCACHE_PLANS.clear()
+    new = dict(device="cuda", dtype=torch.bfloat16, generator=gen)
     if qv:
         k_rope, v_cache, table, k_pad, v_pad = make_cache(
             batch, keys, 1, D - DV, torch.bfloat16, 64, gen, head_dim_v=DV
         )
-        q = torch.randn(batch, 1, 128, D - DV, device="cuda", dtype=torch.bfloat16, generator=gen)
-        q_v = torch.randn(batch, 1, 128, DV, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q = torch.randn(batch, seqlen_q, nheads, D - DV, **new)
+        q_v = torch.randn(batch, seqlen_q, nheads, DV, **new)
         out, lse = flash_cute.flash_attn_with_kvcache(
             q, k_rope, v_cache, qv=q_v, page_table=table, **call
         )
         ref_q, ref_k = torch.cat([q_v, q], -1), torch.cat([v_pad, k_pad], -1)
     else:
         k_cache, _, table, k_pad, _ = make_cache(batch, keys, 1, D, torch.bfloat16, 64, gen)
-        q = torch.randn(batch, 1, 128, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q = torch.randn(batch, seqlen_q, nheads, D, **new)
         out, lse = flash_cute.flash_attn_with_kvcache(
             q, k_cache, k_cache[..., :DV], page_table=table, **call
         )

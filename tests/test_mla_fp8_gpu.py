@@ -1,7 +1,7 @@
 """GPU checks of absorbed-MLA decode on an FP8 (float8_e4m3fn) latent cache (the latent decode
 kernel, kernels/mla_decode/fp8_loads.py), through flash_attn_with_kvcache: FlashMLA's form (one
-576-wide cache, v a view of its first 512 columns), padded and paged caches, 1-2 query tokens,
-16-128 heads, splits, descales (none, one value, per batch and head), bf16 and fp16 q, graph
+576-wide cache, v a view of its first 512 columns), padded and paged caches, 1-4 query tokens,
+8-128 heads, splits, descales (none, one value, per batch and head), bf16 and fp16 q, graph
 replay. Against the float32 reference on the dequantized cache, within the bar of the same math
 in q's dtype on it (tests/test_fp8_kv_gpu.py's check); outputs poisoned, slots past each
 sequence NaN bytes."""
@@ -30,6 +30,11 @@ CASES = [
     (16, 1, 64, 0, torch.bfloat16, "tensor"),
     (16, 1, None, 1, torch.bfloat16, None),
     (16, 1, 256, 5, torch.float16, "tensor"),
+    (16, 2, None, 0, torch.bfloat16, "scalar"),
+    (8, 4, 64, 0, torch.bfloat16, "tensor"),
+    (32, 1, 64, 3, torch.float16, None),
+    (32, 3, 128, 0, torch.bfloat16, "tensor"),
+    (128, 4, 64, 0, torch.bfloat16, "tensor"),
 ]
 
 

@@ -565,32 +565,39 @@ def _latent_decode(batch, nheads, seqlen_q, keys, page_size=64, qv=False, **flag
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "problem, seesaw",
-    [
-        # 16 heads and 1 token, 64 or 128 heads and 1-2 tokens, split or not: the seesaw kernel.
-        (_latent_decode(64, 128, 1, 8192), True),
-        (_latent_decode(128, 128, 2, 4096), True),
-        (_latent_decode(132, 128, 1, 16384, page_size=None), True),
-        (_latent_decode(64, 128, 1, 8192, qv=True), True),
-        (_latent_decode(64, 128, 1, 8192, page_size=128), True),
-        (_latent_decode(8, 128, 1, 16384), True),
-        (_latent_decode(1, 128, 1, 8192), True),
-        (_latent_decode(64, 16, 1, 8192), True),
-        (_latent_decode(16, 64, 2, 8192), True),
-        # Pages no whole-block TMA box follows, unserved forms.
-        (_latent_decode(64, 128, 1, 8192, page_size=16), False),
-        (_latent_decode(64, 128, 1, 8192, window_left=1024), False),
-        (_latent_decode(64, 128, 1, 8192, seqused_k=False), False),
-        # Heads and tokens its GPU tests do not cover: 96 heads (32 to a tile), 8, 256; 16
-        # heads with 2 tokens, 128 with 4.
-        (_latent_decode(132, 96, 1, 8192), False),
-        (_latent_decode(64, 8, 1, 8192), False),
-        (_latent_decode(16, 256, 1, 8192), False),
-        (_latent_decode(64, 16, 2, 8192), False),
-        (_latent_decode(64, 128, 4, 8192), False),
-    ],
-)
+# (problem, whether the seesaw kernel takes it): one list for the 16-bit cache and the FP8 one.
+LATENT_ROUTES = [
+    # 8-128 heads (TP shards of 128 and 64 heads) and 1-4 tokens, split or not: the seesaw.
+    (_latent_decode(64, 128, 1, 8192), True),
+    (_latent_decode(128, 128, 2, 4096), True),
+    (_latent_decode(132, 128, 1, 16384, page_size=None), True),
+    (_latent_decode(64, 128, 1, 8192, qv=True), True),
+    (_latent_decode(64, 128, 1, 8192, page_size=128), True),
+    (_latent_decode(8, 128, 1, 16384), True),
+    (_latent_decode(1, 128, 1, 8192), True),
+    (_latent_decode(32, 128, 4, 4096), True),
+    (_latent_decode(64, 16, 1, 8192), True),
+    (_latent_decode(64, 16, 2, 8192), True),
+    (_latent_decode(16, 64, 2, 8192), True),
+    (_latent_decode(16, 64, 4, 8192, page_size=None), True),
+    (_latent_decode(64, 32, 1, 8192), True),
+    (_latent_decode(32, 32, 3, 8192), True),
+    (_latent_decode(64, 8, 1, 8192), True),
+    (_latent_decode(64, 8, 4, 8192), True),
+    # Pages no whole-block TMA box follows, unserved forms.
+    (_latent_decode(64, 128, 1, 8192, page_size=16), False),
+    (_latent_decode(64, 128, 1, 8192, window_left=1024), False),
+    (_latent_decode(64, 128, 1, 8192, seqused_k=False), False),
+    # Heads and tokens its GPU tests do not cover: 96, 24 and 256 heads, 5 tokens.
+    (_latent_decode(132, 96, 1, 8192), False),
+    (_latent_decode(64, 24, 1, 8192), False),
+    (_latent_decode(16, 256, 1, 8192), False),
+    (_latent_decode(64, 16, 5, 8192), False),
+    (_latent_decode(64, 128, 5, 8192), False),
+]
+
+
+@pytest.mark.parametrize("problem, seesaw", LATENT_ROUTES)
 def test_absorbed_mla_decode_takes_the_seesaw_kernel_where_it_wins(problem, seesaw, monkeypatch):
     from flash_cute import plan as plan_module
 
@@ -631,26 +638,18 @@ def test_seesaw_variants_that_cannot_run_are_refused():
             variant(**flags)
 
 
-@pytest.mark.parametrize(
-    "problem, routed",
-    [
-        (_latent_decode(132, 128, 1, 16384), True),
-        (_latent_decode(64, 16, 1, 8192), True),
-        (_latent_decode(8, 64, 2, 8192), True),
-        # Shapes the seesaw's GPU tests do not cover: the forward kernel's FP8 path takes no
-        # latent, so these are refused, not served another way.
-        (_latent_decode(132, 96, 1, 8192), False),
-        (_latent_decode(64, 16, 2, 8192), False),
-    ],
-)
+@pytest.mark.parametrize("problem, routed", LATENT_ROUTES)
 def test_fp8_latent_cache_takes_the_seesaw_kernel_or_is_refused(problem, routed, monkeypatch):
     from flash_cute import plan as plan_module
     from flash_cute.config import seesaw_config
 
     fp8 = dataclasses.replace(problem, kv_dtype="float8_e4m3fn")
-    if not routed:
-        with pytest.raises(NotImplementedError, match="FP8 latent cache.* q heads on 1 kv"):
+    if not routed or problem.qv:  # (the qv form reads 16-bit caches only)
+        # The forward kernel's FP8 path takes no latent: refused, naming why, not served
+        # another way.
+        with pytest.raises(NotImplementedError, match="FP8 latent cache") as refusal:
             plan_forward(fp8, 132, num_splits=0)
+        assert plan_module.seesaw_route_problem(fp8) in str(refusal.value)
         return
     plan, bf16 = plan_forward(fp8, 132, num_splits=0), plan_forward(problem, 132, num_splits=0)
     assert plan.variant.config == seesaw_config(kv_fp8=True) != bf16.variant.config
