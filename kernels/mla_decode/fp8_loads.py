@@ -30,6 +30,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Int32, const_expr
 
+from ..kv_dequant import PIECE  # e4m3 values per converting step: one 16-byte load, two stores
 from ..named_barriers import NamedBarrier
 from .loads import (
     BOX,
@@ -41,7 +42,6 @@ from .loads import (
     walk_halves,
 )
 
-PIECE = 16  # e4m3 values per converting step: one 16-byte load, two 16-byte fp16 stores
 PIECES_PER_BOX = BOX * BOX // PIECE
 CONVERT_WARPS = 3  # the producer warpgroup's warps 1-3 (warp 0 issues the TMA)
 CONVERT_THREADS = 32 * CONVERT_WARPS
