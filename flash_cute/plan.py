@@ -533,9 +533,11 @@ def plan_forward(
                 problem.head_dim_v,
                 problem.v_in_k or problem.qv,
             )
+    # Why the plan does not send the call to the seesaw kernel (None: it does), decided once.
+    seesaw_refusal = seesaw_route_problem(problem) if caller_config is None else "caller config"
     fp8_latent = problem.kv_dtype is not None and (problem.v_in_k or problem.qv)
     if fp8_latent and problem.kv_capacity > 0:
-        refusal = _fp8_latent_refusal(problem, caller_config)
+        refusal = _fp8_latent_refusal(caller_config, seesaw_refusal)
         if refusal:
             raise NotImplementedError(
                 f"an FP8 latent cache (absorbed MLA, kv_dtype {problem.kv_dtype}) is read by "
@@ -587,7 +589,7 @@ def plan_forward(
             num_splits = min(num_splits, combine_launch_split_cap(n_blocks))
     if problem.kv_capacity == 0:  # no keys: nothing for a kernel (or TMA) to read
         return ForwardPlan(None, num_splits, max_ctas, 0)
-    if caller_config is None and SEESAW_ROUTING and seesaw_routes(problem):
+    if seesaw_refusal is None:
         # (the latent config's tiles: the split count stands)
         config = seesaw_config(kv_fp8=problem.kv_dtype is not None)
     split = num_splits > 1
@@ -638,14 +640,13 @@ def _combine_merges(problem: Problem, num_splits: int, split_bytes: int) -> bool
     return wide or num_splits * split_bytes > MERGE_IN_KERNEL_BYTES
 
 
-def _fp8_latent_refusal(problem: Problem, caller_config) -> Optional[str]:
+def _fp8_latent_refusal(caller_config, seesaw_refusal: Optional[str]) -> Optional[str]:
     """Why an FP8 latent call cannot run on the seesaw kernel (the only one that reads an
-    FP8 latent cache), or None."""
+    FP8 latent cache), or None: a caller's config without seesaw, or the plan's reason for
+    not routing it there (seesaw_route_problem)."""
     if caller_config is not None:
         return None if caller_config.seesaw else "config: a caller's config without seesaw"
-    if not SEESAW_ROUTING:
-        return "plan.SEESAW_ROUTING is off"
-    return seesaw_route_problem(problem)
+    return seesaw_refusal
 
 
 def seesaw_routes(problem: Problem) -> bool:
@@ -655,12 +656,16 @@ def seesaw_routes(problem: Problem) -> bool:
 
 
 def seesaw_route_problem(problem: Problem) -> Optional[str]:
-    """Why the problem does not take the seesaw kernel, or None where it does: a shape it
-    serves (CallShape.seesaw_problem; pages of a multiple of 64 keys), not traced, with the q
-    heads and tokens its GPU tests cover (SEESAW_HEADS on one latent head, up to
-    SEESAW_MAX_TOKENS tokens), where it measured at least as fast, split or not."""
-    if problem.seesaw_problem() is not None:
-        return problem.seesaw_problem()
+    """Why the plan does not send the problem to the seesaw kernel, or None where it does:
+    routing on (SEESAW_ROUTING), a shape it serves (CallShape.seesaw_problem; pages of a
+    multiple of 64 keys), not traced, with the q heads and tokens its GPU tests cover
+    (SEESAW_HEADS on one latent head, up to SEESAW_MAX_TOKENS tokens), where it measured at
+    least as fast, split or not."""
+    if not SEESAW_ROUTING:
+        return "plan.SEESAW_ROUTING is off"
+    unserved = problem.seesaw_problem()
+    if unserved is not None:
+        return unserved
     if _tracing:
         return "tracing (the seesaw kernel has no trace)"
     if problem.kv_layout == "paged" and problem.page_size % 64:
