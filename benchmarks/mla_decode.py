@@ -60,37 +60,41 @@ def peers(heads, batch, seqlen_q, keys):
     v = latent[..., :D_LATENT]
     forward = decode_config(D_LATENT + D_ROPE, "bfloat16", D_LATENT, v_in_k=True)
     seesaw = seesaw_config()
-    steps = {
-        "forward": lambda: kvcache(q, latent, v, config=forward, **common),
-        "seesaw": lambda: kvcache(q, latent, v, config=seesaw, **common),
-    }
-    if PAGED:
+    steps = {"forward": lambda: kvcache(q, latent, v, config=forward, **common)}
+    if kept("seesaw"):
+        steps["seesaw"] = lambda: kvcache(q, latent, v, config=seesaw, **common)
+    paged_peers = PAGED and (kept("seesaw p64") or kept("fp8 p64"))
+    if paged_peers:
         pages = keys // PAGE
         table = torch.randperm(batch * pages, device="cuda").to(torch.int32).view(batch, pages)
         paged = torch.empty(batch * pages, PAGE, 1, D_LATENT + D_ROPE, device="cuda", dtype=BF16)
         paged[table.long()] = latent.view(batch, pages, PAGE, 1, D_LATENT + D_ROPE)
+    if paged_peers and kept("seesaw p64"):
         steps["seesaw p64"] = lambda: kvcache(
             q, paged, paged[..., :D_LATENT], page_table=table, config=seesaw, **common
         )
     descale = torch.ones(batch, 1, device="cuda")
     fp8 = dict(k_descale=descale, v_descale=descale, **common)
-    latent8 = latent.to(torch.float8_e4m3fn)
-    steps["fp8"] = lambda: kvcache(q, latent8, latent8[..., :D_LATENT], **fp8)
-    if PAGED:
+    if kept("fp8"):
+        latent8 = latent.to(torch.float8_e4m3fn)
+        steps["fp8"] = lambda: kvcache(q, latent8, latent8[..., :D_LATENT], **fp8)
+    if paged_peers and kept("fp8 p64"):
         paged8 = paged.to(torch.float8_e4m3fn)
         steps["fp8 p64"] = lambda: kvcache(
             q, paged8, paged8[..., :D_LATENT], page_table=table, **fp8
         )
-    if fa3 is not None:
+    if fa3 is not None and kept("FA3 qv"):
         q_rope, qv = q[..., D_LATENT:].contiguous(), q[..., :D_LATENT].contiguous()
         k_rope, v_cache = latent[..., D_LATENT:].contiguous(), v.contiguous()
         steps["FA3 qv"] = lambda: fa3.flash_attn_with_kvcache(
             q_rope, k_rope, v_cache, qv=qv, softmax_scale=(D_LATENT + D_ROPE) ** -0.5, **common
         )
-    if PEERS:
-        kept = {"forward", *PEERS.split(",")}
-        steps = {name: fn for name, fn in steps.items() if name in kept}
     return steps
+
+
+def kept(name: str) -> bool:
+    """Whether PEERS keeps the peer (all without it; the forward kernel always)."""
+    return not PEERS or name == "forward" or name in PEERS.split(",")
 
 
 def main():

@@ -229,6 +229,8 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.config.producer_registers)
+            # (Each role computes the tile's blocks itself: computed once above both, the FP8
+            # variant's producer warps spill at 40 registers.)
             if const_expr(self.kv_fp8):  # the converting warps
                 if warp_idx >= 4 - CONVERT_WARPS:
                     _, _, n_block_min, n_block_max = self.tile_problem(tile, shapes)
