@@ -85,9 +85,9 @@ def seesaw_config(kv_fp8: bool = False) -> "AttentionConfig":
     """The absorbed-MLA decode kernel's config (kernels/mla_decode/, AttentionConfig.seesaw):
     the latent's wide config with the seesaw, and the registers of a producer that only issues
     TMA (24) beside MMA warps holding half of O, a block's scores, P and Q's rope part (240).
-    kv_fp8: an FP8 latent cache, whose producer warpgroup also converts (40; the MMA warps
-    232. H100, 72 / 216 the same speed within 2%; at 40 the non-causal variants have no
-    spills)."""
+    kv_fp8: an FP8 latent cache, which the MMA warpgroups convert (kernels/mla_decode/
+    fp8_loads.py): 40 / 232, the split its GPU tests and timings ran with (chosen when spare
+    producer warps converted; 24 / 240 untried)."""
     producer, mma = (40, 232) if kv_fp8 else (24, 240)
     return wide_config(576, 512, v_in_k=True).replace(
         seesaw=True, producer_registers=producer, mma_registers=mma

@@ -320,8 +320,6 @@ class ForwardVariant(CallShape):
                 problem = "pages of a multiple of 64 keys (TMA boxes of whole key blocks)"
             if problem is None and c.trace:
                 problem = "no trace"
-            if problem is None and self.kv_dtype and c.producer_registers < 40:
-                problem = "an FP8 cache's converting warps need producer_registers >= 40"
             if problem is not None:
                 problems.append(f"the seesaw (latent decode) kernel: {problem}")
         if self.leftpad_k and not (self.kv_layout == "padded" or self.gather_page_size):

@@ -26,6 +26,8 @@ class NamedBarrier(enum.IntEnum):
     SEESAW_MAX_1 = 13
     SEESAW_P_0 = 14
     SEESAW_P_1 = 15
-    # Its converting warps (an FP8 cache: kernels/mla_decode/fp8_loads.py) between reading a
-    # half's staged bytes and overwriting them (WG_SCHEDULE_3's id: that kernel has no ping-pong).
-    LATENT_CONVERT = 4
+    # Its MMA warpgroup converting buffer i's halves in place (an FP8 cache: LATENT_CONVERT_0 + i;
+    # kernels/mla_decode/fp8_loads.py): between reading staged bytes and overwriting them, and
+    # once a half is converted (the ping-pong ids: that kernel has no ping-pong).
+    LATENT_CONVERT_0 = 2
+    LATENT_CONVERT_1 = 3

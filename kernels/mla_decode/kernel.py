@@ -7,14 +7,14 @@ It takes the forward kernel's launch whole (its signature, ForwardVariant, tile 
 load, epilogue, split partials and their merge) and replaces what runs between: K loaded as
 64 x 64 boxes into two buffers of two halves (loads.py), and the two MMA warpgroups' seesaw.
 
-Warp roles (384 threads): warpgroup 0's warp 0 issues the TMA loads (registers lowered; with
-an FP8 cache its warps 1-3 convert the staged halves: fp8_loads.py); warpgroups 1 and 2 are the
-seesaw's warpgroups 0 and 1 (O columns 0-255 and 256-511).
+Warp roles (384 threads): warpgroup 0's warp 0 issues the TMA loads (registers lowered; its
+other warps idle); warpgroups 1 and 2 are the seesaw's warpgroups 0 and 1 (O columns 0-255
+and 256-511; with an FP8 cache each converts the halves it reads first: fp8_loads.py).
 
 Shared memory: Q (64 x 576, 72 KB; its rope columns hold warpgroup 1's P once each warpgroup has
 them in registers), two K buffers (64 x 576 each), warpgroup 0's P (64 x 64), the row
-exchange and the barriers: 231,424 of the 232,448 bytes a CTA may have (an FP8 cache: 64 more,
-its staged rings' barriers; its bytes land in the K buffers themselves).
+exchange and the barriers: 231,424 of the 232,448 bytes a CTA may have (an FP8 cache's bytes
+land in the K buffers themselves).
 """
 
 import cutlass
@@ -36,8 +36,7 @@ from ..forward.records import (
     QLoad,
     TmaAtoms,
 )
-from .fp8_loads import CONVERT_THREADS, CONVERT_WARPS, LatentConverter
-from .loads import BOX, HalfRings, LatentBlockLoads, StagedHalves, half_bytes
+from .loads import BOX, HalfRings, LatentBlockLoads, half_bytes
 from .seesaw import D_LATENT, Seesaw, SeesawBuffers, SeesawMmas
 
 # Warps reading each K-buffer half (left0, right0, left1, right1): seesaw.py's schedule.
@@ -106,7 +105,7 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
         second ring each (staged bytes)."""
         dtype, mma_dtype, align = self.dtype, self.mma_dtype, self.smem_align
         sQ_size, sK_size, sP_size = [cute.cosize(x) for x in (layouts.q, layouts.k, layouts.p)]
-        halves = 2 * len(HALF_READERS) * (2 if const_expr(self.kv_fp8) else 1)
+        halves = 2 * len(HALF_READERS)
 
         @cute.struct
         class SharedStorage:
@@ -132,37 +131,23 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
     # Device side
     # ------------------------------------------------------------------------------------
 
-    def _half_rings(self, barriers, tma_thread):
-        """(the MMA warps' HalfRings, an FP8 cache's staged HalfRings or None) over the halves'
-        mbarriers (two per ring). 16-bit: TMA fills the halves the MMA warps read. FP8: TMA
-        fills the staged rings, the converting warps consume them and fill the MMA rings."""
-
-        def tma_ring(i, consumer_warps, element_bytes):
-            return pipeline.PipelineTmaAsync.create(
+    def _half_rings(self, barriers, tma_thread) -> HalfRings:
+        """The halves' rings over their mbarriers (two a ring): TMA fills a half (an FP8
+        cache's e4m3 bytes, which its first MMA reader converts in place), its readers' warps
+        free it (HALF_READERS)."""
+        element_bytes = 1 if const_expr(self.kv_fp8) else self.dtype.width // 8
+        rings = [
+            pipeline.PipelineTmaAsync.create(
                 barrier_storage=barriers + 2 * i,
                 num_stages=1,
                 producer_group=tma_thread,
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, readers),
                 tx_count=half_bytes(i % 2, element_bytes),
-                defer_sync=True,
-            )
-
-        if const_expr(not self.kv_fp8):
-            rings = [tma_ring(i, r, self.dtype.width // 8) for i, r in enumerate(HALF_READERS)]
-            return HalfRings(*rings), None
-        converted = [
-            pipeline.PipelineAsync.create(
-                barrier_storage=barriers + 2 * i,
-                num_stages=1,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONVERT_THREADS),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * readers),
                 defer_sync=True,
             )
             for i, readers in enumerate(HALF_READERS)
         ]
-        n = len(HALF_READERS)
-        staged = [tma_ring(n + i, CONVERT_WARPS, 1) for i in range(n)]
-        return HalfRings(*converted), HalfRings(*staged)
+        return HalfRings(*rings)
 
     @cute.kernel
     def kernel(self, params: KernelParams):
@@ -190,7 +175,7 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
             tx_count=self.tma_bytes_q,
             defer_sync=True,
         )
-        rings, staged = self._half_rings(storage.mbar_halves.data_ptr(), tma_thread)
+        rings = self._half_rings(storage.mbar_halves.data_ptr(), tma_thread)
         space = self.facts.tile_space(
             problem.q, problem.k, problem.cu_seqlens_q, problem.page_table, scalars.num_splits,
             scalars.max_ctas,
@@ -206,10 +191,9 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
                 layouts.q.outer,
             )
         sK = storage.sK.get_tensor(layouts.k.outer, swizzle=layouts.k.inner)
+        staged = None  # an FP8 cache: the K buffers as e4m3 (its boxes land there)
         if const_expr(self.kv_fp8):
-            staged = StagedHalves(
-                staged, cute.recast_ptr(storage.sK.data_ptr(), dtype=self.kv_dtype)
-            )
+            staged = cute.recast_ptr(storage.sK.data_ptr(), dtype=self.kv_dtype)
         buf = SeesawBuffers(
             sQ=sQ_mma,
             sQ_loaded=sQ,
@@ -219,6 +203,8 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
             sRows=storage.rows.get_tensor(cute.make_layout((2, 2, 64))),
             pipeline_q=pipeline_q,
             rings=rings,
+            staged=staged,
+            k_raw=storage.sK.data_ptr(),
         )
         shapes = problem._replace(
             num_splits=scalars.num_splits,
@@ -229,21 +215,6 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.config.producer_registers)
-            # (Each role computes the tile's blocks itself: computed once above both, the FP8
-            # variant's producer warps spill at 40 registers.)
-            if const_expr(self.kv_fp8):  # the converting warps
-                if warp_idx >= 4 - CONVERT_WARPS:
-                    _, _, n_block_min, n_block_max = self.tile_problem(tile, shapes)
-                    if n_block_max > n_block_min:
-                        states = [
-                            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-                            for _ in HALF_READERS
-                        ]
-                        thread = cute.arch.thread_idx()[0] - 32 * (4 - CONVERT_WARPS)
-                        k_buffers = storage.sK.data_ptr()  # (unswizzled: fp8_loads swizzles)
-                        LatentConverter(k_buffers, rings, staged, thread).convert_blocks(
-                            n_block_min, n_block_max, states
-                        )
             if warp_idx == 0:
                 seqlen, _, n_block_min, n_block_max = self.tile_problem(tile, shapes)
                 if n_block_max > n_block_min:

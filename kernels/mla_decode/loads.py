@@ -55,20 +55,13 @@ def staged_offset(half: int, box: int) -> int:
     return BOX * BOX * (half_boxes(half) + box)
 
 
-@dataclass(frozen=True)
-class StagedHalves:
-    """An FP8 cache's staging: the rings TMA completes on (consumed by the converting warps)
-    and the K buffers' first byte as an e4m3 pointer."""
-
-    rings: "HalfRings"
-    base: cute.Pointer
-
-    def box(self, buffer: int, half: int, box: int) -> cute.Tensor:
-        """Where box `box` of the half lands: 64 keys x 64 e4m3, row-major, unswizzled."""
-        return cute.make_tensor(
-            self.base + half_start(buffer, half) + staged_offset(half, box),
-            cute.make_layout((BOX, BOX), stride=(BOX, 1)),
-        )
+def staged_box(base: cute.Pointer, buffer: int, half: int, box: int) -> cute.Tensor:
+    """An FP8 cache: where box `box` of the half lands (base: the K buffers' first byte as
+    e4m3): 64 keys x 64 e4m3, row-major, unswizzled."""
+    return cute.make_tensor(
+        base + half_start(buffer, half) + staged_offset(half, box),
+        cute.make_layout((BOX, BOX), stride=(BOX, 1)),
+    )
 
 
 @dataclass(frozen=True)
@@ -97,14 +90,14 @@ class LatentBlockLoads:
     rings: HalfRings
     page_table_row: cute.Tensor  # paged caches: this batch's row of the table; else None
     page_size: Int32
-    staged: Optional[StagedHalves] = None  # an FP8 cache's: the boxes land there
+    staged: Optional[cute.Pointer] = None  # an FP8 cache's K buffers as e4m3 (staged_box)
 
     @staticmethod
     def create(atoms, loads, sK, rings, variant, head, batch, page_table, staged=None):
         """atoms/loads: the launch's TmaAtoms and GmemLoads (k: the 576 latent, or with qv k
         the rope's 64 and v the 512), TMA views in kernel mode order (rows, cols, heads,
-        batch or pages). staged: an FP8 cache's staging (the MMA rings are then filled by
-        the converting warps, and this side waits on them only for free halves)."""
+        batch or pages). staged: an FP8 cache's K buffers as e4m3 (its boxes land in each
+        half's upper bytes; kernels/mla_decode/fp8_loads.py)."""
         paged = variant.kv_layout == "paged"
 
         def view(mX):
@@ -126,12 +119,9 @@ class LatentBlockLoads:
     @cute.jit
     def load_half(self, n_block: Int32, buffer: int, half: int, state: pipeline.PipelineState):
         """Wait for the half to be free, then issue its boxes of key block n_block; they
-        complete on the half's full barrier (an FP8 cache's: its staged ring's)."""
+        complete on the half's full barrier."""
         ring = self.rings.ring(buffer, half)
         ring.producer_acquire(state)
-        if const_expr(self.staged is not None):
-            ring = self.staged.rings.ring(buffer, half)
-            ring.producer_acquire(state)
         rows, page = n_block, None
         if const_expr(self.page_table_row is not None):
             key = n_block * BOX
@@ -145,7 +135,7 @@ class LatentBlockLoads:
                 src = src[None, None, page]
             g = cute.local_tile(src, (BOX, BOX), (rows, src_col))
             if const_expr(self.staged is not None):
-                s = self.staged.box(buffer, half, c - first)
+                s = staged_box(self.staged, buffer, half, c - first)
             else:
                 s = hopper_mma.column_slice(self.sK, c * BOX, BOX)[None, None, buffer]
             dst, src_part = cpasync.tma_partition(

@@ -28,7 +28,7 @@ WG1's P V on it, its left after WG0's.
 
 import dataclasses
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -54,6 +54,7 @@ from ..softmax import (
     rescale_rows,
 )
 from ..tile_scheduler import WorkTile
+from .fp8_loads import HalfConverter
 from .loads import LEFT, LEFT_TILES, RIGHT, HalfRings
 
 ROWS = 64  # query rows of a tile
@@ -86,6 +87,10 @@ class SeesawBuffers:
     sRows: cute.Tensor  # (2, 2, 64) fp32: (max or sum, warpgroup, row)
     pipeline_q: pipeline.PipelineAsync
     rings: HalfRings
+    # An FP8 cache (each warpgroup converts the halves it reads first, in place): the K
+    # buffers' first byte as e4m3, where TMA stages its bytes, and as raw fp16 smem.
+    staged: Optional[cute.Pointer] = None
+    k_raw: Optional[cute.Pointer] = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,7 @@ class Operands:
     softmax: OnlineSoftmax  # row_max: M as this warpgroup knows it; row_sum: its own l
     rows: cute.Tensor  # the thread's accumulator rows' tile rows
     writer: cutlass.Boolean  # the first lane of its quad: writes the row's values
+    wg_thread: Int32  # the thread's index in its warpgroup
     thr_mma_qk: cute.ThrMma
     mask: AttentionMask
     mask_from: Int32  # key blocks from here on are masked (sequence end, causal diagonal)
@@ -218,7 +224,7 @@ class Seesaw(Piece):
                 warpgroup.wait_group(0)
                 rings.left1.consumer_release(state)  # (one stage: any state's index)
         # Buffer 0's left half was freed first (its last reader was this warpgroup's P V).
-        acc_S = self._scores(mmas, ops, 0, (rings.left0, rings.right0), (LEFT, RIGHT), state)
+        acc_S = self._scores(mmas, buf, ops, 0, (rings.left0, rings.right0), (LEFT, RIGHT), state)
         warpgroup.wait_group(0)
         rings.right0.consumer_release(state)
         self._mask(ops, acc_S, n_block)
@@ -263,7 +269,9 @@ class Seesaw(Piece):
         scale = cute.make_rmem_tensor(softmax.num_rows, Float32)
         if const_expr(has_b):
             # Buffer 1's right half was freed first (its last reader was this warpgroup).
-            acc_S = self._scores(mmas, ops, 1, (rings.right1, rings.left1), (RIGHT, LEFT), state)
+            acc_S = self._scores(
+                mmas, buf, ops, 1, (rings.right1, rings.left1), (RIGHT, LEFT), state
+            )
             warpgroup.wait_group(0)
             rings.left1.consumer_release(state)
             self._mask(ops, acc_S, n_block - 1)
@@ -322,10 +330,11 @@ class Seesaw(Piece):
             ops.tSrQ_rope[i] = sQ_rope[coords[i]]
 
     @cute.jit
-    def _scores(self, mmas, ops, buffer: int, rings, halves, state):
+    def _scores(self, mmas, buf, ops, buffer: int, rings, halves, state):
         """S = Q K^T of the block in `buffer` (one commit group, left in flight): the latent
         columns from smem, the rope's from Q's registers, each half's k-blocks issued once
-        that half has landed, the half freed first (halves[0], its ring rings[0]) first."""
+        that half has landed (an FP8 cache's: and this warpgroup has converted it), the half
+        freed first (halves[0], its ring rings[0]) first."""
         acc_S = cute.make_rmem_tensor(ops.acc_S_shape, Float32)
         latent_blocks = cute.size(ops.tSrQ.shape[2])
         half_blocks = latent_blocks * LEFT_TILES // (D_LATENT // 64)  # (k-blocks of the left half)
@@ -333,6 +342,8 @@ class Seesaw(Piece):
         warpgroup.fence()
         for i in cutlass.range_constexpr(2):
             rings[i].consumer_wait(state)
+            if const_expr(buf.staged is not None):  # FP8: this warpgroup converts the half
+                HalfConverter(buf.k_raw, buf.staged, ops.wg_thread).convert(buffer, halves[i])
             if const_expr(halves[i] == LEFT):
                 k_blocks = (0, half_blocks)
             else:
@@ -423,8 +434,8 @@ class Seesaw(Piece):
         partial, zero its V rows past the last key in this warpgroup's columns (P is 0 there,
         but the rows hold whatever follows the sequence: 0 * NaN would reach O). Block a's
         readers of those columns are done (its scores) or are this warpgroup."""
-        # (An FP8 cache's converting warps leave those rows as they are too, NaN bytes
-        # included: needed there as well. Without it ptxas also serialized the FP8 variants'
+        # (An FP8 cache's conversion leaves those rows as they are too, NaN bytes included:
+        # needed there as well. Without it ptxas also serialized the FP8 variants'
         # WGMMAs, C7515.)
         if const_expr(self.clears_v_tail or self.kv_fp8):
             if n_block == ops.last_block and ops.tail_keys < KEYS:
@@ -486,6 +497,7 @@ class Seesaw(Piece):
             softmax=softmax,
             rows=rows,
             writer=wg_thread % 4 == 0,
+            wg_thread=wg_thread,
             thr_mma_qk=thr_qk,
             mask=AttentionMask(
                 ROWS, KEYS, self.variant.pack_gqa_ratio, seqlen.seqlen_q, seqlen.seqlen_k
