@@ -87,7 +87,7 @@ def seesaw_config(kv_fp8: bool = False) -> "AttentionConfig":
     TMA (24) beside MMA warps holding half of O, a block's scores, P and Q's rope part (240).
     kv_fp8: an FP8 latent cache, which the MMA warpgroups convert (kernels/mla_decode/
     fp8_loads.py): 40 / 232, the split its GPU tests and timings ran with (chosen when spare
-    producer warps converted; 24 / 240 untried)."""
+    producer warps converted; 24 / 240 compiles without spills, untimed)."""
     producer, mma = (40, 232) if kv_fp8 else (24, 240)
     return wide_config(576, 512, v_in_k=True).replace(
         seesaw=True, producer_registers=producer, mma_registers=mma

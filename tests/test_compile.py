@@ -608,9 +608,9 @@ SEESAW_KEYS = [
 # compiles clean; in the causal one the MMA warps (232 registers, converting the halves they
 # read first) spill a little, held to FP8_SEESAW_CAUSAL_SPILL_BYTES (PERF_NOTES "Wide heads
 # and MLA").
-def _fp8_seesaw(dtype, causal, kv_layout="paged", **flags) -> ForwardVariant:
+def _fp8_seesaw(dtype, causal, kv_layout="paged", config=None, **flags) -> ForwardVariant:
     return ragged(
-        dtype, 576, causal, seesaw_config(kv_fp8=True), True, kv_layout=kv_layout,
+        dtype, 576, causal, config or seesaw_config(kv_fp8=True), True, kv_layout=kv_layout,
         seqused_k=True, pack_gqa_ratio=16, head_dim_v=512, v_in_k=True,
         kv_dtype="float8_e4m3fn", **flags,
     )  # fmt: skip
@@ -618,6 +618,8 @@ def _fp8_seesaw(dtype, causal, kv_layout="paged", **flags) -> ForwardVariant:
 
 FP8_SEESAW_KEYS = [
     _fp8_seesaw("bfloat16", False, page_box_rows=64, split=True, combine_launch=True),
+    # A caller's 16-bit split (24 / 240), which the plan takes for an FP8 cache too.
+    _fp8_seesaw("float16", True, kv_layout="padded", config=seesaw_config()),
 ]
 FP8_SEESAW_CAUSAL_KEYS = [_fp8_seesaw("float16", True, kv_layout="padded")]
 FP8_SEESAW_CAUSAL_SPILL_BYTES = 64  # stores and loads (measured 16)

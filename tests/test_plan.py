@@ -656,7 +656,7 @@ def test_fp8_latent_cache_takes_the_seesaw_kernel_or_is_refused(problem, routed,
     assert plan.variant.kv_dtype == "float8_e4m3fn" and plan.num_splits == bf16.num_splits
     # (the register split its GPU tests ran with: kernels/mla_decode/fp8_loads.py)
     assert plan.variant.config.producer_registers > bf16.variant.config.producer_registers
-    # A caller's config: the seesaw with the converters' registers, or refused by name.
+    # A caller's config: the seesaw (either register split), or refused by name.
     assert plan_forward(fp8, 132, seesaw_config(kv_fp8=True), 0).variant.config.seesaw
     # (the MMA warpgroups convert: the 16-bit cache's register split takes an FP8 one too)
     assert plan_forward(fp8, 132, seesaw_config(), 0).variant.kv_dtype == "float8_e4m3fn"

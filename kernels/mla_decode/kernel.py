@@ -101,8 +101,8 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
 
     def _shared_storage(self, layouts):
         """Q's tile as it is loaded (converted in place to the GEMMs' fp16 with an FP8 cache
-        and bf16 q), the K buffers and sP in the GEMMs' dtype; an FP8 cache's halves have a
-        second ring each (staged bytes)."""
+        and bf16 q), the K buffers and sP in the GEMMs' dtype (an FP8 cache's bytes land in
+        the K buffers), a ring per half."""
         dtype, mma_dtype, align = self.dtype, self.mma_dtype, self.smem_align
         sQ_size, sK_size, sP_size = [cute.cosize(x) for x in (layouts.q, layouts.k, layouts.p)]
         halves = 2 * len(HALF_READERS)
@@ -204,7 +204,7 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
             pipeline_q=pipeline_q,
             rings=rings,
             staged=staged,
-            k_raw=storage.sK.data_ptr(),
+            k_raw=storage.sK.data_ptr() if const_expr(self.kv_fp8) else None,
         )
         shapes = problem._replace(
             num_splits=scalars.num_splits,
