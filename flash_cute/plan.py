@@ -63,7 +63,7 @@ GATHER_LOOKAHEAD = 16
 MERGE_IN_KERNEL_BYTES = 1 << 20
 WIDE_PARTIAL_BYTES = 16 * 512 * 4
 KV_LAYOUTS = ("padded", "packed", "paged")
-# Absorbed-MLA decode takes the seesaw kernel (seesaw_routes) for these q heads on one latent
+# Absorbed-MLA decode takes the seesaw kernel (seesaw_route_problem) for these q heads on one latent
 # head (DeepSeek V3's 128 and Kimi K2's 64 under tensor parallelism of 1-16) and up to this
 # many query tokens (1-4: speculative decoding): the shapes its GPU tests cover. H100, bf16,
 # graph replays beside the forward kernel's latent path, same process (2fdb219,
@@ -73,7 +73,7 @@ KV_LAYOUTS = ("padded", "packed", "paged")
 # counts beyond those (8 and 32 heads, 3-4 tokens): BENCHMARKS.md "MLA and wide heads".
 SEESAW_HEADS = (8, 16, 32, 64, 128)
 SEESAW_MAX_TOKENS = 4
-# Whether the plan routes by seesaw_routes (off: the forward kernel's latent path, for A/B;
+# Whether the plan routes by seesaw_route_problem (off: the forward kernel's latent path, for A/B;
 # FP8 latent calls, which only the seesaw kernel reads, then raise).
 SEESAW_ROUTING = True
 
@@ -645,12 +645,6 @@ def _fp8_latent_refusal(caller_config, seesaw_refusal: Optional[str]) -> Optiona
     if caller_config is not None:
         return None if caller_config.seesaw else "config: a caller's config without seesaw"
     return seesaw_refusal
-
-
-def seesaw_routes(problem: Problem) -> bool:
-    """Whether absorbed-MLA decode takes the seesaw kernel (kernels/mla_decode/) rather than
-    the forward kernel's latent path (seesaw_route_problem)."""
-    return seesaw_route_problem(problem) is None
 
 
 def seesaw_route_problem(problem: Problem) -> Optional[str]:

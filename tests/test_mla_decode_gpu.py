@@ -147,7 +147,7 @@ def test_dtypes_masks_and_graph_replay(dtype, causal):
 @pytest.mark.parametrize("qv", [False, True], ids=["latent", "qv"])
 @pytest.mark.parametrize("nheads, seqlen_q", [(128, 1), (16, 2)])
 def test_api_routes_latent_decode_here(nheads, seqlen_q, qv):
-    """flash_attn_with_kvcache at shapes the plan sends to this kernel (plan.seesaw_routes),
+    """flash_attn_with_kvcache at shapes the plan sends to this kernel (plan.seesaw_route_problem),
     against the reference."""
     import flash_cute
     from flash_cute.runtime import KVCACHE_PLANS

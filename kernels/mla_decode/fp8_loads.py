@@ -49,8 +49,12 @@ class HalfConverter:
     threads together)."""
 
     k_buffers: cute.Pointer  # the K buffers' first element, fp16, as raw (unswizzled) smem
-    staged: cute.Pointer  # the same first byte as e4m3
     thread: Int32  # the thread's index in its warpgroup
+
+    @property
+    def staged(self) -> cute.Pointer:
+        """The K buffers' first byte as e4m3 (where TMA stages the bytes)."""
+        return cute.recast_ptr(self.k_buffers, dtype=cutlass.Float8E4M3FN)
 
     @cute.jit
     def piece_offsets(self) -> cute.Tensor:
@@ -77,6 +81,8 @@ class HalfConverter:
         thread's stores fenced for the async proxy and the warpgroup met: the half is ready
         for its WGMMAs."""
         barrier = int(NamedBarrier.LATENT_CONVERT_0) + buffer
+        # (recomputed each half: a few integer ops, where holding them across the tile would
+        # take six of the MMA warps' registers)
         offsets = self.piece_offsets()
         n = half_boxes(half)
         start = half_start(buffer, half)

@@ -203,8 +203,7 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
             sRows=storage.rows.get_tensor(cute.make_layout((2, 2, 64))),
             pipeline_q=pipeline_q,
             rings=rings,
-            staged=staged,
-            k_raw=storage.sK.data_ptr() if const_expr(self.kv_fp8) else None,
+            fp8_k=storage.sK.data_ptr() if const_expr(self.kv_fp8) else None,
         )
         shapes = problem._replace(
             num_splits=scalars.num_splits,

@@ -88,9 +88,8 @@ class SeesawBuffers:
     pipeline_q: pipeline.PipelineAsync
     rings: HalfRings
     # An FP8 cache (each warpgroup converts the halves it reads first, in place): the K
-    # buffers' first byte as e4m3, where TMA stages its bytes, and as raw fp16 smem.
-    staged: Optional[cute.Pointer] = None
-    k_raw: Optional[cute.Pointer] = None
+    # buffers as raw (unswizzled) fp16 smem; None with a 16-bit cache.
+    fp8_k: Optional[cute.Pointer] = None
 
 
 @dataclass(frozen=True)
@@ -342,8 +341,8 @@ class Seesaw(Piece):
         warpgroup.fence()
         for i in cutlass.range_constexpr(2):
             rings[i].consumer_wait(state)
-            if const_expr(buf.staged is not None):  # FP8: this warpgroup converts the half
-                HalfConverter(buf.k_raw, buf.staged, ops.wg_thread).convert(buffer, halves[i])
+            if const_expr(buf.fp8_k is not None):  # FP8: this warpgroup converts the half
+                HalfConverter(buf.fp8_k, ops.wg_thread).convert(buffer, halves[i])
             if const_expr(halves[i] == LEFT):
                 k_blocks = (0, half_blocks)
             else:
