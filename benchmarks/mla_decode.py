@@ -5,7 +5,8 @@ FlashAttention-3's qv form (fa3_fwd_interface: q 64 + qv 512 against k_cache 64 
 512, contiguous), in one process, rounds interleaved, CUDA-graph replays of STEPS steps.
 bf16, causal, every sequence `keys` long, the split count each library picks. "fp8": the
 latent decode kernel on the same cache in float8_e4m3fn ((batch, 1) descales of 1), whose
-speed is also given against the bf16 cache's (its TB/s count its own bytes: half).
+speed is also given against the bf16 cache's (its TB/s count its own bytes: half); "fp8 s":
+the same forced onto the seesaw where the plan takes the transposed kernel (<= 32 rows).
 
 Prints per point each peer's median of ROUNDS rounds: us, TFLOP/s with FLOPs = 2 * batch *
 nheads * q tokens * keys * (576 + 512), the cache's TB/s (576 x 2 bytes per key and sequence)
@@ -31,7 +32,11 @@ ROUNDS = int(os.environ.get("ROUNDS", "5"))
 PAGED = os.environ.get("PAGED", "1") == "1"
 PEERS = os.environ.get("PEERS")  # (the forward kernel is always kept: the reference)
 STEPS = 10  # decode calls per graph
-FP8_PAIRS = (("fp8", "seesaw"), ("fp8 p64", "seesaw p64"))  # (FP8 cache, its bf16 peer)
+FP8_PAIRS = (
+    ("fp8", "seesaw"),
+    ("fp8 s", "seesaw"),
+    ("fp8 p64", "seesaw p64"),
+)  # (FP8 cache, its bf16 peer)
 D_LATENT, D_ROPE, PAGE = 512, 64, 64
 # (heads, batch, q tokens, keys): the issue's table.
 POINTS = [
@@ -78,6 +83,12 @@ def peers(heads, batch, seqlen_q, keys):
     if kept("fp8"):
         latent8 = latent.to(torch.float8_e4m3fn)
         steps["fp8"] = lambda: kvcache(q, latent8, latent8[..., :D_LATENT], **fp8)
+    if kept("fp8 s"):  # (forced onto the seesaw where the plan takes the transposed kernel)
+        latent8s = latent.to(torch.float8_e4m3fn)
+        seesaw8 = seesaw_config(kv_fp8=True)
+        steps["fp8 s"] = lambda: kvcache(
+            q, latent8s, latent8s[..., :D_LATENT], config=seesaw8, **fp8
+        )
     if paged_peers and kept("fp8 p64"):
         paged8 = paged.to(torch.float8_e4m3fn)
         steps["fp8 p64"] = lambda: kvcache(

@@ -81,16 +81,18 @@ def wide_config(head_dim: int, head_dim_v: int, v_in_k: bool = False) -> "Attent
 
 
 @functools.cache  # (frozen: one object for every plan that takes it)
-def seesaw_config(kv_fp8: bool = False) -> "AttentionConfig":
+def seesaw_config(kv_fp8: bool = False, rows: int = 64) -> "AttentionConfig":
     """The absorbed-MLA decode kernel's config (kernels/mla_decode/, AttentionConfig.seesaw):
     the latent's wide config with the seesaw, and the registers of a producer that only issues
     TMA (24) beside MMA warps holding half of O, a block's scores, P and Q's rope part (240).
     kv_fp8: an FP8 latent cache, which the MMA warpgroups convert (kernels/mla_decode/
     fp8_loads.py): 40 / 232, the split its GPU tests and timings ran with (chosen when spare
-    producer warps converted; 24 / 240 compiles without spills, untimed)."""
-    producer, mma = (40, 232) if kv_fp8 else (24, 240)
+    producer warps converted; 24 / 240 compiles without spills, untimed). rows 32: the
+    transposed kernel (FP8 only, tiles of at most 32 rows; 24 / 240: its loading warp only
+    issues TMA)."""
+    producer, mma = (40, 232) if kv_fp8 and rows == 64 else (24, 240)
     return wide_config(576, 512, v_in_k=True).replace(
-        seesaw=True, producer_registers=producer, mma_registers=mma
+        seesaw=True, producer_registers=producer, mma_registers=mma, seesaw_rows=rows
     )
 
 
@@ -176,6 +178,9 @@ class AttentionConfig:
         warpgroups computing one block's scores and both blocks' P V on its half of O, so one's
         softmax runs under the other's GEMMs. Needs the wide latent config (tile 64 x 64, two
         stages, o_split 2, split_scores, one CTA per tile).
+    seesaw_rows: 32: the transposed latent decode kernel (kernels/mla_decode/transposed.py)
+        for an FP8 latent cache and tiles of at most 32 query rows (keys on the WGMMAs' M, the
+        rows on N); 64: the seesaw.
     transpose_batch: FP8 math: steps of a warp transposing V whose loads go before their
         stores (1-4; kernels/v_transpose.py); each holds four registers of the producer's. A
         lone transposing warp (beside gathering warps) always goes one step at a time.
@@ -204,6 +209,7 @@ class AttentionConfig:
     gather_lookahead: int = 1
     transpose_batch: int = 2
     seesaw: bool = False
+    seesaw_rows: int = 64
 
     def __post_init__(self):
         for name in (
@@ -217,6 +223,7 @@ class AttentionConfig:
             "o_split",
             "gather_lookahead",
             "transpose_batch",
+            "seesaw_rows",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -466,6 +473,11 @@ class AttentionConfig:
             problems.append(
                 "seesaw needs the wide latent config: tile 64 x 64, two stages, split_scores, "
                 "O from registers, one CTA per tile"
+            )
+        if self.seesaw_rows not in (64, 32) or (self.seesaw_rows == 32 and not self.seesaw):
+            problems.append(
+                f"seesaw_rows={self.seesaw_rows} must be 64, or 32 with seesaw (the transposed "
+                "kernel)"
             )
         if not 1 <= self.transpose_batch <= 4:
             problems.append(f"transpose_batch={self.transpose_batch} must be in [1, 4]")

@@ -76,6 +76,9 @@ SEESAW_MAX_TOKENS = 4
 # Whether the plan routes by seesaw_route_problem (off: the forward kernel's latent path, for A/B;
 # FP8 latent calls, which only the seesaw kernel reads, then raise).
 SEESAW_ROUTING = True
+# Whether FP8 latent calls of at most 32 rows a sequence go to the transposed kernel
+# (transposed_problem; kernels/mla_decode/transposed.py) rather than the seesaw.
+SEESAW_TRANSPOSED = True
 
 
 @dataclass(frozen=True)
@@ -384,7 +387,7 @@ class ForwardVariant(CallShape):
             f"{c.tile_m}x{c.tile_n}",
             c.scheduler,
         ]
-        flags += ["seesaw"] if c.seesaw else []
+        flags += [f"seesaw{c.seesaw_rows}" if c.seesaw_rows != 64 else "seesaw"] if c.seesaw else []
         flags += [
             name
             for name in (
@@ -541,6 +544,10 @@ def plan_forward(
                 f"an FP8 latent cache (absorbed MLA, kv_dtype {problem.kv_dtype}) is read by "
                 f"the latent decode kernel only, which this call cannot take: {refusal}"
             )
+    if caller_config is not None and caller_config.seesaw_rows == 32:
+        unserved = transposed_problem(problem)
+        if unserved:
+            raise ValueError(f"config: seesaw_rows 32 (the transposed kernel) {unserved}")
     fp8_math = caller_config is None and serves_fp8_math(problem)
     if fp8_math:
         config = fp8_math_config(
@@ -589,7 +596,8 @@ def plan_forward(
         return ForwardPlan(None, num_splits, max_ctas, 0)
     if seesaw_refusal is None:
         # (the latent config's tiles: the split count stands)
-        config = seesaw_config(kv_fp8=problem.kv_dtype is not None)
+        rows = 32 if SEESAW_TRANSPOSED and transposed_problem(problem) is None else 64
+        config = seesaw_config(kv_fp8=problem.kv_dtype is not None, rows=rows)
     split = num_splits > 1
     page_box_rows, gather_page_size = _page_loads(problem, config)
     config = _effective_config(
@@ -671,6 +679,20 @@ def seesaw_route_problem(problem: Problem) -> Optional[str]:
             f"{problem.nheads} q heads on {problem.nheads_kv} kv heads, "
             f"{problem.max_seqlen_q} tokens: served are one latent head with q heads in "
             f"{SEESAW_HEADS} and up to {SEESAW_MAX_TOKENS} tokens"
+        )
+    return None
+
+
+def transposed_problem(problem: Problem, max_rows: int = 32) -> Optional[str]:
+    """Why the transposed latent decode kernel (AttentionConfig.seesaw_rows 16 or 32: max_rows)
+    cannot serve a call the seesaw kernel serves, or None: it reads an FP8 latent cache
+    (FlashMLA's form) for tiles of at most max_rows rows (q heads per kv head x tokens)."""
+    rows = problem.nheads // problem.nheads_kv * problem.max_seqlen_q
+    if problem.kv_dtype is None or problem.qv:
+        return "serves an FP8 latent cache in FlashMLA's form only"
+    if rows > max_rows:
+        return (
+            f"serves at most {max_rows} rows a sequence (q heads per kv head x tokens), got {rows}"
         )
     return None
 

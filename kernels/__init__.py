@@ -2,13 +2,16 @@
 
 from .flash_combine import FlashAttentionCombine
 from .forward import FlashAttentionForwardSm90
-from .mla_decode import MlaDecodeSm90
+from .mla_decode import MlaDecodeSm90, MlaDecodeTransposedSm90
 
 __all__ = ["FlashAttentionCombine", "FlashAttentionForwardSm90", "MlaDecodeSm90", "forward_kernel"]
 
 
 def forward_kernel(variant) -> FlashAttentionForwardSm90:
     """The kernel object of a ForwardVariant: the latent decode kernel where its config asks for
-    the seesaw, the forward kernel otherwise (both take the forward kernel's signature)."""
-    cls = MlaDecodeSm90 if variant.config.seesaw else FlashAttentionForwardSm90
-    return cls(variant)
+    the seesaw (its transposed form for seesaw_rows 32), the forward kernel otherwise (all take
+    the forward kernel's signature)."""
+    config = variant.config
+    if config.seesaw:
+        return (MlaDecodeTransposedSm90 if config.seesaw_rows == 32 else MlaDecodeSm90)(variant)
+    return FlashAttentionForwardSm90(variant)

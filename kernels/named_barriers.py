@@ -31,3 +31,8 @@ class NamedBarrier(enum.IntEnum):
     # once a half is converted (the ping-pong ids: that kernel has no ping-pong).
     LATENT_CONVERT_0 = 2
     LATENT_CONVERT_1 = 3
+    # The transposed latent decode kernel (kernels/mla_decode/transposed.py): MMA warpgroup i's
+    # own syncs (TRANSPOSED_WG_0 + i: a block's maxima exchanged, its P^T stored, the V tail
+    # zeroed; the seesaw's ids: that kernel has no seesaw).
+    TRANSPOSED_WG_0 = 12
+    TRANSPOSED_WG_1 = 13

@@ -11,6 +11,7 @@ import torch
 from test_fp8_kv_gpu import check_against_dequantized, descales, fp8_cache, padded, poison_past
 
 import flash_cute
+from flash_cute import plan
 from flash_cute.reference import stable_seed
 from flash_cute.runtime import KVCACHE_PLANS
 
@@ -47,9 +48,23 @@ def _run(q, cache, table, lengths, causal, kd, vd, **kw):
     return out, lse
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c[0]}-s{c[1]}-p{c[2]}-n{c[3]}-{c[5]}")
-def test_fp8_latent_decode(case):
+def _case_id(c):
+    return f"h{c[0]}-s{c[1]}-p{c[2]}-n{c[3]}-{c[5]}"
+
+
+# Tiles of at most 32 rows take the transposed kernel (plan.SEESAW_TRANSPOSED); forced onto
+# the seesaw too.
+SMALL = [c for c in CASES if c[0] * c[1] <= 32]
+
+
+@pytest.mark.parametrize(
+    "case, transposed",
+    [(c, True) for c in CASES] + [(c, False) for c in SMALL],
+    ids=lambda x: _case_id(x) if isinstance(x, tuple) else ("t" if x else "seesaw"),
+)
+def test_fp8_latent_decode(case, transposed, monkeypatch):
     nheads, seqlen_q, page_size, num_splits, dtype, descale = case
+    monkeypatch.setattr(plan, "SEESAW_TRANSPOSED", transposed)
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla-fp8", case))
     batch = len(LENS)
     cache, _, table = fp8_cache(batch, CAPACITY, 1, D, page_size, gen)
@@ -61,20 +76,22 @@ def test_fp8_latent_decode(case):
     KVCACHE_PLANS.clear()
     out, lse = _run(q, cache, table, lengths, True, kd, vd, num_splits=num_splits)
     plans = list(KVCACHE_PLANS.values())
-    assert [(p.variant.config.seesaw, p.variant.kv_dtype) for p in plans] == [
-        (True, "float8_e4m3fn")
-    ]
+    rows = 32 if transposed and nheads * seqlen_q <= 32 else 64
+    assert [
+        (p.variant.config.seesaw, p.variant.config.seesaw_rows, p.variant.kv_dtype) for p in plans
+    ] == [(True, rows, "float8_e4m3fn")]
     KVCACHE_PLANS.clear()
     check_against_dequantized(q, out, k_pad, k_pad[..., :DV], kd, vd, LENS, True, lse=lse)
 
 
-def test_fp8_latent_graph_replay():
+@pytest.mark.parametrize("nheads", [128, 16])  # (16 x 2 tokens: the transposed kernel)
+def test_fp8_latent_graph_replay(nheads):
     """A CUDA graph of a call replayed with other lengths (and a non-causal call first)."""
-    gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla-fp8-graph"))
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla-fp8-graph", nheads))
     batch = len(LENS)
     cache, _, table = fp8_cache(batch, CAPACITY, 1, D, 64, gen)
     k_pad = padded(cache, table, CAPACITY)
-    q = torch.randn(batch, 2, 128, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(batch, 2, nheads, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     kd, vd = descales("tensor", batch, 1, gen)
     lengths = torch.tensor(LENS, device="cuda", dtype=torch.int32)
     out, lse = _run(q, cache, table, lengths, False, kd, vd)

@@ -652,10 +652,20 @@ def test_fp8_latent_cache_takes_the_seesaw_kernel_or_is_refused(problem, routed,
         assert plan_module.seesaw_route_problem(fp8) in str(refusal.value)
         return
     plan, bf16 = plan_forward(fp8, 132, num_splits=0), plan_forward(problem, 132, num_splits=0)
-    assert plan.variant.config == seesaw_config(kv_fp8=True) != bf16.variant.config
+    # Tiles of at most 32 rows take the transposed kernel (seesaw_rows 32), the rest the seesaw.
+    rows = 32 if problem.nheads * problem.max_seqlen_q <= 32 else 64
+    assert plan.variant.config == seesaw_config(kv_fp8=True, rows=rows) != bf16.variant.config
+    assert plan_module.transposed_problem(problem) is not None  # (16-bit: the seesaw)
+    monkeypatch.setattr(plan_module, "SEESAW_TRANSPOSED", False)
+    assert plan_forward(fp8, 132, num_splits=0).variant.config == seesaw_config(kv_fp8=True)
+    monkeypatch.undo()
+    if rows == 64:  # a caller's transposed config for a tile it cannot hold: refused by name
+        with pytest.raises(ValueError, match="seesaw_rows 32.*at most 32 rows"):
+            plan_forward(fp8, 132, seesaw_config(kv_fp8=True, rows=32), 0)
     assert plan.variant.kv_dtype == "float8_e4m3fn" and plan.num_splits == bf16.num_splits
-    # (the register split its GPU tests ran with: kernels/mla_decode/fp8_loads.py)
-    assert plan.variant.config.producer_registers > bf16.variant.config.producer_registers
+    # (the seesaw's: the register split its GPU tests ran with, kernels/mla_decode/fp8_loads.py)
+    more = plan.variant.config.producer_registers > bf16.variant.config.producer_registers
+    assert more == (rows == 64)
     # A caller's config: the seesaw (either register split), or refused by name.
     assert plan_forward(fp8, 132, seesaw_config(kv_fp8=True), 0).variant.config.seesaw
     # (the MMA warpgroups convert: the 16-bit cache's register split takes an FP8 one too)

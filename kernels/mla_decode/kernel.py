@@ -73,14 +73,19 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
             ),
         )
 
+    def _box_layout(self):
+        """A cache box's smem layout as TMA writes it (an FP8 cache's: staged unswizzled,
+        kernels/mla_decode/fp8_loads.py)."""
+        if const_expr(self.kv_fp8):
+            return cute.make_layout((BOX, BOX), stride=(BOX, 1))
+        return hopper_mma.make_row_major_smem_layout(self.dtype, BOX, BOX)
+
     def _tma(self, views, layouts):
         """(TmaAtoms, GmemLoads): Q's tile (and qv's) as the forward kernel loads it, and the
         cache's 64 x 64 boxes (k; with qv, v's and k's)."""
         op = cpasync.CopyBulkTensorTileG2SOp()
         dv = self.variant.head_dim_v
-        box_layout = hopper_mma.make_row_major_smem_layout(self.dtype, BOX, BOX)
-        if const_expr(self.kv_fp8):  # (staged unswizzled: kernels/mla_decode/fp8_loads.py)
-            box_layout = cute.make_layout((BOX, BOX), stride=(BOX, 1))
+        box_layout = self._box_layout()
 
         def box_atom(mX):
             return cpasync.make_tiled_tma_atom(op, mX, box_layout, (BOX, BOX), 1)

@@ -120,7 +120,20 @@ class LatentBlockLoads:
     def load_half(self, n_block: Int32, buffer: int, half: int, state: pipeline.PipelineState):
         """Wait for the half to be free, then issue its boxes of key block n_block; they
         complete on the half's full barrier."""
-        ring = self.rings.ring(buffer, half)
+        first, end = HALVES[half]
+
+        def dst(c):
+            if const_expr(self.staged is not None):
+                return staged_box(self.staged, buffer, half, c - first)
+            return hopper_mma.column_slice(self.sK, c * BOX, BOX)[None, None, buffer]
+
+        self.issue_boxes(n_block, self.rings.ring(buffer, half), state, (first, end), dst)
+
+    @cute.jit
+    def issue_boxes(self, n_block: Int32, ring, state, boxes: cutlass.Constexpr, dst):
+        """Wait for the ring's stage to be free, then issue column boxes boxes[0] ..
+        boxes[1] - 1 of key block n_block into dst(box) (smem tensors); they complete on the
+        stage's full barrier."""
         ring.producer_acquire(state)
         rows, page = n_block, None
         if const_expr(self.page_table_row is not None):
@@ -128,21 +141,17 @@ class LatentBlockLoads:
             num_pages = cute.size(self.boxes[0][1], mode=[2])
             page = page_of_key(self.page_table_row, key, self.page_size, num_pages)
             rows = (key % self.page_size) // BOX
-        first, end = HALVES[half]
-        for c in cutlass.range_constexpr(first, end):
+        for c in cutlass.range_constexpr(boxes[0], boxes[1]):
             atom, src, src_col = self.boxes[c]
             if const_expr(page is not None):
                 src = src[None, None, page]
             g = cute.local_tile(src, (BOX, BOX), (rows, src_col))
-            if const_expr(self.staged is not None):
-                s = staged_box(self.staged, buffer, half, c - first)
-            else:
-                s = hopper_mma.column_slice(self.sK, c * BOX, BOX)[None, None, buffer]
-            dst, src_part = cpasync.tma_partition(
+            s = dst(c)
+            dst_part, src_part = cpasync.tma_partition(
                 atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
             )
             cute.copy(
-                atom, src_part, dst, tma_bar_ptr=ring.producer_get_barrier(state),
+                atom, src_part, dst_part, tma_bar_ptr=ring.producer_get_barrier(state),
                 cache_policy=cutlass.Int64(EVICT_FIRST),
             )  # fmt: skip
 

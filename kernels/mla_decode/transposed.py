@@ -1,0 +1,392 @@
+"""The transposed latent decode mainloop, for an FP8 latent cache and tiles of at most 32 query
+rows (heads x tokens of one sequence; docs/mla_decode_design.md 3c).
+
+A 64-row tile of 16 query rows issues 4x the tensor work it needs; here the keys take the
+WGMMA's M and the rows its N (32):
+
+  S^T = K Q^T        (M 64 keys, N 32 rows, K 576 dims; A: K in registers, B: Q in smem)
+  O^T += V^T P^T     (M 512 dims as eight m-atoms, N 32, K 64 keys; A: V^T in registers,
+                      B: P^T in smem)
+
+Both A operands come from the block's e4m3 bytes by ldmatrix and convert in registers
+(fp8_fragments.py), so no fp16 copy of a block is written to shared memory. Warpgroup w takes
+the tile's blocks of parity w (n_block_max - 1 - w, then every second one down) from its own
+two-stage ring, with its own O^T, column maxima and sums: no exchange per block, and the other
+warpgroup's GEMMs run under each softmax. The softmax runs down S^T's columns: a thread's 2
+keys of 8 columns, shuffles across the 8 lanes sharing its columns, then the four warps'
+maxima through shared memory (two slots by block parity, one warpgroup barrier a block). At
+the end the two warpgroups' O^T, maxima and sums merge through the then idle stages into the
+seesaw's O layout, which the forward epilogue stores.
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+
+from .. import hopper_mma
+from ..forward.facts import THREADS_PER_WARPGROUP, Piece
+from ..forward.records import MmaSetup, TileResult
+from ..kv_dequant import FP16_MAX, apply_v_descale, fold_descales
+from ..named_barriers import NamedBarrier
+from ..softmax import LN2, max_or_zero
+from ..tile_scheduler import WorkTile
+from ..v_transpose import store_zeros_16
+from .fp8_fragments import Q_PERMUTATION, STAGE_BYTES, FragmentLoads, box_offset, o_dim
+
+MAX_ROWS = 32  # query rows a tile serves at most (the WGMMAs' N: config.seesaw_rows)
+KEYS = 64
+D_LATENT = 512
+D_QK = 576
+V_ATOMS = D_LATENT // 64  # O^T's m-atoms
+K_BOXES = D_QK // 64  # S^T's groups of four k-blocks (one box each)
+STAGES = 2  # a warpgroup's ring
+# A fragments filled ahead of the WGMMAs that read them (H200, 16-32 heads: 3 and 4 were
+# 1-33% slower).
+DEPTH = 2
+MERGE_STRIDE = D_LATENT + 8  # fp32 per row of a warpgroup's O in the merge (bank spread)
+
+
+class TransposedMmas(NamedTuple):
+    """m64 n32 k16 with A from registers (S^T and O^T alike), and the seesaw's P V tiling,
+    whose accumulator layout the merge leaves O in for the forward epilogue."""
+
+    t: cute.TiledMma
+    pv: cute.TiledMma
+
+
+@dataclass(frozen=True)
+class TransposedBuffers:
+    """The CTA's shared memory as the MMA warpgroups see it."""
+
+    sQ: cute.Tensor  # (64, 576) fp16: its first rows are S^T's B (columns in Q_PERMUTATION order)
+    sQ_loaded: cute.Tensor  # the same smem as Q lands (q's dtype)
+    sPt: cute.Tensor  # (rows, 64, 2) fp16: each warpgroup's P^T (over Q's unused rows 32-63)
+    stages: Int32  # smem address of the stages: warpgroup w's stage s at (2 w + s) * STAGE_BYTES
+    merge: cute.Tensor  # (2, MAX_ROWS, MERGE_STRIDE) fp32 over the stages: each warpgroup's O
+    exchange: cute.Tensor  # (2, 2, 4, 32) fp32: (warpgroup, slot, warp, column) maxima
+    sums: cute.Tensor  # (2, 4, 32) fp32: (warpgroup, warp, column) sums at the end
+    final: cute.Tensor  # (2, 2, 32) fp32: (warpgroup, max or sum, column)
+    pipeline_q: pipeline.PipelineAsync
+    rings: tuple  # (warpgroup 0's, warpgroup 1's) PipelineTmaAsync
+
+
+class Transposed(Piece):
+    """One tile's mainloop on the two MMA warpgroups (`mma`)."""
+
+    @property
+    def rows(self) -> int:
+        """The query rows a tile serves: the WGMMAs' N (32; 16 ran 1.25x slower on an H200)."""
+        return self.config.seesaw_rows
+
+    @property
+    def cols(self) -> int:
+        """The S^T / O^T columns a thread holds: 2q + (j % 2) + 8 (j // 2), j < cols."""
+        return self.rows // 4
+
+    @cute.jit
+    def mma(
+        self,
+        mmas: TransposedMmas,
+        buf: TransposedBuffers,
+        setup: MmaSetup,
+        tile: WorkTile,
+        shapes,
+        q_state: pipeline.PipelineState,
+    ) -> TileResult:
+        """The tile's key blocks; returns O (normalized, the seesaw's pv layout: this
+        warpgroup's 256 columns of 64 rows, rows past 32 zero) and the LSE per row."""
+        seqlen, block_range, n_block_min, n_block_max = self.tile_problem(tile, shapes)
+        scale_log2, v_descale = fold_descales(shapes, tile, setup.softmax_scale_log2)
+        wg = setup.warpgroup_idx
+        wg_thread = setup.tidx % THREADS_PER_WARPGROUP
+        warp = cute.arch.make_warp_uniform(wg_thread // 32)
+        lane = wg_thread % 32
+        thr = mmas.t.get_slice(wg_thread)
+        sQ_rows = cute.local_tile(buf.sQ, (self.rows, D_QK), (0, 0))
+        tSrQ = thr.make_fragment_B(thr.partition_B(sQ_rows))
+        tOrPt = thr.make_fragment_B(thr.partition_B(buf.sPt[None, None, wg]))
+        frags = [thr.make_fragment_A(thr.partition_shape_A((64, 64))) for _ in range(DEPTH)]
+        acc_O = [
+            cute.make_rmem_tensor(thr.partition_shape_C((64, self.rows)), Float32)
+            for _ in range(V_ATOMS)
+        ]
+        for a in cutlass.range_constexpr(V_ATOMS):
+            acc_O[a].fill(0.0)
+        col_max = cute.make_rmem_tensor(self.cols, Float32)
+        col_sum = cute.make_rmem_tensor(self.cols, Float32)
+        col_max.fill(-Float32.inf)
+        col_sum.fill(0.0)
+        loads = FragmentLoads(lane, warp)
+        key0 = 16 * warp + lane // 4  # the thread's keys in a block: key0 + 8 r
+        q = lane % 4
+        mask_from = n_block_max - 1
+        if const_expr(self.variant.causal):
+            mask_from = cutlass.min(mask_from, block_range.first_causal_masked_block(tile.m_block))
+        tail_keys = seqlen.seqlen_k - (n_block_max - 1) * KEYS
+        if n_block_max > n_block_min:
+            buf.pipeline_q.consumer_wait(q_state)
+            self._prepare_q(buf, setup.tidx)
+            count = n_block_max - n_block_min
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+            ring = buf.rings[0]
+            if wg == 1:
+                ring = buf.rings[1]
+            for i in cutlass.range((count - wg + 1) // 2, unroll=1):
+                n_block = n_block_max - 1 - wg - 2 * i
+                ring.consumer_wait(state)
+                stage = buf.stages + (STAGES * wg + state.index) * STAGE_BYTES
+                if n_block == n_block_max - 1 and tail_keys < KEYS:
+                    self._zero_v_tail(stage, tail_keys, wg_thread, wg)
+                acc_S = self._scores(mmas.t, loads, stage, frags, tSrQ, thr)
+                if n_block >= mask_from:
+                    self._mask(acc_S, key0, q, n_block, seqlen)
+                scale = self._softmax(buf, acc_S, col_max, col_sum, scale_log2, wg, warp, lane, i)
+                for a in cutlass.range_constexpr(V_ATOMS):
+                    self._rescale_columns(acc_O[a], scale)
+                self._store_pt(buf, acc_S, key0, q, wg)
+                cute.arch.fence_view_async_shared()  # P^T's stores -> the WGMMAs' reads
+                self._wg_sync(wg)
+                self._pv(mmas.t, loads, stage, frags, tOrPt, acc_O)
+                ring.consumer_release(state)
+                state.advance()
+            buf.pipeline_q.consumer_release(q_state)
+        return self._merge(
+            mmas, buf, setup, seqlen, acc_O, col_max, col_sum, scale_log2, v_descale, wg, warp,
+            lane,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------------------
+    # Steps of a block
+    # ------------------------------------------------------------------------------------
+
+    @cute.jit
+    def _prepare_q(self, buf, tidx: Int32):
+        """Q's first 32 rows in fp16 (saturated from bf16), each 16 columns in Q_PERMUTATION's
+        order (S^T's k-blocks as the K fragment holds them), in place; both warpgroups."""
+        pieces = self.rows * D_QK // 16
+        for p in cutlass.range(tidx, pieces, self.num_mma_threads, unroll=1):
+            row = p // (D_QK // 16)
+            col = (p - row * (D_QK // 16)) * 16
+            vals = cute.make_rmem_tensor(16, Float32)
+            for e in cutlass.range_constexpr(16):
+                vals[e] = Float32(buf.sQ_loaded[row, col + e])
+            for e in cutlass.range_constexpr(16):
+                v = vals[Q_PERMUTATION[e]]
+                if const_expr(self.converts_q):
+                    v = cute.arch.fmax(cute.arch.fmin(v, Float32(FP16_MAX)), Float32(-FP16_MAX))
+                buf.sQ[row, col + e] = buf.sQ.element_type(v)
+        cute.arch.fence_view_async_shared()  # Q's stores -> the WGMMAs' reads
+        cute.arch.barrier(
+            barrier_id=int(NamedBarrier.Q_CONVERT), number_of_threads=self.num_mma_threads
+        )
+
+    @cute.jit
+    def _zero_v_tail(self, stage: Int32, tail_keys: Int32, wg_thread: Int32, wg: Int32):
+        """The last block's V bytes past the sequence's end to zero (its P is 0 there, but
+        they hold whatever follows: 0 * NaN would reach O); rows of a box are 64 bytes, four
+        16-byte pieces a (key, box)."""
+        pieces = (KEYS - tail_keys) * V_ATOMS * 4
+        for p in cutlass.range(wg_thread, pieces, THREADS_PER_WARPGROUP, unroll=1):
+            key = tail_keys + p // (V_ATOMS * 4)
+            rest = p % (V_ATOMS * 4)
+            store_zeros_16(stage + box_offset(key, 64 * (rest // 4), rest % 4))
+        self._wg_sync(wg)
+
+    @cute.jit
+    def _scores(self, tiled_mma, loads, stage, frags, tSrQ, thr):
+        """S^T = K Q^T, a box (four k-blocks) a commit group, the A fragments filled one box
+        ahead in two buffers; returns once all are done."""
+        acc_S = cute.make_rmem_tensor(thr.partition_shape_C((KEYS, self.rows)), Float32)
+        atom = cute.make_mma_atom(tiled_mma.op)
+        for box in cutlass.range_constexpr(K_BOXES):
+            frag = frags[box % DEPTH]
+            loads.fill_k(stage, cute.recast_tensor(frag, Int32), box)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(4):
+                atom.set(warpgroup.Field.ACCUMULATE, box > 0 or k > 0)
+                cute.gemm(atom, acc_S, frag[None, None, k], tSrQ[None, None, 4 * box + k], acc_S)
+            warpgroup.commit_group()
+            warpgroup.wait_group(DEPTH - 1)  # (the other buffer's group: free to refill)
+        warpgroup.wait_group(0)
+        return acc_S
+
+    @cute.jit
+    def _pv(self, tiled_mma, loads, stage, frags, tOrPt, acc_O):
+        """O^T += V^T P^T, an m-atom a commit group, filled one ahead in two buffers; returns
+        once all are done (the stage is then free)."""
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+        for a in cutlass.range_constexpr(V_ATOMS):
+            frag = frags[a % DEPTH]
+            loads.fill_v(stage, cute.recast_tensor(frag, Int32), a)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(4):
+                cute.gemm(atom, acc_O[a], frag[None, None, k], tOrPt[None, None, k], acc_O[a])
+            warpgroup.commit_group()
+            warpgroup.wait_group(DEPTH - 1)
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def _mask(self, acc_S, key0: Int32, q: Int32, n_block: Int32, seqlen):
+        """Keys past the sequence's end and, causal, above a row's diagonal (row r holds token
+        r // rows_per_token) to -inf. key0: the thread's first key in the block (16 warp +
+        lane // 4), q: lane % 4."""
+        limit = seqlen.seqlen_k - n_block * KEYS - key0  # (against the key's offset 8 r)
+        for j in cutlass.range_constexpr(self.cols):
+            col_limit = limit
+            if const_expr(self.variant.causal):
+                token = _column(q, j) // self.variant.pack_gqa_ratio
+                diagonal = token + seqlen.seqlen_k - seqlen.seqlen_q + 1 - n_block * KEYS - key0
+                col_limit = cutlass.min(limit, diagonal)
+            for r in cutlass.range_constexpr(2):
+                v = _value(r, j)
+                acc_S[v] = -Float32.inf if 8 * r >= col_limit else acc_S[v]
+
+    @cute.jit
+    def _softmax(self, buf, acc_S, col_max, col_sum, scale_log2, wg, warp, lane, i):
+        """S^T's columns to probabilities against their new maxima, in place; the columns'
+        sums rescaled and this thread's keys added; returns the columns' rescale of O^T."""
+        block_max = cute.make_rmem_tensor(self.cols, Float32)
+        for j in cutlass.range_constexpr(self.cols):
+            m = cute.arch.fmax(acc_S[_value(0, j)], acc_S[_value(1, j)])
+            for offset in (4, 8, 16):
+                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=offset))
+            block_max[j] = m
+        slot = i % 2
+        if lane < 4:
+            for j in cutlass.range_constexpr(self.cols):
+                buf.exchange[wg, slot, warp, _column(lane, j)] = block_max[j]
+        self._wg_sync(wg)
+        q = lane % 4
+        scale = cute.make_rmem_tensor(self.cols, Float32)
+        for j in cutlass.range_constexpr(self.cols):
+            m = col_max[j]
+            for w in cutlass.range_constexpr(4):
+                m = cute.arch.fmax(m, buf.exchange[wg, slot, w, _column(q, j)])
+            m_safe = max_or_zero(m)
+            scale[j] = cute.math.exp2((col_max[j] - m_safe) * scale_log2, fastmath=True)
+            col_max[j] = m
+            m_scaled = m_safe * scale_log2
+            total = Float32(0.0)
+            for r in cutlass.range_constexpr(2):
+                p = cute.math.exp2(acc_S[_value(r, j)] * scale_log2 - m_scaled, fastmath=True)
+                acc_S[_value(r, j)] = p
+                total = total + p
+            col_sum[j] = col_sum[j] * scale[j] + total
+        return scale
+
+    def _rescale_columns(self, acc, scale):
+        for v in range(cute.size(acc)):  # (a plain Python loop: not a jit function)
+            acc[v] = acc[v] * scale[_column_index(v)]
+
+    @cute.jit
+    def _store_pt(self, buf, acc_S, key0: Int32, q: Int32, wg):
+        """P^T (fp16) into this warpgroup's sPt: column r of S^T is P^T's row r."""
+        sPt = buf.sPt[None, None, wg]
+        for j in cutlass.range_constexpr(self.cols):
+            for r in cutlass.range_constexpr(2):
+                sPt[_column(q, j), key0 + 8 * r] = sPt.element_type(acc_S[_value(r, j)])
+
+    def _wg_sync(self, wg):
+        cute.arch.barrier(
+            barrier_id=int(NamedBarrier.TRANSPOSED_WG_0) + wg,
+            number_of_threads=THREADS_PER_WARPGROUP,
+        )
+
+    # ------------------------------------------------------------------------------------
+    # The merge
+    # ------------------------------------------------------------------------------------
+
+    @cute.jit
+    def _merge(
+        self, mmas, buf, setup, seqlen, acc_O, col_max, col_sum, scale_log2, v_descale, wg,
+        warp, lane,
+    ):  # fmt: skip
+        """The warpgroups' O^T, maxima and sums into one normalized O in the seesaw's pv
+        layout (its 64 x 512 over both warpgroups, rows 32-63 zero) and the rows' LSE."""
+        q = lane % 4
+        g = lane // 4
+        mma_threads = self.num_mma_threads
+        # The columns' sums over this warpgroup's keys: lanes, then warps.
+        for j in cutlass.range_constexpr(self.cols):
+            s = col_sum[j]
+            for offset in (4, 8, 16):
+                s = s + cute.arch.shuffle_sync_bfly(s, offset=offset)
+            col_sum[j] = s
+        if lane < 4:
+            for j in cutlass.range_constexpr(self.cols):
+                buf.sums[wg, warp, _column(lane, j)] = col_sum[j]
+        self._wg_sync(wg)
+        for j in cutlass.range_constexpr(self.cols):
+            s = Float32(0.0)
+            for w in cutlass.range_constexpr(4):
+                s = s + buf.sums[wg, w, _column(q, j)]
+            col_sum[j] = s
+        if warp == 0 and lane < 4:
+            for j in cutlass.range_constexpr(self.cols):
+                buf.final[wg, 0, _column(lane, j)] = col_max[j]
+                buf.final[wg, 1, _column(lane, j)] = col_sum[j]
+        # Both warpgroups are past their last block (the stages are free) and have published.
+        cute.arch.barrier(barrier_id=int(NamedBarrier.SPLIT_SCORES), number_of_threads=mma_threads)
+        factor = cute.make_rmem_tensor(self.cols, Float32)
+        for j in cutlass.range_constexpr(self.cols):
+            col = _column(q, j)
+            m_other = buf.final[1 - wg, 0, col]
+            l_other = buf.final[1 - wg, 1, col]
+            m_safe = max_or_zero(cute.arch.fmax(col_max[j], m_other))
+            mine = cute.math.exp2((col_max[j] - m_safe) * scale_log2, fastmath=True)
+            other = cute.math.exp2((m_other - m_safe) * scale_log2, fastmath=True)
+            total = col_sum[j] * mine + l_other * other
+            factor[j] = Float32(0.0) if total == 0.0 else mine * cute.arch.rcp_approx(total)
+        apply_v_descale(factor, v_descale)
+        merge = buf.merge[wg, None, None]
+        for a in cutlass.range_constexpr(V_ATOMS):
+            for v in cutlass.range_constexpr(cute.size(acc_O[a])):
+                row = _column(q, _column_index(v))
+                dim = o_dim(a, warp, g, (v // 2) % 2)
+                merge[row, dim] = acc_O[a][v] * factor[_column_index(v)]
+        cute.arch.barrier(barrier_id=int(NamedBarrier.SPLIT_SCORES), number_of_threads=mma_threads)
+        # O and the LSE in the seesaw's layout.
+        thr_pv = mmas.pv.get_slice(setup.tidx)
+        out = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, D_LATENT)), Float32)
+        out_coords = thr_pv.partition_C(cute.make_identity_tensor((64, D_LATENT)))
+        for v in cutlass.range_constexpr(cute.size(out)):
+            row, dim = out_coords[v]
+            out[v] = Float32(0.0)
+            if row < self.rows:
+                out[v] = buf.merge[0, row, dim] + buf.merge[1, row, dim]
+        rows = hopper_mma.acc_as_rows_cols(out_coords)
+        num_rows = cute.size(rows, mode=[0])
+        lse = cute.make_rmem_tensor(num_rows, Float32)
+        for r in cutlass.range_constexpr(num_rows):
+            row = rows[r, 0][0]
+            lse[r] = -Float32.inf
+            if row < self.rows:
+                m0, m1 = buf.final[0, 0, row], buf.final[1, 0, row]
+                m_safe = max_or_zero(cute.arch.fmax(m0, m1))
+                total = buf.final[0, 1, row] * cute.math.exp2(
+                    (m0 - m_safe) * scale_log2, fastmath=True
+                ) + buf.final[1, 1, row] * cute.math.exp2((m1 - m_safe) * scale_log2, fastmath=True)
+                if total > 0.0:
+                    lse[r] = (m_safe * scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+        return TileResult(acc_O=out, lse=lse, seqlen=seqlen)
+
+
+def _value(r: int, j: int) -> int:
+    """The flat index in a thread's S^T / O^T atom of its key row g + 8 r, column j."""
+    return (j % 2) + 2 * r + 4 * (j // 2)
+
+
+def _column_index(v: int) -> int:
+    """The column j (0-7) of a thread's atom value v."""
+    return (v % 2) + 2 * (v // 4)
+
+
+def _column(q: Int32, j: int) -> Int32:
+    """The tile row (S^T / O^T column) of a thread's column j (q: its lane % 4)."""
+    return 2 * q + (j % 2) + 8 * (j // 2)

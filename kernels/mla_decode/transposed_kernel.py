@@ -1,0 +1,244 @@
+"""The transposed latent decode kernel for Hopper (sm_90a): an FP8 (e4m3) latent cache against
+tiles of at most 32 query rows (heads x tokens of a sequence, packed over the one latent head),
+the latent decode kernel's launch (kernel.py) with the transposed mainloop (transposed.py).
+
+Warp roles (384 threads): warpgroup 0's warp 0 loads Q, then the tile's key blocks, last first,
+alternately into warpgroup 1's and warpgroup 2's rings (the mainloop's warpgroups 0 and 1);
+the MMA warpgroups run the mainloop, then the forward epilogue.
+
+Shared memory: Q (64 x 576 as loaded, 72 KB; rows 32-63 hold the warpgroups' P^T once it has
+landed), four stages of a key block's e4m3 (36 KB each: two a warpgroup), the exchanges and
+the barriers: ~225 KB of the 232,448 bytes a CTA may have.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+from .. import hopper_mma
+from ..forward.epilogue import Epilogue
+from ..forward.facts import THREADS_PER_WARPGROUP, ForwardFacts, Piece
+from ..forward.host import HostSetup
+from ..forward.producer import Producer
+from ..forward.records import KernelParams, MmaSetup, QLoad
+from .fp8_fragments import STAGE_BYTES, stage_box_layout
+from .kernel import MlaDecodeSm90
+from .loads import BOX, TILES, LatentBlockLoads
+from .seesaw import D_LATENT
+from .transposed import (
+    MAX_ROWS,
+    MERGE_STRIDE,
+    STAGES,
+    Transposed,
+    TransposedBuffers,
+    TransposedMmas,
+)
+
+
+class MlaDecodeTransposedSm90(MlaDecodeSm90):
+    """One compiled variant (config.seesaw_rows 32, an FP8 latent cache) of the transposed
+    latent decode kernel. Its entry points and arguments are the forward kernel's."""
+
+    def __init__(self, variant):
+        Piece.__init__(self, ForwardFacts(variant))
+        self.host = HostSetup(self.facts)
+        self.producer = Producer(self.facts)  # (Q's load)
+        self.mainloop = Transposed(self.facts)
+        self.epilogue = Epilogue(self.facts)
+
+    def _tiled_mmas(self) -> TransposedMmas:
+        return TransposedMmas(
+            t=hopper_mma.make_tiled_mma(
+                self.mma_dtype, 1, self.config.seesaw_rows, False, a_from_registers=True
+            ),
+            pv=hopper_mma.make_tiled_mma(
+                self.mma_dtype, 1, D_LATENT, True, a_from_registers=True, split_n=2
+            ),
+        )
+
+    def _box_layout(self):
+        return stage_box_layout()
+
+    def _shared_storage(self, layouts):
+        """Q as loaded, the stages (e4m3), the exchanges, a ring per warpgroup."""
+        sQ_size = cute.cosize(layouts.q)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_stages: cute.struct.MemRange[cutlass.Int64, 2 * 2 * STAGES]
+            split_last: cute.struct.MemRange[Int32, 1]
+            exchange: cute.struct.MemRange[Float32, 2 * 2 * 4 * MAX_ROWS]
+            sums: cute.struct.MemRange[Float32, 2 * 4 * MAX_ROWS]
+            final: cute.struct.MemRange[Float32, 2 * 2 * MAX_ROWS]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, sQ_size], 1024]
+            stages: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Float8E4M3FN, 2 * STAGES * STAGE_BYTES], 1024
+            ]
+
+        return SharedStorage
+
+    @cute.kernel
+    def kernel(self, params: KernelParams):
+        """Shared memory and the rings, then the roles: the loading warp (Q, then the key
+        blocks) and the two MMA warpgroups (the mainloop, the epilogue, a split tile's
+        merge)."""
+        loads, outputs, problem, mCounters, _, scalars, atoms = params[:7]
+        softmax_scale_log2, layouts, mmas = params[7:]
+        mO, mLSE, mOPartial, mLSEPartial = outputs
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (atoms.q, atoms.k):
+                cpasync.prefetch_descriptor(atom)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        warpgroup_warps = pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, THREADS_PER_WARPGROUP // 32
+        )
+        pipeline_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(),
+            num_stages=1,
+            producer_group=tma_thread,
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.num_mma_threads // 32
+            ),
+            tx_count=cute.size_in_bytes(self.dtype, layouts.q),
+            defer_sync=True,
+        )
+        rings = tuple(
+            pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_stages.data_ptr() + 2 * STAGES * w,
+                num_stages=STAGES,
+                producer_group=tma_thread,
+                consumer_group=warpgroup_warps,
+                tx_count=STAGE_BYTES,
+                defer_sync=True,
+            )
+            for w in range(2)
+        )
+        space = self.facts.tile_space(
+            problem.q, problem.k, problem.cu_seqlens_q, problem.page_table, scalars.num_splits,
+            scalars.max_ctas,
+        )  # fmt: skip
+        scheduler = self.scheduler_cls.create(space)
+        pipeline.pipeline_init_arrive()
+
+        sQ = storage.sQ.get_tensor(layouts.q.outer, swizzle=layouts.q.inner)
+        sQ_mma = sQ
+        if const_expr(self.converts_q):  # the same smem as fp16, with the same swizzle
+            sQ_mma = cute.make_tensor(
+                cute.recast_ptr(storage.sQ.data_ptr(), layouts.q.inner, dtype=self.mma_dtype),
+                layouts.q.outer,
+            )
+        stages = storage.stages.data_ptr()
+        buf = TransposedBuffers(
+            sQ=sQ_mma,
+            sQ_loaded=sQ,
+            sPt=self._pt_view(storage.sQ.data_ptr()),
+            stages=Int32(stages.toint()),
+            merge=cute.make_tensor(
+                cute.recast_ptr(stages, dtype=Float32),
+                cute.make_layout(
+                    (2, MAX_ROWS, MERGE_STRIDE), stride=(MAX_ROWS * MERGE_STRIDE, MERGE_STRIDE, 1)
+                ),
+            ),
+            exchange=storage.exchange.get_tensor(
+                cute.make_layout(
+                    (2, 2, 4, MAX_ROWS), stride=(8 * MAX_ROWS, 4 * MAX_ROWS, MAX_ROWS, 1)
+                )
+            ),
+            sums=storage.sums.get_tensor(
+                cute.make_layout((2, 4, MAX_ROWS), stride=(4 * MAX_ROWS, MAX_ROWS, 1))
+            ),
+            final=storage.final.get_tensor(
+                cute.make_layout((2, 2, MAX_ROWS), stride=(2 * MAX_ROWS, MAX_ROWS, 1))
+            ),
+            pipeline_q=pipeline_q,
+            rings=rings,
+        )
+        shapes = problem._replace(
+            num_splits=scalars.num_splits,
+            kv_length=scalars.kv_length if const_expr(self.variant.scalar_kv_length) else None,
+        )
+        tile = scheduler.work_tile(scheduler.first_tile())
+        pipeline.pipeline_init_wait()
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.config.producer_registers)
+            if warp_idx == 0:
+                seqlen, _, n_block_min, n_block_max = self.tile_problem(tile, shapes)
+                if n_block_max > n_block_min:
+                    q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                    self.producer.load_q(
+                        QLoad(
+                            copies=self.producer.q_copies(loads, atoms, sQ, tile, seqlen),
+                            ring=pipeline_q,
+                            state=q_state,
+                        )
+                    )
+                    block_loads = LatentBlockLoads.create(
+                        atoms, loads, None, None, self.variant, tile.head_kv_idx, tile.batch_idx,
+                        shapes.page_table,
+                    )  # fmt: skip
+                    self._load_blocks(block_loads, rings, stages, n_block_min, n_block_max)
+        else:
+            cute.arch.setmaxregister_increase(self.config.mma_registers)
+            tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
+            setup = MmaSetup(
+                tiled_mma_qk=mmas.t, tiled_mma_pv=mmas.pv, tma_atom_O=None,
+                softmax_scale_log2=softmax_scale_log2, tidx=tidx,
+                warpgroup_idx=cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP),
+            )  # fmt: skip
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            result = self.mainloop.mma(mmas, buf, setup, tile, shapes, q_state)
+            split = self.variant.split
+            tile_out, tile_lse = (mOPartial, mLSEPartial) if const_expr(split) else (mO, mLSE)
+            self.epilogue.store(result, tile_out, tile_lse, sQ, setup, tile)
+            if const_expr(split and not self.variant.combine_launch):
+                split_last = storage.split_last.get_tensor(cute.make_layout(1))
+                self.epilogue.merge_splits(
+                    mO, mLSE, mOPartial, mLSEPartial, mCounters, split_last, tile, shapes, tidx
+                )
+
+    def _pt_view(self, q_ptr) -> cute.Tensor:
+        """(rows, 64, 2) fp16: warpgroup w's P^T from row 32 of Q's column block w (Q's tile
+        is 64-row blocks of 64 columns, 8 KB each under the 128-byte swizzle; S^T reads rows
+        0-31 at most)."""
+        layout = hopper_mma.make_row_major_smem_layout(self.mma_dtype, self.config.seesaw_rows, BOX)
+        block = 64 * BOX  # elements of one 64-column block of Q's tile
+        ptr = cute.recast_ptr(q_ptr, layout.inner, dtype=self.mma_dtype)
+        pt = cute.make_layout(
+            (layout.outer.shape[0], layout.outer.shape[1], 2),
+            stride=(layout.outer.stride[0], layout.outer.stride[1], block),
+        )
+        return cute.make_tensor(ptr + 32 * BOX, pt)
+
+    @cute.jit
+    def _load_blocks(self, block_loads, rings, stages, n_block_min: Int32, n_block_max: Int32):
+        """The tile's key blocks, last first: block n_block_max - 1 - i into warpgroup i % 2's
+        ring."""
+        base = cute.recast_ptr(stages, dtype=cutlass.Float8E4M3FN)
+        count = n_block_max - n_block_min
+        s0 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+        s1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+        for p in cutlass.range(count // 2, unroll=1):
+            s0 = self._load_block(block_loads, rings, base, n_block_max - 1 - 2 * p, 0, s0)
+            s1 = self._load_block(block_loads, rings, base, n_block_max - 2 - 2 * p, 1, s1)
+        if count % 2 == 1:
+            self._load_block(block_loads, rings, base, n_block_min, 0, s0)
+
+    def _load_block(self, block_loads, rings, base, n_block, w: int, state):
+        """Key block n_block into warpgroup w's ring's next stage; returns the state past it
+        (rebound by the caller: the DSL carries it through the loop that way)."""
+        layout = stage_box_layout()
+        first = (STAGES * w + state.index) * STAGE_BYTES
+
+        def dst(c):
+            at = cute.recast_ptr(base + first + c * BOX * BOX, layout.inner)
+            return cute.make_tensor(at, layout.outer)
+
+        block_loads.issue_boxes(n_block, rings[w], state, (0, TILES), dst)
+        state.advance()
+        return state
