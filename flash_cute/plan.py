@@ -323,6 +323,8 @@ class ForwardVariant(CallShape):
                 problem = "pages of a multiple of 64 keys (TMA boxes of whole key blocks)"
             if problem is None and c.trace:
                 problem = "no trace"
+            if problem is None and c.seesaw_rows == 32 and (self.kv_dtype is None or self.qv):
+                problem = "seesaw_rows 32 (the transposed kernel) reads an FP8 latent cache only"
             if problem is not None:
                 problems.append(f"the seesaw (latent decode) kernel: {problem}")
         if self.leftpad_k and not (self.kv_layout == "padded" or self.gather_page_size):

@@ -633,6 +633,7 @@ def test_seesaw_variants_that_cannot_run_are_refused():
         (dict(learnable_sink="bfloat16"), "learnable_sink"),
         (dict(causal=False, window_left=128, window_right=0), "local window"),
         (dict(config=seesaw_config().replace(trace=True)), "no trace"),
+        (dict(config=seesaw_config(rows=32)), "seesaw_rows 32.*FP8 latent cache only"),
     ]:
         with pytest.raises(ValueError, match=message):
             variant(**flags)

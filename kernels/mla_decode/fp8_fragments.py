@@ -102,11 +102,20 @@ class FragmentLoads:
         self.v_key = 8 * matrix + row
 
     @cute.jit
-    def fill_k(self, stage: Int32, pairs: cute.Tensor, box: int):
-        """K's dims 64 box .. 64 box + 63 (four k-blocks of S^T) from the stage at smem address
-        `stage`."""
+    def load_k(self, stage: Int32, box: int) -> list:
+        """K's dims 64 box .. 64 box + 63 (four k-blocks of S^T) as e4m3, from the stage at smem
+        address `stage`: two ldmatrix x4 (convert_k makes the fragment of them)."""
+        raw = []
         for h2 in cutlass.range_constexpr(2):  # 32 dims: two k-blocks
-            regs = ldmatrix_x4(stage + box_offset(self.k_key, 64 * box + 32 * h2, self.k_chunk))
+            at = stage + box_offset(self.k_key, 64 * box + 32 * h2, self.k_chunk)
+            raw.extend(ldmatrix_x4(at))
+        return raw
+
+    @cute.jit
+    def convert_k(self, raw: list, pairs: cute.Tensor):
+        """load_k's bytes into a 64 x 64 A fragment (pairs)."""
+        for h2 in cutlass.range_constexpr(2):
+            regs = raw[4 * h2 : 4 * h2 + 4]
             for h in cutlass.range_constexpr(2):
                 g_rows = e4m3x4_to_f16x2x2(regs[2 * h])  # key g
                 g8_rows = e4m3x4_to_f16x2x2(regs[2 * h + 1])  # key g + 8
@@ -117,14 +126,22 @@ class FragmentLoads:
                 pairs[base + 3] = g8_rows[1]
 
     @cute.jit
-    def fill_v(self, stage: Int32, pairs: cute.Tensor, atom: int):
+    def load_v(self, stage: Int32, atom: int) -> list:
         """V^T's m-atom `atom` (dims 64 atom .., permuted as o_dim says) over the block's 64
-        keys (four k-blocks) from the stage at smem address `stage`."""
+        keys as e4m3, from the stage at smem address `stage`: two ldmatrix x4 transposed."""
+        raw = []
         for half in cutlass.range_constexpr(2):  # keys 32 half ..
             key = 32 * half + self.v_key
-            regs = ldmatrix_x4_trans(stage + box_offset(key, 64 * atom, self.warp))
+            raw.extend(ldmatrix_x4_trans(stage + box_offset(key, 64 * atom, self.warp)))
+        return raw
+
+    @cute.jit
+    def convert_v(self, raw: list, pairs: cute.Tensor):
+        """load_v's bytes into a 64 x 64 A fragment (pairs): four k-blocks of 16 keys."""
+        for half in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(4):
-                dims = e4m3x4_to_f16x2x2(byte_perm(regs[j], regs[j], BY_DIM))
+                r = raw[4 * half + j]
+                dims = e4m3x4_to_f16x2x2(byte_perm(r, r, BY_DIM))
                 base = 4 * (2 * half + j // 2) + 2 * (j % 2)
                 pairs[base + 0] = dims[0]  # row g: dim 2g
                 pairs[base + 1] = dims[1]  # row g + 8: dim 2g + 1

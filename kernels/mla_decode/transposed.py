@@ -45,9 +45,11 @@ D_QK = 576
 V_ATOMS = D_LATENT // 64  # O^T's m-atoms
 K_BOXES = D_QK // 64  # S^T's groups of four k-blocks (one box each)
 STAGES = 2  # a warpgroup's ring
-# A fragments filled ahead of the WGMMAs that read them (H200, 16-32 heads: 3 and 4 were
-# 1-33% slower).
+# A fragments converted ahead of the WGMMAs that read them, and groups whose bytes are loaded
+# ahead of their conversion (H200, 16 and 32 heads: depths 3 and 4 1-33% slower; loads one
+# group ahead 121-126 -> 102-104 us, spill-free; two ahead 103-114).
 DEPTH = 2
+PREFETCH = 1
 MERGE_STRIDE = D_LATENT + 8  # fp32 per row of a warpgroup's O in the merge (bank spread)
 
 
@@ -122,6 +124,8 @@ class Transposed(Piece):
         col_max.fill(-Float32.inf)
         col_sum.fill(0.0)
         loads = FragmentLoads(lane, warp)
+        # V's first PREFETCH atoms' bytes, loaded under the softmax.
+        v_first = cute.make_rmem_tensor(8 * max(PREFETCH, 1), Int32)
         key0 = 16 * warp + lane // 4  # the thread's keys in a block: key0 + 8 r
         q = lane % 4
         mask_from = n_block_max - 1
@@ -142,7 +146,7 @@ class Transposed(Piece):
                 stage = buf.stages + (STAGES * wg + state.index) * STAGE_BYTES
                 if n_block == n_block_max - 1 and tail_keys < KEYS:
                     self._zero_v_tail(stage, tail_keys, wg_thread, wg)
-                acc_S = self._scores(mmas.t, loads, stage, frags, tSrQ, thr)
+                acc_S = self._scores(mmas.t, loads, stage, frags, tSrQ, thr, v_first)
                 if n_block >= mask_from:
                     self._mask(acc_S, key0, q, n_block, seqlen)
                 scale = self._softmax(buf, acc_S, col_max, col_sum, scale_log2, wg, warp, lane, i)
@@ -151,7 +155,7 @@ class Transposed(Piece):
                 self._store_pt(buf, acc_S, key0, q, wg)
                 cute.arch.fence_view_async_shared()  # P^T's stores -> the WGMMAs' reads
                 self._wg_sync(wg)
-                self._pv(mmas.t, loads, stage, frags, tOrPt, acc_O)
+                self._pv(mmas.t, loads, stage, frags, tOrPt, acc_O, v_first)
                 ring.consumer_release(state)
                 state.advance()
             buf.pipeline_q.consumer_release(q_state)
@@ -198,32 +202,45 @@ class Transposed(Piece):
         self._wg_sync(wg)
 
     @cute.jit
-    def _scores(self, tiled_mma, loads, stage, frags, tSrQ, thr):
-        """S^T = K Q^T, a box (four k-blocks) a commit group, the A fragments filled one box
-        ahead in two buffers; returns once all are done."""
+    def _scores(self, tiled_mma, loads, stage, frags, tSrQ, thr, v_first):
+        """S^T = K Q^T, a box (four k-blocks) a commit group, its A fragment converted while
+        the previous group's WGMMAs run, the next box's bytes loaded a group ahead; returns
+        once all are done."""
         acc_S = cute.make_rmem_tensor(thr.partition_shape_C((KEYS, self.rows)), Float32)
         atom = cute.make_mma_atom(tiled_mma.op)
+        ahead = [loads.load_k(stage, box) for box in range(PREFETCH)]
         for box in cutlass.range_constexpr(K_BOXES):
+            if const_expr(box + PREFETCH < K_BOXES):
+                ahead.append(loads.load_k(stage, box + PREFETCH))
+            raw = ahead.pop(0) if const_expr(PREFETCH > 0) else loads.load_k(stage, box)
             frag = frags[box % DEPTH]
-            loads.fill_k(stage, cute.recast_tensor(frag, Int32), box)
+            loads.convert_k(raw, cute.recast_tensor(frag, Int32))
             warpgroup.fence()
             for k in cutlass.range_constexpr(4):
                 atom.set(warpgroup.Field.ACCUMULATE, box > 0 or k > 0)
                 cute.gemm(atom, acc_S, frag[None, None, k], tSrQ[None, None, 4 * box + k], acc_S)
             warpgroup.commit_group()
-            warpgroup.wait_group(DEPTH - 1)  # (the other buffer's group: free to refill)
+            warpgroup.wait_group(DEPTH - 1)  # (the next fragment's buffer is free)
+        for a in cutlass.range_constexpr(PREFETCH):
+            raw = loads.load_v(stage, a)
+            for i in cutlass.range_constexpr(8):
+                v_first[8 * a + i] = raw[i]
         warpgroup.wait_group(0)
         return acc_S
 
     @cute.jit
-    def _pv(self, tiled_mma, loads, stage, frags, tOrPt, acc_O):
-        """O^T += V^T P^T, an m-atom a commit group, filled one ahead in two buffers; returns
-        once all are done (the stage is then free)."""
+    def _pv(self, tiled_mma, loads, stage, frags, tOrPt, acc_O, v_first):
+        """O^T += V^T P^T, an m-atom a commit group, as _scores (v_first: the first atom's
+        bytes, loaded before the softmax); returns once all are done (the stage is free)."""
+        ahead = [[v_first[8 * a + i] for i in range(8)] for a in range(PREFETCH)]
         atom = cute.make_mma_atom(tiled_mma.op)
         atom.set(warpgroup.Field.ACCUMULATE, True)
         for a in cutlass.range_constexpr(V_ATOMS):
+            if const_expr(a + PREFETCH < V_ATOMS):
+                ahead.append(loads.load_v(stage, a + PREFETCH))
+            raw = ahead.pop(0) if const_expr(PREFETCH > 0) else loads.load_v(stage, a)
             frag = frags[a % DEPTH]
-            loads.fill_v(stage, cute.recast_tensor(frag, Int32), a)
+            loads.convert_v(raw, cute.recast_tensor(frag, Int32))
             warpgroup.fence()
             for k in cutlass.range_constexpr(4):
                 cute.gemm(atom, acc_O[a], frag[None, None, k], tOrPt[None, None, k], acc_O[a])
