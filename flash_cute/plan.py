@@ -685,17 +685,15 @@ def seesaw_route_problem(problem: Problem) -> Optional[str]:
     return None
 
 
-def transposed_problem(problem: Problem, max_rows: int = 32) -> Optional[str]:
-    """Why the transposed latent decode kernel (AttentionConfig.seesaw_rows 16 or 32: max_rows)
-    cannot serve a call the seesaw kernel serves, or None: it reads an FP8 latent cache
-    (FlashMLA's form) for tiles of at most max_rows rows (q heads per kv head x tokens)."""
+def transposed_problem(problem: Problem) -> Optional[str]:
+    """Why the transposed latent decode kernel (AttentionConfig.seesaw_rows 32) cannot serve a
+    call the seesaw kernel serves, or None: it reads an FP8 latent cache (FlashMLA's form)
+    for tiles of at most 32 rows (q heads per kv head x query tokens)."""
     rows = problem.nheads // problem.nheads_kv * problem.max_seqlen_q
     if problem.kv_dtype is None or problem.qv:
         return "serves an FP8 latent cache in FlashMLA's form only"
-    if rows > max_rows:
-        return (
-            f"serves at most {max_rows} rows a sequence (q heads per kv head x tokens), got {rows}"
-        )
+    if rows > 32:
+        return f"serves at most 32 rows a sequence (q heads per kv head x tokens), got {rows}"
     return None
 
 

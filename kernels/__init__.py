@@ -4,7 +4,13 @@ from .flash_combine import FlashAttentionCombine
 from .forward import FlashAttentionForwardSm90
 from .mla_decode import MlaDecodeSm90, MlaDecodeTransposedSm90
 
-__all__ = ["FlashAttentionCombine", "FlashAttentionForwardSm90", "MlaDecodeSm90", "forward_kernel"]
+__all__ = [
+    "FlashAttentionCombine",
+    "FlashAttentionForwardSm90",
+    "MlaDecodeSm90",
+    "MlaDecodeTransposedSm90",
+    "forward_kernel",
+]
 
 
 def forward_kernel(variant) -> FlashAttentionForwardSm90:

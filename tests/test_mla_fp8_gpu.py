@@ -1,6 +1,8 @@
 """GPU checks of absorbed-MLA decode on an FP8 (float8_e4m3fn) latent cache (the latent decode
-kernel, kernels/mla_decode/fp8_loads.py), through flash_attn_with_kvcache: FlashMLA's form (one
-576-wide cache, v a view of its first 512 columns), padded and paged caches, 1-4 query tokens,
+kernel: the seesaw converting in place, kernels/mla_decode/fp8_loads.py, and for tiles of at
+most 32 rows the transposed kernel, kernels/mla_decode/transposed.py), through
+flash_attn_with_kvcache: FlashMLA's form (one 576-wide cache, v a view of its first 512
+columns), padded and paged caches, 1-4 query tokens,
 8-128 heads, splits, descales (none, one value, per batch and head), bf16 and fp16 q, graph
 replay. Against the float32 reference on the dequantized cache, within the bar of the same math
 in q's dtype on it (tests/test_fp8_kv_gpu.py's check); outputs poisoned, slots past each

@@ -14,7 +14,8 @@ the tile's blocks of parity w (n_block_max - 1 - w, then every second one down) 
 two-stage ring, with its own O^T, column maxima and sums: no exchange per block, and the other
 warpgroup's GEMMs run under each softmax. The softmax runs down S^T's columns: a thread's 2
 keys of 8 columns, shuffles across the 8 lanes sharing its columns, then the four warps'
-maxima through shared memory (two slots by block parity, one warpgroup barrier a block). At
+maxima through shared memory (two slots by block parity; a warpgroup barrier after them and
+one after P^T's stores, each block). At
 the end the two warpgroups' O^T, maxima and sums merge through the then idle stages into the
 seesaw's O layout, which the forward epilogue stores.
 """
@@ -47,7 +48,7 @@ K_BOXES = D_QK // 64  # S^T's groups of four k-blocks (one box each)
 STAGES = 2  # a warpgroup's ring
 # A fragments converted ahead of the WGMMAs that read them, and groups whose bytes are loaded
 # ahead of their conversion (H200, 16 and 32 heads: depths 3 and 4 1-33% slower; loads one
-# group ahead 121-126 -> 102-104 us, spill-free; two ahead 103-114).
+# group ahead 121-126 -> 102-104 us, and non-causal variants spill-free; two ahead 103-114).
 DEPTH = 2
 PREFETCH = 1
 MERGE_STRIDE = D_LATENT + 8  # fp32 per row of a warpgroup's O in the merge (bank spread)
@@ -73,7 +74,7 @@ class TransposedBuffers:
     exchange: cute.Tensor  # (2, 2, 4, 32) fp32: (warpgroup, slot, warp, column) maxima
     sums: cute.Tensor  # (2, 4, 32) fp32: (warpgroup, warp, column) sums at the end
     final: cute.Tensor  # (2, 2, 32) fp32: (warpgroup, max or sum, column)
-    pipeline_q: pipeline.PipelineAsync
+    pipeline_q: pipeline.PipelineTmaAsync
     rings: tuple  # (warpgroup 0's, warpgroup 1's) PipelineTmaAsync
 
 
@@ -199,6 +200,8 @@ class Transposed(Piece):
             key = tail_keys + p // (V_ATOMS * 4)
             rest = p % (V_ATOMS * 4)
             store_zeros_16(stage + box_offset(key, 64 * (rest // 4), rest % 4))
+        # (generic-proxy stores into a TMA stage: ordered before its refill's TMA writes)
+        cute.arch.fence_view_async_shared()
         self._wg_sync(wg)
 
     @cute.jit
