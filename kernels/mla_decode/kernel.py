@@ -51,7 +51,7 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
         Piece.__init__(self, ForwardFacts(variant))
         self.host = HostSetup(self.facts)
         self.producer = Producer(self.facts)  # (Q's load)
-        self.seesaw = Seesaw(self.facts)
+        self.mainloop = Seesaw(self.facts)
         self.epilogue = Epilogue(self.facts)
 
     # ------------------------------------------------------------------------------------
@@ -136,10 +136,11 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
     # Device side
     # ------------------------------------------------------------------------------------
 
-    def _half_rings(self, barriers, tma_thread) -> HalfRings:
+    def _rings(self, storage, tma_thread) -> HalfRings:
         """The halves' rings over their mbarriers (two a ring): TMA fills a half (an FP8
         cache's e4m3 bytes, which its first MMA reader converts in place), its readers' warps
         free it (HALF_READERS)."""
+        barriers = storage.mbar_halves.data_ptr()
         element_bytes = 1 if const_expr(self.kv_fp8) else self.dtype.width // 8
         rings = [
             pipeline.PipelineTmaAsync.create(
@@ -154,12 +155,42 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
         ]
         return HalfRings(*rings)
 
+    def _buffers(self, storage, layouts, sQ, sQ_mma, pipeline_q, rings) -> SeesawBuffers:
+        """The tiles and rings as the MMA warpgroups see them (sQ as loaded, sQ_mma as the
+        GEMMs read it)."""
+        return SeesawBuffers(
+            sQ=sQ_mma,
+            sQ_loaded=sQ,
+            sK=storage.sK.get_tensor(layouts.k.outer, swizzle=layouts.k.inner),
+            sV=storage.sK.get_tensor(layouts.v.outer, swizzle=layouts.v.inner),
+            sP0=storage.sP.get_tensor(layouts.p.outer, swizzle=layouts.p.inner),
+            sRows=storage.rows.get_tensor(cute.make_layout((2, 2, 64))),
+            pipeline_q=pipeline_q,
+            rings=rings,
+            fp8_k=storage.sK.data_ptr() if const_expr(self.kv_fp8) else None,
+        )
+
+    def _load_keys(self, atoms, loads, storage, buf, tile, shapes, n_block_min, n_block_max):
+        """The loading warp's key blocks after Q: their halves in the seesaw's order (an FP8
+        cache's boxes staged in the K buffers as e4m3)."""
+        staged = None
+        if const_expr(self.kv_fp8):
+            staged = cute.recast_ptr(storage.sK.data_ptr(), dtype=self.kv_dtype)
+        states = [
+            pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            for _ in HALF_READERS
+        ]
+        LatentBlockLoads.create(
+            atoms, loads, buf.sK, buf.rings, self.variant, tile.head_kv_idx, tile.batch_idx,
+            shapes.page_table, staged,
+        ).load_blocks(n_block_min, n_block_max, states)  # fmt: skip
+
     @cute.kernel
     def kernel(self, params: KernelParams):
         """Shared memory and the rings, then the roles: the loading warp (Q, then the key
-        blocks' halves in the seesaw's order) and the two MMA warpgroups (the seesaw, the
-        epilogue, a split tile's merge). params: the forward kernel's launch groups, mmas this
-        kernel's SeesawMmas."""
+        blocks: _load_keys) and the two MMA warpgroups (the mainloop, the epilogue, a split
+        tile's merge). params: the forward kernel's launch groups, mmas this kernel's
+        (_tiled_mmas). Subclasses change _rings, _buffers, _load_keys and the mainloop."""
         loads, outputs, problem, mCounters, _, scalars, atoms = params[:7]
         softmax_scale_log2, layouts, mmas = params[7:]
         mO, mLSE, mOPartial, mLSEPartial = outputs
@@ -180,7 +211,7 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
             tx_count=self.tma_bytes_q,
             defer_sync=True,
         )
-        rings = self._half_rings(storage.mbar_halves.data_ptr(), tma_thread)
+        rings = self._rings(storage, tma_thread)
         space = self.facts.tile_space(
             problem.q, problem.k, problem.cu_seqlens_q, problem.page_table, scalars.num_splits,
             scalars.max_ctas,
@@ -195,21 +226,7 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
                 cute.recast_ptr(storage.sQ.data_ptr(), layouts.q.inner, dtype=self.mma_dtype),
                 layouts.q.outer,
             )
-        sK = storage.sK.get_tensor(layouts.k.outer, swizzle=layouts.k.inner)
-        staged = None  # an FP8 cache: the K buffers as e4m3 (its boxes land there)
-        if const_expr(self.kv_fp8):
-            staged = cute.recast_ptr(storage.sK.data_ptr(), dtype=self.kv_dtype)
-        buf = SeesawBuffers(
-            sQ=sQ_mma,
-            sQ_loaded=sQ,
-            sK=sK,
-            sV=storage.sK.get_tensor(layouts.v.outer, swizzle=layouts.v.inner),
-            sP0=storage.sP.get_tensor(layouts.p.outer, swizzle=layouts.p.inner),
-            sRows=storage.rows.get_tensor(cute.make_layout((2, 2, 64))),
-            pipeline_q=pipeline_q,
-            rings=rings,
-            fp8_k=storage.sK.data_ptr() if const_expr(self.kv_fp8) else None,
-        )
+        buf = self._buffers(storage, layouts, sQ, sQ_mma, pipeline_q, rings)
         shapes = problem._replace(
             num_splits=scalars.num_splits,
             kv_length=scalars.kv_length if const_expr(self.variant.scalar_kv_length) else None,
@@ -230,14 +247,9 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
                             state=q_state,
                         )
                     )
-                    states = [
-                        pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-                        for _ in HALF_READERS
-                    ]
-                    LatentBlockLoads.create(
-                        atoms, loads, sK, rings, self.variant, tile.head_kv_idx, tile.batch_idx,
-                        shapes.page_table, staged,
-                    ).load_blocks(n_block_min, n_block_max, states)  # fmt: skip
+                    self._load_keys(
+                        atoms, loads, storage, buf, tile, shapes, n_block_min, n_block_max
+                    )
         else:
             cute.arch.setmaxregister_increase(self.config.mma_registers)
             tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
@@ -247,7 +259,7 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
                 warpgroup_idx=cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP),
             )  # fmt: skip
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            result = self.seesaw.mma(mmas, buf, setup, tile, shapes, q_state)
+            result = self.mainloop.mma(mmas, buf, setup, tile, shapes, q_state)
             split = self.variant.split
             tile_out, tile_lse = (mOPartial, mLSEPartial) if const_expr(split) else (mO, mLSE)
             self.epilogue.store(result, tile_out, tile_lse, sQ, setup, tile)

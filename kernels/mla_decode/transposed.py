@@ -55,10 +55,11 @@ MERGE_STRIDE = D_LATENT + 8  # fp32 per row of a warpgroup's O in the merge (ban
 
 
 class TransposedMmas(NamedTuple):
-    """m64 n32 k16 with A from registers (S^T and O^T alike), and the seesaw's P V tiling,
-    whose accumulator layout the merge leaves O in for the forward epilogue."""
+    """m64 n32 k16 with A from registers (S^T and O^T alike: named qk as the launch's
+    MmaSetup takes it), and the seesaw's P V tiling, whose accumulator layout the merge leaves
+    O in for the forward epilogue."""
 
-    t: cute.TiledMma
+    qk: cute.TiledMma
     pv: cute.TiledMma
 
 
@@ -109,7 +110,7 @@ class Transposed(Piece):
         wg_thread = setup.tidx % THREADS_PER_WARPGROUP
         warp = cute.arch.make_warp_uniform(wg_thread // 32)
         lane = wg_thread % 32
-        thr = mmas.t.get_slice(wg_thread)
+        thr = mmas.qk.get_slice(wg_thread)
         sQ_rows = cute.local_tile(buf.sQ, (self.rows, D_QK), (0, 0))
         tSrQ = thr.make_fragment_B(thr.partition_B(sQ_rows))
         tOrPt = thr.make_fragment_B(thr.partition_B(buf.sPt[None, None, wg]))
@@ -147,7 +148,7 @@ class Transposed(Piece):
                 stage = buf.stages + (STAGES * wg + state.index) * STAGE_BYTES
                 if n_block == n_block_max - 1 and tail_keys < KEYS:
                     self._zero_v_tail(stage, tail_keys, wg_thread, wg)
-                acc_S = self._scores(mmas.t, loads, stage, frags, tSrQ, thr, v_first)
+                acc_S = self._scores(mmas.qk, loads, stage, frags, tSrQ, thr, v_first)
                 if n_block >= mask_from:
                     self._mask(acc_S, key0, q, n_block, seqlen)
                 scale = self._softmax(buf, acc_S, col_max, col_sum, scale_log2, wg, warp, lane, i)
@@ -156,7 +157,7 @@ class Transposed(Piece):
                 self._store_pt(buf, acc_S, key0, q, wg)
                 cute.arch.fence_view_async_shared()  # P^T's stores -> the WGMMAs' reads
                 self._wg_sync(wg)
-                self._pv(mmas.t, loads, stage, frags, tOrPt, acc_O, v_first)
+                self._pv(mmas.qk, loads, stage, frags, tOrPt, acc_O, v_first)
                 ring.consumer_release(state)
                 state.advance()
             buf.pipeline_q.consumer_release(q_state)

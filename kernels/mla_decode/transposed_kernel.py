@@ -14,15 +14,13 @@ the barriers: ~225 KB of the 232,448 bytes a CTA may have.
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync
+from cutlass import Float32, Int32
 
 from .. import hopper_mma
 from ..forward.epilogue import Epilogue
 from ..forward.facts import THREADS_PER_WARPGROUP, ForwardFacts, Piece
 from ..forward.host import HostSetup
 from ..forward.producer import Producer
-from ..forward.records import KernelParams, MmaSetup, QLoad
 from .fp8_fragments import STAGE_BYTES, stage_box_layout
 from .kernel import MlaDecodeSm90
 from .loads import BOX, TILES, LatentBlockLoads
@@ -50,7 +48,7 @@ class MlaDecodeTransposedSm90(MlaDecodeSm90):
 
     def _tiled_mmas(self) -> TransposedMmas:
         return TransposedMmas(
-            t=hopper_mma.make_tiled_mma(
+            qk=hopper_mma.make_tiled_mma(
                 self.mma_dtype, 1, self.config.seesaw_rows, False, a_from_registers=True
             ),
             pv=hopper_mma.make_tiled_mma(
@@ -80,34 +78,13 @@ class MlaDecodeTransposedSm90(MlaDecodeSm90):
 
         return SharedStorage
 
-    @cute.kernel
-    def kernel(self, params: KernelParams):
-        """Shared memory and the rings, then the roles: the loading warp (Q, then the key
-        blocks) and the two MMA warpgroups (the mainloop, the epilogue, a split tile's
-        merge)."""
-        loads, outputs, problem, mCounters, _, scalars, atoms = params[:7]
-        softmax_scale_log2, layouts, mmas = params[7:]
-        mO, mLSE, mOPartial, mLSEPartial = outputs
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 0:
-            for atom in (atoms.q, atoms.k):
-                cpasync.prefetch_descriptor(atom)
-        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+    def _rings(self, storage, tma_thread) -> tuple:
+        """A ring per MMA warpgroup (STAGES stages of a key block's e4m3), freed by its four
+        warps."""
         warpgroup_warps = pipeline.CooperativeGroup(
             pipeline.Agent.Thread, THREADS_PER_WARPGROUP // 32
         )
-        pipeline_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(),
-            num_stages=1,
-            producer_group=tma_thread,
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.num_mma_threads // 32
-            ),
-            tx_count=cute.size_in_bytes(self.dtype, layouts.q),
-            defer_sync=True,
-        )
-        rings = tuple(
+        return tuple(
             pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar_stages.data_ptr() + 2 * STAGES * w,
                 num_stages=STAGES,
@@ -118,22 +95,10 @@ class MlaDecodeTransposedSm90(MlaDecodeSm90):
             )
             for w in range(2)
         )
-        space = self.facts.tile_space(
-            problem.q, problem.k, problem.cu_seqlens_q, problem.page_table, scalars.num_splits,
-            scalars.max_ctas,
-        )  # fmt: skip
-        scheduler = self.scheduler_cls.create(space)
-        pipeline.pipeline_init_arrive()
 
-        sQ = storage.sQ.get_tensor(layouts.q.outer, swizzle=layouts.q.inner)
-        sQ_mma = sQ
-        if const_expr(self.converts_q):  # the same smem as fp16, with the same swizzle
-            sQ_mma = cute.make_tensor(
-                cute.recast_ptr(storage.sQ.data_ptr(), layouts.q.inner, dtype=self.mma_dtype),
-                layouts.q.outer,
-            )
+    def _buffers(self, storage, layouts, sQ, sQ_mma, pipeline_q, rings) -> TransposedBuffers:
         stages = storage.stages.data_ptr()
-        buf = TransposedBuffers(
+        return TransposedBuffers(
             sQ=sQ_mma,
             sQ_loaded=sQ,
             sPt=self._pt_view(storage.sQ.data_ptr()),
@@ -158,49 +123,16 @@ class MlaDecodeTransposedSm90(MlaDecodeSm90):
             pipeline_q=pipeline_q,
             rings=rings,
         )
-        shapes = problem._replace(
-            num_splits=scalars.num_splits,
-            kv_length=scalars.kv_length if const_expr(self.variant.scalar_kv_length) else None,
-        )
-        tile = scheduler.work_tile(scheduler.first_tile())
-        pipeline.pipeline_init_wait()
 
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(self.config.producer_registers)
-            if warp_idx == 0:
-                seqlen, _, n_block_min, n_block_max = self.tile_problem(tile, shapes)
-                if n_block_max > n_block_min:
-                    q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-                    self.producer.load_q(
-                        QLoad(
-                            copies=self.producer.q_copies(loads, atoms, sQ, tile, seqlen),
-                            ring=pipeline_q,
-                            state=q_state,
-                        )
-                    )
-                    block_loads = LatentBlockLoads.create(
-                        atoms, loads, None, None, self.variant, tile.head_kv_idx, tile.batch_idx,
-                        shapes.page_table,
-                    )  # fmt: skip
-                    self._load_blocks(block_loads, rings, stages, n_block_min, n_block_max)
-        else:
-            cute.arch.setmaxregister_increase(self.config.mma_registers)
-            tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
-            setup = MmaSetup(
-                tiled_mma_qk=mmas.t, tiled_mma_pv=mmas.pv, tma_atom_O=None,
-                softmax_scale_log2=softmax_scale_log2, tidx=tidx,
-                warpgroup_idx=cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP),
-            )  # fmt: skip
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            result = self.mainloop.mma(mmas, buf, setup, tile, shapes, q_state)
-            split = self.variant.split
-            tile_out, tile_lse = (mOPartial, mLSEPartial) if const_expr(split) else (mO, mLSE)
-            self.epilogue.store(result, tile_out, tile_lse, sQ, setup, tile)
-            if const_expr(split and not self.variant.combine_launch):
-                split_last = storage.split_last.get_tensor(cute.make_layout(1))
-                self.epilogue.merge_splits(
-                    mO, mLSE, mOPartial, mLSEPartial, mCounters, split_last, tile, shapes, tidx
-                )
+    def _load_keys(self, atoms, loads, storage, buf, tile, shapes, n_block_min, n_block_max):
+        """The loading warp's key blocks after Q: last first, alternately into the two
+        warpgroups' rings (_load_blocks)."""
+        block_loads = LatentBlockLoads.create(
+            atoms, loads, None, None, self.variant, tile.head_kv_idx, tile.batch_idx,
+            shapes.page_table,
+        )  # fmt: skip
+        stages = storage.stages.data_ptr()
+        self._load_blocks(block_loads, buf.rings, stages, n_block_min, n_block_max)
 
     def _pt_view(self, q_ptr) -> cute.Tensor:
         """(rows, 64, 2) fp16: warpgroup w's P^T from row 32 of Q's column block w (Q's tile
