@@ -45,20 +45,28 @@ EVEN_COLUMN, ODD_COLUMN = 0x6420, 0x7531
 
 
 @dsl_user_op
-def ldmatrix_x4_trans(address: Int32, *, loc=None, ip=None):
-    """Four 8 x 8 16-bit matrices from shared memory, transposed (lanes 8j .. 8j+7 give the
-    row addresses of matrix j); lane l gets, of each, the elements (2 (l % 4) + e, l // 4)."""
+def ldmatrix_x4(address: Int32, trans: bool = False, *, loc=None, ip=None):
+    """Four 8 x 8 16-bit matrices from shared memory (lanes 8j .. 8j+7 give the row addresses
+    of matrix j); lane l gets, of each, the elements (l // 4, 2 (l % 4) + e), or with trans
+    (2 (l % 4) + e, l // 4), e = 0, 1."""
     i32 = T.i32()
     result = llvm.inline_asm(
         llvm.StructType.get_literal([i32] * 4),
         [Int32(address).ir_value(loc=loc, ip=ip)],
-        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
+        f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 "
+        "{$0, $1, $2, $3}, [$4];",
         "=r,=r,=r,=r,r",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
     return [Int32(llvm.extractvalue(i32, result, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+def ldmatrix_x4_trans(address: Int32):
+    """ldmatrix_x4 transposed: lane l gets, of each matrix, the elements (2 (l % 4) + e,
+    l // 4)."""
+    return ldmatrix_x4(address, True)
 
 
 @dsl_user_op

@@ -25,7 +25,7 @@ from cutlass import Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from ..v_transpose import byte_perm, ldmatrix_x4_trans
+from ..v_transpose import byte_perm, ldmatrix_x4, ldmatrix_x4_trans
 from .loads import BOX, TILES
 
 STAGE_BYTES = TILES * BOX * BOX  # one key block's e4m3: nine 4 KB boxes
@@ -46,23 +46,6 @@ def box_offset(key: Int32, dim: int, dim_chunk: Int32 = 0) -> Int32:
     one box together with dim_chunk's chunks)."""
     chunk = (dim % BOX) // 16 + dim_chunk
     return (dim // BOX) * BOX * BOX + key * BOX + ((chunk ^ ((key // 2) % 4)) << 4)
-
-
-@dsl_user_op
-def ldmatrix_x4(address: Int32, *, loc=None, ip=None):
-    """Four 8 x 8 16-bit matrices from shared memory (lanes 8j .. 8j+7 give the row addresses
-    of matrix j); lane l gets, of each, row l // 4's elements 2 (l % 4) and 2 (l % 4) + 1."""
-    i32 = T.i32()
-    result = llvm.inline_asm(
-        llvm.StructType.get_literal([i32] * 4),
-        [Int32(address).ir_value(loc=loc, ip=ip)],
-        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return [Int32(llvm.extractvalue(i32, result, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
 @dsl_user_op
