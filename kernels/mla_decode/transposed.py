@@ -207,24 +207,18 @@ class Transposed(Piece):
 
     @cute.jit
     def _scores(self, tiled_mma, loads, stage, frags, tSrQ, thr, v_first):
-        """S^T = K Q^T, a box (four k-blocks) a commit group, its A fragment converted while
-        the previous group's WGMMAs run, the next box's bytes loaded a group ahead; returns
-        once all are done."""
+        """S^T = K Q^T, a box (four k-blocks) a group (_groups); V's first atoms' bytes loaded
+        into v_first before the last group is waited for; returns once all are done."""
         acc_S = cute.make_rmem_tensor(thr.partition_shape_C((KEYS, self.rows)), Float32)
         atom = cute.make_mma_atom(tiled_mma.op)
-        ahead = [loads.load_k(stage, box) for box in range(PREFETCH)]
-        for box in cutlass.range_constexpr(K_BOXES):
-            if const_expr(box + PREFETCH < K_BOXES):
-                ahead.append(loads.load_k(stage, box + PREFETCH))
-            raw = ahead.pop(0) if const_expr(PREFETCH > 0) else loads.load_k(stage, box)
-            frag = frags[box % DEPTH]
-            loads.convert_k(raw, cute.recast_tensor(frag, Int32))
-            warpgroup.fence()
+
+        def issue(box, frag):
             for k in cutlass.range_constexpr(4):
                 atom.set(warpgroup.Field.ACCUMULATE, box > 0 or k > 0)
                 cute.gemm(atom, acc_S, frag[None, None, k], tSrQ[None, None, 4 * box + k], acc_S)
-            warpgroup.commit_group()
-            warpgroup.wait_group(DEPTH - 1)  # (the next fragment's buffer is free)
+
+        ahead = [loads.load_k(stage, box) for box in range(PREFETCH)]
+        self._groups(K_BOXES, frags, ahead, loads.load_k, loads.convert_k, stage, issue)
         for a in cutlass.range_constexpr(PREFETCH):
             raw = loads.load_v(stage, a)
             for i in cutlass.range_constexpr(8):
@@ -234,23 +228,34 @@ class Transposed(Piece):
 
     @cute.jit
     def _pv(self, tiled_mma, loads, stage, frags, tOrPt, acc_O, v_first):
-        """O^T += V^T P^T, an m-atom a commit group, as _scores (v_first: the first atom's
-        bytes, loaded before the softmax); returns once all are done (the stage is free)."""
+        """O^T += V^T P^T, an m-atom a group (_groups; v_first: the first atoms' bytes, loaded
+        before the softmax); returns once all are done (the stage is then free)."""
         ahead = [[v_first[8 * a + i] for i in range(8)] for a in range(PREFETCH)]
         atom = cute.make_mma_atom(tiled_mma.op)
         atom.set(warpgroup.Field.ACCUMULATE, True)
-        for a in cutlass.range_constexpr(V_ATOMS):
-            if const_expr(a + PREFETCH < V_ATOMS):
-                ahead.append(loads.load_v(stage, a + PREFETCH))
-            raw = ahead.pop(0) if const_expr(PREFETCH > 0) else loads.load_v(stage, a)
-            frag = frags[a % DEPTH]
-            loads.convert_v(raw, cute.recast_tensor(frag, Int32))
-            warpgroup.fence()
+
+        def issue(a, frag):
             for k in cutlass.range_constexpr(4):
                 cute.gemm(atom, acc_O[a], frag[None, None, k], tOrPt[None, None, k], acc_O[a])
-            warpgroup.commit_group()
-            warpgroup.wait_group(DEPTH - 1)
+
+        self._groups(V_ATOMS, frags, ahead, loads.load_v, loads.convert_v, stage, issue)
         warpgroup.wait_group(0)
+
+    def _groups(self, count: int, frags, ahead: list, load, convert, stage, issue):
+        """count commit groups of four k-blocks: group g's bytes loaded PREFETCH groups ahead
+        (ahead: groups 0 .. PREFETCH - 1's, already loaded), converted into fragment buffer
+        g % DEPTH while the previous group's WGMMAs run, then issue(g, fragment); the last
+        DEPTH - 1 groups are left in flight."""
+        for g in range(count):  # (a plain Python loop: not a jit function)
+            if g + PREFETCH < count:
+                ahead.append(load(stage, g + PREFETCH))
+            raw = ahead.pop(0) if PREFETCH > 0 else load(stage, g)
+            frag = frags[g % DEPTH]
+            convert(raw, cute.recast_tensor(frag, Int32))
+            warpgroup.fence()
+            issue(g, frag)
+            warpgroup.commit_group()
+            warpgroup.wait_group(DEPTH - 1)  # (the next group's fragment buffer is free)
 
     @cute.jit
     def _mask(self, acc_S, key0: Int32, q: Int32, n_block: Int32, seqlen):
