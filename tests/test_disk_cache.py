@@ -58,7 +58,9 @@ def test_second_process_loads_from_disk(tmp_path):
     assert second.returncode == 0, err[-2000:]
     name, seconds = out.split()
     assert name == "Function"  # a tvm_ffi.Function loaded from the object file
-    assert float(seconds) < 0.5
+    # (No compile is the load-only hook's check; the bound only catches a pathological load.
+    # Loads take ~0.1 s alone; beside the suite's parallel compiles one CI run took 1.65 s.)
+    assert float(seconds) < 5.0
 
 
 def test_concurrent_processes_fill_the_cache_once(tmp_path):
