@@ -80,15 +80,12 @@ def peers(heads, batch, seqlen_q, keys):
         )
     descale = torch.ones(batch, 1, device="cuda")
     fp8 = dict(k_descale=descale, v_descale=descale, **common)
+    latent8 = latent.to(torch.float8_e4m3fn) if kept("fp8") or kept("fp8 s") else None
     if kept("fp8"):
-        latent8 = latent.to(torch.float8_e4m3fn)
         steps["fp8"] = lambda: kvcache(q, latent8, latent8[..., :D_LATENT], **fp8)
     if kept("fp8 s"):  # (forced onto the seesaw where the plan takes the transposed kernel)
-        latent8s = latent.to(torch.float8_e4m3fn)
         seesaw8 = seesaw_config(kv_fp8=True)
-        steps["fp8 s"] = lambda: kvcache(
-            q, latent8s, latent8s[..., :D_LATENT], config=seesaw8, **fp8
-        )
+        steps["fp8 s"] = lambda: kvcache(q, latent8, latent8[..., :D_LATENT], config=seesaw8, **fp8)
     if paged_peers and kept("fp8 p64"):
         paged8 = paged.to(torch.float8_e4m3fn)
         steps["fp8 p64"] = lambda: kvcache(

@@ -194,6 +194,24 @@ def asm_to_int32(asm: str, constraints: str, operands, *, loc=None, ip=None) -> 
     )
 
 
+def asm_to_int32s(
+    asm: str, constraints: str, operands, count: int, side_effects=False, *, loc=None, ip=None
+) -> list:
+    """The count 32-bit results ($0 .. $count-1) of an inline PTX snippet over DSL operands
+    (side_effects: kept in place, as loads from shared memory must be)."""
+    i32 = T.i32()
+    result = llvm.inline_asm(
+        llvm.StructType.get_literal([i32] * count),
+        [x.ir_value(loc=loc, ip=ip) for x in operands],
+        asm,
+        constraints,
+        has_side_effects=side_effects,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return [Int32(llvm.extractvalue(i32, result, [i], loc=loc, ip=ip)) for i in range(count)]
+
+
 @dsl_user_op
 def pack_f32x2_to_16bit(a: Float32, b: Float32, dtype, *, loc=None, ip=None) -> Int32:
     """Round two fp32 values to one packed bf16x2/f16x2 register (a in the low half)."""

@@ -29,9 +29,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Uint32
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 
-from .hopper_mma import asm_to_int32
+from .hopper_mma import asm_to_int32, asm_to_int32s
 from .kv_dequant import ConvertingBlockLoader
 
 # Producer warps that gather an FP8 cache's rows (pages no TMA box follows) with FP8 math;
@@ -49,18 +49,16 @@ def ldmatrix_x4(address: Int32, trans: bool = False, *, loc=None, ip=None):
     """Four 8 x 8 16-bit matrices from shared memory (lanes 8j .. 8j+7 give the row addresses
     of matrix j); lane l gets, of each, the elements (l // 4, 2 (l % 4) + e), or with trans
     (2 (l % 4) + e, l // 4), e = 0, 1."""
-    i32 = T.i32()
-    result = llvm.inline_asm(
-        llvm.StructType.get_literal([i32] * 4),
-        [Int32(address).ir_value(loc=loc, ip=ip)],
+    return asm_to_int32s(
         f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 "
         "{$0, $1, $2, $3}, [$4];",
         "=r,=r,=r,=r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
+        [Int32(address)],
+        4,
+        side_effects=True,
+        loc=loc,
+        ip=ip,
     )
-    return [Int32(llvm.extractvalue(i32, result, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
 def ldmatrix_x4_trans(address: Int32):

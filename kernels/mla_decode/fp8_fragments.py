@@ -22,9 +22,9 @@ e4m3 -> fp16 is exact and one cvt per two values (kernels/kv_dequant.py).
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 
+from ..hopper_mma import asm_to_int32s
 from ..v_transpose import byte_perm, ldmatrix_x4, ldmatrix_x4_trans
 from .loads import BOX, TILES
 
@@ -51,18 +51,15 @@ def box_offset(key: Int32, dim: int, dim_chunk: Int32 = 0) -> Int32:
 @dsl_user_op
 def e4m3x4_to_f16x2x2(packed: Int32, *, loc=None, ip=None):
     """Four e4m3 (one register) -> two f16x2 registers: bytes 0-1, then bytes 2-3."""
-    i32 = T.i32()
-    result = llvm.inline_asm(
-        llvm.StructType.get_literal([i32] * 2),
-        [Int32(packed).ir_value(loc=loc, ip=ip)],
+    return asm_to_int32s(
         "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.rn.f16x2.e4m3x2 $0, l; "
         "cvt.rn.f16x2.e4m3x2 $1, h; }",
         "=r,=r,r",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
+        [Int32(packed)],
+        2,
+        loc=loc,
+        ip=ip,
     )
-    return [Int32(llvm.extractvalue(i32, result, [i], loc=loc, ip=ip)) for i in range(2)]
 
 
 def o_dim(atom: int, warp: Int32, g: Int32, i: int) -> Int32:

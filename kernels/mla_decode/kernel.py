@@ -47,11 +47,13 @@ class MlaDecodeSm90(FlashAttentionForwardSm90):
     """One compiled variant (config.seesaw) of the latent decode kernel. Its entry points and
     arguments are the forward kernel's (FlashAttentionForwardSm90's docstring)."""
 
+    mainloop_cls = Seesaw  # (subclasses: their own mainloop, the same launch)
+
     def __init__(self, variant):
         Piece.__init__(self, ForwardFacts(variant))
         self.host = HostSetup(self.facts)
         self.producer = Producer(self.facts)  # (Q's load)
-        self.mainloop = Seesaw(self.facts)
+        self.mainloop = self.mainloop_cls(self.facts)
         self.epilogue = Epilogue(self.facts)
 
     # ------------------------------------------------------------------------------------

@@ -38,13 +38,13 @@ from ..softmax import LN2, max_or_zero
 from ..tile_scheduler import WorkTile
 from ..v_transpose import store_zeros_16
 from .fp8_fragments import Q_PERMUTATION, STAGE_BYTES, FragmentLoads, box_offset, o_dim
+from .loads import BOX, TILES
+from .seesaw import D_LATENT, D_ROPE, KEYS
 
 MAX_ROWS = 32  # query rows a tile serves at most (the WGMMAs' N: config.seesaw_rows)
-KEYS = 64
-D_LATENT = 512
-D_QK = 576
-V_ATOMS = D_LATENT // 64  # O^T's m-atoms
-K_BOXES = D_QK // 64  # S^T's groups of four k-blocks (one box each)
+D_QK = D_LATENT + D_ROPE
+V_ATOMS = D_LATENT // BOX  # O^T's m-atoms
+K_BOXES = TILES  # S^T's groups of four k-blocks (one box each)
 STAGES = 2  # a warpgroup's ring
 # A fragments converted ahead of the WGMMAs that read them, and groups whose bytes are loaded
 # ahead of their conversion (H200, 16 and 32 heads: depths 3 and 4 1-33% slower; loads one

@@ -17,10 +17,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 
 from .. import hopper_mma
-from ..forward.epilogue import Epilogue
-from ..forward.facts import THREADS_PER_WARPGROUP, ForwardFacts, Piece
-from ..forward.host import HostSetup
-from ..forward.producer import Producer
+from ..forward.facts import THREADS_PER_WARPGROUP
 from .fp8_fragments import STAGE_BYTES, stage_box_layout
 from .kernel import MlaDecodeSm90
 from .loads import BOX, TILES, LatentBlockLoads
@@ -39,12 +36,7 @@ class MlaDecodeTransposedSm90(MlaDecodeSm90):
     """One compiled variant (config.seesaw_rows 32, an FP8 latent cache) of the transposed
     latent decode kernel. Its entry points and arguments are the forward kernel's."""
 
-    def __init__(self, variant):
-        Piece.__init__(self, ForwardFacts(variant))
-        self.host = HostSetup(self.facts)
-        self.producer = Producer(self.facts)  # (Q's load)
-        self.mainloop = Transposed(self.facts)
-        self.epilogue = Epilogue(self.facts)
+    mainloop_cls = Transposed
 
     def _tiled_mmas(self) -> TransposedMmas:
         return TransposedMmas(
@@ -105,21 +97,11 @@ class MlaDecodeTransposedSm90(MlaDecodeSm90):
             stages=Int32(stages.toint()),
             merge=cute.make_tensor(
                 cute.recast_ptr(stages, dtype=Float32),
-                cute.make_layout(
-                    (2, MAX_ROWS, MERGE_STRIDE), stride=(MAX_ROWS * MERGE_STRIDE, MERGE_STRIDE, 1)
-                ),
+                _row_major((2, MAX_ROWS, MERGE_STRIDE)),
             ),
-            exchange=storage.exchange.get_tensor(
-                cute.make_layout(
-                    (2, 2, 4, MAX_ROWS), stride=(8 * MAX_ROWS, 4 * MAX_ROWS, MAX_ROWS, 1)
-                )
-            ),
-            sums=storage.sums.get_tensor(
-                cute.make_layout((2, 4, MAX_ROWS), stride=(4 * MAX_ROWS, MAX_ROWS, 1))
-            ),
-            final=storage.final.get_tensor(
-                cute.make_layout((2, 2, MAX_ROWS), stride=(2 * MAX_ROWS, MAX_ROWS, 1))
-            ),
+            exchange=storage.exchange.get_tensor(_row_major((2, 2, 4, MAX_ROWS))),
+            sums=storage.sums.get_tensor(_row_major((2, 4, MAX_ROWS))),
+            final=storage.final.get_tensor(_row_major((2, 2, MAX_ROWS))),
             pipeline_q=pipeline_q,
             rings=rings,
         )
@@ -174,3 +156,8 @@ class MlaDecodeTransposedSm90(MlaDecodeSm90):
         block_loads.issue_boxes(n_block, rings[w], state, (0, TILES), dst)
         state.advance()
         return state
+
+
+def _row_major(shape: tuple) -> cute.Layout:
+    """A compact layout whose last mode is contiguous."""
+    return cute.make_ordered_layout(shape, order=tuple(reversed(range(len(shape)))))
