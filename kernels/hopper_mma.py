@@ -212,6 +212,20 @@ def asm_to_int32s(
     return [Int32(llvm.extractvalue(i32, result, [i], loc=loc, ip=ip)) for i in range(count)]
 
 
+def barrier_any(barrier_id, threads: int, pred) -> cutlass.Boolean:
+    """Named barrier barrier_id over `threads` threads (bar.red.or): whether pred held in any
+    of them."""
+    result = asm_to_int32s(
+        "{ .reg .pred p_in, p_out; setp.ne.s32 p_in, $1, 0; "
+        f"barrier.red.or.pred p_out, $2, {threads}, p_in; selp.s32 $0, 1, 0, p_out; }}",
+        "=r,r,r",
+        [Int32(pred), Int32(barrier_id)],
+        1,
+        side_effects=True,
+    )[0]
+    return result != 0
+
+
 @dsl_user_op
 def pack_f32x2_to_16bit(a: Float32, b: Float32, dtype, *, loc=None, ip=None) -> Int32:
     """Round two fp32 values to one packed bf16x2/f16x2 register (a in the low half)."""

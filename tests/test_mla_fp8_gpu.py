@@ -107,3 +107,27 @@ def test_fp8_latent_graph_replay(nheads):
     graph.replay()
     torch.cuda.synchronize()
     check_against_dequantized(q, g_out, k_pad, k_pad[..., :DV], kd, vd, new_lens, True, lse=g_lse)
+
+
+@pytest.mark.parametrize("nheads, page_size", [(16, None), (32, 64)])
+def test_fp8_latent_rising_maxima(nheads, page_size):
+    """Keys whose scale grows toward the sequence's start (the transposed kernel's last
+    blocks): the columns' maxima keep passing their references by more than the headroom, so
+    O^T, the sums and the references move at many blocks, not only the first."""
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla-fp8-rising", nheads))
+    batch = len(LENS)
+    cache, _, table = fp8_cache(batch, CAPACITY, 1, D, page_size, gen)
+    k_pad = padded(cache, table, CAPACITY)
+    growth = 0.25 + 4.0 * torch.linspace(1.0, 0.0, CAPACITY, device="cuda")  # by position
+    k_pad = (k_pad * growth[None, :, None, None]).to(cache.dtype)
+    if table is None:
+        cache = k_pad.clone()
+    else:  # the pages in table order hold the padded rows
+        rows = k_pad.view(torch.uint8).unflatten(1, (-1, page_size))
+        cache.view(torch.uint8)[table.long()] = rows
+    k_pad = padded(cache, table, CAPACITY)
+    poison_past(cache, table, LENS, CAPACITY)
+    q = torch.randn(batch, 1, nheads, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    lengths = torch.tensor(LENS, device="cuda", dtype=torch.int32)
+    out, lse = _run(q, cache, table, lengths, True, None, None)
+    check_against_dequantized(q, out, k_pad, k_pad[..., :DV], None, None, LENS, True, lse=lse)

@@ -12,12 +12,13 @@ Both A operands come from the block's e4m3 bytes by ldmatrix and convert in regi
 (fp8_fragments.py), so no fp16 copy of a block is written to shared memory. Warpgroup w takes
 the tile's blocks of parity w (n_block_max - 1 - w, then every second one down) from its own
 two-stage ring, with its own O^T, column maxima and sums: no exchange per block, and the other
-warpgroup's GEMMs run under each softmax. The softmax runs down S^T's columns: a thread's 2
-keys of 8 columns, shuffles across the 8 lanes sharing its columns, then the four warps'
-maxima through shared memory (two slots by block parity; a warpgroup barrier after them and
-one after P^T's stores, each block). At
-the end the two warpgroups' O^T, maxima and sums merge through the then idle stages into the
-seesaw's O layout, which the forward epilogue stores.
+warpgroup's GEMMs run under each softmax. The softmax runs down S^T's columns against
+reference maxima that move only when a score passes one by more than HEADROOM: a barrier's OR
+each block says whether any did, and only then the maxima are taken (a thread's 2 keys of 8
+columns, shuffles across the 8 lanes sharing its columns, the four warps' through shared
+memory) and O^T rescaled; a second barrier after P^T's stores. At the end the two warpgroups'
+O^T, maxima and sums merge through the then idle stages into the seesaw's O layout, which the
+forward epilogue stores.
 """
 
 from dataclasses import dataclass
@@ -51,6 +52,10 @@ STAGES = 2  # a warpgroup's ring
 # group ahead 121-126 -> 102-104 us, and non-causal variants spill-free; two ahead 103-114).
 DEPTH = 2
 PREFETCH = 1
+# How far (log2 units) a score may pass its column's reference max before the reference moves:
+# P <= 2^8 in fp16 and the fp32 sums (FlashAttention-4's conditional rescale). H200, 16-32
+# heads: 103-116 -> 97-108 us beside the maxima taken every block.
+HEADROOM = 8.0
 MERGE_STRIDE = D_LATENT + 8  # fp32 per row of a warpgroup's O in the merge (bank spread)
 
 
@@ -72,7 +77,7 @@ class TransposedBuffers:
     sPt: cute.Tensor  # (rows, 64, 2) fp16: each warpgroup's P^T (over Q's unused rows 32-63)
     stages: Int32  # smem address of the stages: warpgroup w's stage s at (2 w + s) * STAGE_BYTES
     merge: cute.Tensor  # (2, MAX_ROWS, MERGE_STRIDE) fp32 over the stages: each warpgroup's O
-    exchange: cute.Tensor  # (2, 2, 4, 32) fp32: (warpgroup, slot, warp, column) maxima
+    exchange: cute.Tensor  # (2, 4, 32) fp32: (warpgroup, warp, column) maxima
     sums: cute.Tensor  # (2, 4, 32) fp32: (warpgroup, warp, column) sums at the end
     final: cute.Tensor  # (2, 2, 32) fp32: (warpgroup, max or sum, column)
     pipeline_q: pipeline.PipelineTmaAsync
@@ -151,12 +156,7 @@ class Transposed(Piece):
                 acc_S = self._scores(mmas.qk, loads, stage, frags, tSrQ, thr, v_first)
                 if n_block >= mask_from:
                     self._mask(acc_S, key0, q, n_block, seqlen)
-                scale = self._softmax(buf, acc_S, col_max, col_sum, scale_log2, wg, warp, lane, i)
-                for a in cutlass.range_constexpr(V_ATOMS):
-                    self._rescale_columns(acc_O[a], scale)
-                self._store_pt(buf, acc_S, key0, q, wg)
-                cute.arch.fence_view_async_shared()  # P^T's stores -> the WGMMAs' reads
-                self._wg_sync(wg)
+                self._softmax(buf, acc_S, acc_O, col_max, col_sum, scale_log2, wg, warp, lane)
                 self._pv(mmas.qk, loads, stage, frags, tOrPt, acc_O, v_first)
                 ring.consumer_release(state)
                 state.advance()
@@ -274,36 +274,54 @@ class Transposed(Piece):
                 acc_S[v] = -Float32.inf if 8 * r >= col_limit else acc_S[v]
 
     @cute.jit
-    def _softmax(self, buf, acc_S, col_max, col_sum, scale_log2, wg, warp, lane, i):
-        """S^T's columns to probabilities against their new maxima, in place; the columns'
-        sums rescaled and this thread's keys added; returns the columns' rescale of O^T."""
+    def _softmax(self, buf, acc_S, acc_O, col_max, col_sum, scale_log2, wg, warp, lane):
+        """S^T's columns to probabilities, stored as P^T (fp16) into sPt[wg]; the
+        columns' sums and, where their maxima move, O^T rescaled. The maxima are references,
+        not the true maxima: P is taken against them until a score passes one by more than
+        HEADROOM (log2 units, so P <= 2^HEADROOM), which on a warm column is rare. Then a
+        barrier's OR (did any thread see such a score) replaces the maxima's exchange, and
+        O^T is not rescaled."""
+        # The thread's largest score less its column's reference (a tree: a chain of 16 fmax
+        # would sit on the warpgroup's path to its P V).
+        excess = _max_tree(
+            [
+                cute.arch.fmax(acc_S[_value(0, j)], acc_S[_value(1, j)]) - col_max[j]
+                for j in range(self.cols)
+            ]
+        )
+        if self._wg_any(wg, excess * scale_log2 > HEADROOM):
+            scale = self._new_maxima(buf, acc_S, col_max, scale_log2, wg, warp, lane)
+            for a in cutlass.range_constexpr(V_ATOMS):
+                self._rescale_columns(acc_O[a], scale)
+            for j in cutlass.range_constexpr(self.cols):
+                col_sum[j] = col_sum[j] * scale[j]
+        self._store_pt(buf, acc_S, col_max, col_sum, scale_log2, wg, warp, lane)
+        cute.arch.fence_view_async_shared()  # P^T's stores -> the WGMMAs' reads
+        self._wg_sync(wg)
+
+    @cute.jit
+    def _new_maxima(self, buf, acc_S, col_max, scale_log2, wg, warp, lane):
+        """The columns' maxima over this block too (lanes, then the four warps through
+        exchange[wg]) into col_max; returns the columns' rescale of O^T and the sums. (One
+        slot: the previous block's reads of it are before its P^T barrier.)"""
         block_max = cute.make_rmem_tensor(self.cols, Float32)
         for j in cutlass.range_constexpr(self.cols):
             m = cute.arch.fmax(acc_S[_value(0, j)], acc_S[_value(1, j)])
             for offset in (4, 8, 16):
                 m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=offset))
             block_max[j] = m
-        slot = i % 2
         if lane < 4:
             for j in cutlass.range_constexpr(self.cols):
-                buf.exchange[wg, slot, warp, _column(lane, j)] = block_max[j]
+                buf.exchange[wg, warp, _column(lane, j)] = block_max[j]
         self._wg_sync(wg)
         q = lane % 4
         scale = cute.make_rmem_tensor(self.cols, Float32)
         for j in cutlass.range_constexpr(self.cols):
             m = col_max[j]
             for w in cutlass.range_constexpr(4):
-                m = cute.arch.fmax(m, buf.exchange[wg, slot, w, _column(q, j)])
-            m_safe = max_or_zero(m)
-            scale[j] = cute.math.exp2((col_max[j] - m_safe) * scale_log2, fastmath=True)
+                m = cute.arch.fmax(m, buf.exchange[wg, w, _column(q, j)])
+            scale[j] = cute.math.exp2((col_max[j] - max_or_zero(m)) * scale_log2, fastmath=True)
             col_max[j] = m
-            m_scaled = m_safe * scale_log2
-            total = Float32(0.0)
-            for r in cutlass.range_constexpr(2):
-                p = cute.math.exp2(acc_S[_value(r, j)] * scale_log2 - m_scaled, fastmath=True)
-                acc_S[_value(r, j)] = p
-                total = total + p
-            col_sum[j] = col_sum[j] * scale[j] + total
         return scale
 
     def _rescale_columns(self, acc, scale):
@@ -311,12 +329,25 @@ class Transposed(Piece):
             acc[v] = acc[v] * scale[_column_index(v)]
 
     @cute.jit
-    def _store_pt(self, buf, acc_S, key0: Int32, q: Int32, wg):
-        """P^T (fp16) into this warpgroup's sPt: column r of S^T is P^T's row r."""
+    def _store_pt(self, buf, acc_S, col_max, col_sum, scale_log2, wg, warp, lane):
+        """P = exp2(S - the column's max) as P^T (fp16) into sPt[wg] (column r
+        of S^T is P^T's row r); this thread's P added to its columns' sums."""
         sPt = buf.sPt[None, None, wg]
+        key0 = 16 * warp + lane // 4
+        q = lane % 4
         for j in cutlass.range_constexpr(self.cols):
+            m_scaled = max_or_zero(col_max[j]) * scale_log2
+            total = Float32(0.0)
             for r in cutlass.range_constexpr(2):
-                sPt[_column(q, j), key0 + 8 * r] = sPt.element_type(acc_S[_value(r, j)])
+                p = cute.math.exp2(acc_S[_value(r, j)] * scale_log2 - m_scaled, fastmath=True)
+                sPt[_column(q, j), key0 + 8 * r] = sPt.element_type(p)
+                total = total + p
+            col_sum[j] = col_sum[j] + total
+
+    def _wg_any(self, wg, pred) -> cutlass.Boolean:
+        """A warpgroup sync whose result is whether pred held in any of its threads."""
+        barrier_id = int(NamedBarrier.TRANSPOSED_WG_0) + wg
+        return hopper_mma.barrier_any(barrier_id, THREADS_PER_WARPGROUP, pred)
 
     def _wg_sync(self, wg):
         cute.arch.barrier(
@@ -401,6 +432,13 @@ class Transposed(Piece):
                 if total > 0.0:
                     lse[r] = (m_safe * scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
         return TileResult(acc_O=out, lse=lse, seqlen=seqlen)
+
+
+def _max_tree(values: list):
+    """The largest of values (a power of two of them), as a tree of pairwise maxima."""
+    if len(values) == 1:
+        return values[0]
+    return _max_tree([cute.arch.fmax(a, b) for a, b in zip(values[::2], values[1::2])])
 
 
 def _value(r: int, j: int) -> int:

@@ -60,7 +60,7 @@ class MlaDecodeTransposedSm90(MlaDecodeSm90):
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_stages: cute.struct.MemRange[cutlass.Int64, 2 * 2 * STAGES]
             split_last: cute.struct.MemRange[Int32, 1]
-            exchange: cute.struct.MemRange[Float32, 2 * 2 * 4 * MAX_ROWS]
+            exchange: cute.struct.MemRange[Float32, 2 * 4 * MAX_ROWS]
             sums: cute.struct.MemRange[Float32, 2 * 4 * MAX_ROWS]
             final: cute.struct.MemRange[Float32, 2 * 2 * MAX_ROWS]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, sQ_size], 1024]
@@ -99,7 +99,7 @@ class MlaDecodeTransposedSm90(MlaDecodeSm90):
                 cute.recast_ptr(stages, dtype=Float32),
                 _row_major((2, MAX_ROWS, MERGE_STRIDE)),
             ),
-            exchange=storage.exchange.get_tensor(_row_major((2, 2, 4, MAX_ROWS))),
+            exchange=storage.exchange.get_tensor(_row_major((2, 4, MAX_ROWS))),
             sums=storage.sums.get_tensor(_row_major((2, 4, MAX_ROWS))),
             final=storage.final.get_tensor(_row_major((2, 2, MAX_ROWS))),
             pipeline_q=pipeline_q,
