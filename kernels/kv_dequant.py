@@ -58,13 +58,16 @@ def convert_block(
     num_threads: cutlass.Constexpr[int],
     valid_rows: Int32,
     saturate: cutlass.Constexpr[bool] = False,
+    permutation: cutlass.Constexpr[Optional[tuple]] = None,
 ):
     """dst (rows, width) = src (rows, width) in dst's dtype, by num_threads threads (this one:
     `thread`); rows from valid_rows on written as zeros (a cache's slots past the sequence may
     hold anything, NaN included, and P is 0 there: 0 * NaN must not reach O). src and dst may
     be the same smem (each piece is read, then written, by one thread). saturate: clamp to
-    dst's finite range (bf16 -> fp16). Each thread then makes its stores visible to the async
-    proxy (the WGMMAs); the caller orders them before the readers (a barrier or an arrive)."""
+    dst's finite range (bf16 -> fp16). permutation: each 16 columns' order in dst (dst column
+    16 i + e holds src column 16 i + permutation[e]). Each thread then makes its stores visible
+    to the async proxy (the WGMMAs); the caller orders them before the readers (a barrier or an
+    arrive)."""
     rows, width = cute.size(src, mode=[0]), cute.size(src, mode=[1])
     per_row = width // PIECE
     count = rows * per_row
@@ -96,6 +99,11 @@ def convert_block(
                     wide.store(f32.load().to(dst.element_type))
                 else:
                     wide.store(raw[b].load().to(dst.element_type))
+                if cutlass.const_expr(permutation is not None):
+                    ordered = cute.make_rmem_tensor((1, PIECE), dst.element_type)
+                    for e in cutlass.range_constexpr(PIECE):
+                        ordered[e] = wide[permutation[e]]
+                    wide = ordered
                 if partial:
                     if row >= valid_rows:
                         wide.fill(0.0)

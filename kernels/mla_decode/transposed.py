@@ -33,7 +33,7 @@ from cutlass.cute.nvgpu import warpgroup
 from .. import hopper_mma
 from ..forward.facts import THREADS_PER_WARPGROUP, Piece
 from ..forward.records import MmaSetup, TileResult
-from ..kv_dequant import FP16_MAX, apply_v_descale, fold_descales
+from ..kv_dequant import apply_v_descale, convert_block, fold_descales
 from ..named_barriers import NamedBarrier
 from ..softmax import LN2, max_or_zero
 from ..tile_scheduler import WorkTile
@@ -174,19 +174,12 @@ class Transposed(Piece):
     def _prepare_q(self, buf, tidx: Int32):
         """Q's first 32 rows in fp16 (saturated from bf16), each 16 columns in Q_PERMUTATION's
         order (S^T's k-blocks as the K fragment holds them), in place; both warpgroups."""
-        pieces = self.rows * D_QK // 16
-        for p in cutlass.range(tidx, pieces, self.num_mma_threads, unroll=1):
-            row = p // (D_QK // 16)
-            col = (p - row * (D_QK // 16)) * 16
-            vals = cute.make_rmem_tensor(16, Float32)
-            for e in cutlass.range_constexpr(16):
-                vals[e] = Float32(buf.sQ_loaded[row, col + e])
-            for e in cutlass.range_constexpr(16):
-                v = vals[Q_PERMUTATION[e]]
-                if const_expr(self.converts_q):
-                    v = cute.arch.fmax(cute.arch.fmin(v, Float32(FP16_MAX)), Float32(-FP16_MAX))
-                buf.sQ[row, col + e] = buf.sQ.element_type(v)
-        cute.arch.fence_view_async_shared()  # Q's stores -> the WGMMAs' reads
+        rows = cute.local_tile(buf.sQ_loaded, (self.rows, D_QK), (0, 0))
+        dst = cute.local_tile(buf.sQ, (self.rows, D_QK), (0, 0))
+        convert_block(
+            rows, dst, tidx, self.num_mma_threads, self.rows, saturate=self.converts_q,
+            permutation=Q_PERMUTATION,
+        )  # fmt: skip
         cute.arch.barrier(
             barrier_id=int(NamedBarrier.Q_CONVERT), number_of_threads=self.num_mma_threads
         )
