@@ -21,8 +21,9 @@ O^T, maxima and sums merge through the then idle stages into the seesaw's O layo
 forward epilogue stores.
 """
 
+import functools
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -57,6 +58,17 @@ PREFETCH = 1
 # heads: 103-116 -> 97-108 us beside the maxima taken every block.
 HEADROOM = 8.0
 MERGE_STRIDE = D_LATENT + 8  # fp32 per row of a warpgroup's O in the merge (bank spread)
+
+
+class GroupedGemm(NamedTuple):
+    """A block's GEMM as commit groups of four k-blocks (Transposed._groups): how many, a
+    group's e4m3 bytes from the stage (load(g)), those bytes into an A fragment's Int32 pairs
+    (convert(raw, pairs)), and the group's WGMMAs on the fragment (issue(g, fragment))."""
+
+    count: int
+    load: Callable
+    convert: Callable
+    issue: Callable
 
 
 class TransposedMmas(NamedTuple):
@@ -210,8 +222,8 @@ class Transposed(Piece):
                 atom.set(warpgroup.Field.ACCUMULATE, box > 0 or k > 0)
                 cute.gemm(atom, acc_S, frag[None, None, k], tSrQ[None, None, 4 * box + k], acc_S)
 
-        ahead = [loads.load_k(stage, box) for box in range(PREFETCH)]
-        self._groups(K_BOXES, frags, ahead, loads.load_k, loads.convert_k, stage, issue)
+        gemm = GroupedGemm(K_BOXES, functools.partial(loads.load_k, stage), loads.convert_k, issue)
+        self._groups(gemm, frags, [gemm.load(box) for box in range(PREFETCH)])
         for a in cutlass.range_constexpr(PREFETCH):
             raw = loads.load_v(stage, a)
             for i in cutlass.range_constexpr(8):
@@ -231,22 +243,23 @@ class Transposed(Piece):
             for k in cutlass.range_constexpr(4):
                 cute.gemm(atom, acc_O[a], frag[None, None, k], tOrPt[None, None, k], acc_O[a])
 
-        self._groups(V_ATOMS, frags, ahead, loads.load_v, loads.convert_v, stage, issue)
+        gemm = GroupedGemm(V_ATOMS, functools.partial(loads.load_v, stage), loads.convert_v, issue)
+        self._groups(gemm, frags, ahead)
         warpgroup.wait_group(0)
 
-    def _groups(self, count: int, frags, ahead: list, load, convert, stage, issue):
-        """count commit groups of four k-blocks: group g's bytes loaded PREFETCH groups ahead
-        (ahead: groups 0 .. PREFETCH - 1's, already loaded), converted into fragment buffer
-        g % DEPTH while the previous group's WGMMAs run, then issue(g, fragment); the last
-        DEPTH - 1 groups are left in flight."""
-        for g in range(count):  # (a plain Python loop: not a jit function)
-            if g + PREFETCH < count:
-                ahead.append(load(stage, g + PREFETCH))
-            raw = ahead.pop(0) if PREFETCH > 0 else load(stage, g)
+    def _groups(self, gemm: "GroupedGemm", frags, ahead: list):
+        """gemm's commit groups: group g's bytes loaded PREFETCH groups ahead (ahead: groups
+        0 .. PREFETCH - 1's, already loaded), converted into fragment buffer g % DEPTH while
+        the previous group's WGMMAs run, then issued; the last DEPTH - 1 groups are left in
+        flight."""
+        for g in range(gemm.count):  # (a plain Python loop: not a jit function)
+            if g + PREFETCH < gemm.count:
+                ahead.append(gemm.load(g + PREFETCH))
+            raw = ahead.pop(0) if PREFETCH > 0 else gemm.load(g)
             frag = frags[g % DEPTH]
-            convert(raw, cute.recast_tensor(frag, Int32))
+            gemm.convert(raw, cute.recast_tensor(frag, Int32))
             warpgroup.fence()
-            issue(g, frag)
+            gemm.issue(g, frag)
             warpgroup.commit_group()
             warpgroup.wait_group(DEPTH - 1)  # (the next group's fragment buffer is free)
 
