@@ -296,43 +296,36 @@ class Transposed(Piece):
             ]
         )
         if self._wg_any(wg, excess * scale_log2 > HEADROOM):
-            scale = self._new_maxima(buf, acc_S, col_max, scale_log2, wg, warp, lane)
-            for a in cutlass.range_constexpr(V_ATOMS):
-                self._rescale_columns(acc_O[a], scale)
-            for j in cutlass.range_constexpr(self.cols):
-                col_sum[j] = col_sum[j] * scale[j]
+            self._new_maxima(buf, acc_S, acc_O, col_max, col_sum, scale_log2, wg, warp, lane)
         self._store_pt(buf, acc_S, col_max, col_sum, scale_log2, wg, warp, lane)
         cute.arch.fence_view_async_shared()  # P^T's stores -> the WGMMAs' reads
         self._wg_sync(wg)
 
     @cute.jit
-    def _new_maxima(self, buf, acc_S, col_max, scale_log2, wg, warp, lane):
+    def _new_maxima(self, buf, acc_S, acc_O, col_max, col_sum, scale_log2, wg, warp, lane):
         """The columns' maxima over this block too (lanes, then the four warps through
-        exchange[wg]) into col_max; returns the columns' rescale of O^T and the sums. (One
-        slot: the previous block's reads of it are before its P^T barrier.)"""
-        block_max = cute.make_rmem_tensor(self.cols, Float32)
-        for j in cutlass.range_constexpr(self.cols):
+        exchange[wg]) into col_max, O^T's columns and their sums rescaled to them, a column at
+        a time (no rescale factors held: the registers are O^T's). (One exchange slot: the
+        previous block's reads of it are before its P^T barrier.)"""
+        for j in cutlass.range_constexpr(self.cols):  # (stored a column at a time: registers)
             m = cute.arch.fmax(acc_S[_value(0, j)], acc_S[_value(1, j)])
             for offset in (4, 8, 16):
                 m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=offset))
-            block_max[j] = m
-        if lane < 4:
-            for j in cutlass.range_constexpr(self.cols):
-                buf.exchange[wg, warp, _column(lane, j)] = block_max[j]
+            if lane < 4:
+                buf.exchange[wg, warp, _column(lane, j)] = m
         self._wg_sync(wg)
         q = lane % 4
-        scale = cute.make_rmem_tensor(self.cols, Float32)
         for j in cutlass.range_constexpr(self.cols):
             m = col_max[j]
             for w in cutlass.range_constexpr(4):
                 m = cute.arch.fmax(m, buf.exchange[wg, w, _column(q, j)])
-            scale[j] = cute.math.exp2((col_max[j] - max_or_zero(m)) * scale_log2, fastmath=True)
+            scale = cute.math.exp2((col_max[j] - max_or_zero(m)) * scale_log2, fastmath=True)
             col_max[j] = m
-        return scale
-
-    def _rescale_columns(self, acc, scale):
-        for v in range(cute.size(acc)):  # (a plain Python loop: not a jit function)
-            acc[v] = acc[v] * scale[_column_index(v)]
+            col_sum[j] = col_sum[j] * scale
+            for a in cutlass.range_constexpr(V_ATOMS):
+                for v in cutlass.range_constexpr(cute.size(acc_O[a])):
+                    if const_expr(_column_index(v) == j):
+                        acc_O[a][v] = acc_O[a][v] * scale
 
     @cute.jit
     def _store_pt(self, buf, acc_S, col_max, col_sum, scale_log2, wg, warp, lane):
