@@ -213,8 +213,9 @@ def asm_to_int32s(
 
 
 def barrier_any(barrier_id, threads: int, pred) -> cutlass.Boolean:
-    """Named barrier barrier_id over `threads` threads (bar.red.or): whether pred held in any
-    of them."""
+    """Named barrier barrier_id over `threads` threads (barrier.red.or, the id in a register):
+    whether pred held in any of them. Its phases must not mix with bar.sync / arrive phases
+    of the same barrier that are still open (every thread of it reaches the same one)."""
     result = asm_to_int32s(
         "{ .reg .pred p_in, p_out; setp.ne.s32 p_in, $1, 0; "
         f"barrier.red.or.pred p_out, $2, {threads}, p_in; selp.s32 $0, 1, 0, p_out; }}",

@@ -100,6 +100,8 @@ def convert_block(
                 else:
                     wide.store(raw[b].load().to(dst.element_type))
                 if cutlass.const_expr(permutation is not None):
+                    # (within a piece: a thread reads and writes only its own pieces in place)
+                    assert sorted(permutation) == list(range(PIECE)), permutation
                     ordered = cute.make_rmem_tensor((1, PIECE), dst.element_type)
                     for e in cutlass.range_constexpr(PIECE):
                         ordered[e] = wide[permutation[e]]

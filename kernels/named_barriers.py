@@ -32,7 +32,9 @@ class NamedBarrier(enum.IntEnum):
     LATENT_CONVERT_0 = 2
     LATENT_CONVERT_1 = 3
     # The transposed latent decode kernel (kernels/mla_decode/transposed.py): MMA warpgroup i's
-    # own syncs (TRANSPOSED_WG_0 + i: a block's maxima exchanged, its P^T stored, the V tail
-    # zeroed, the column sums reduced at the end; the seesaw's ids: that kernel has no seesaw).
+    # own syncs (TRANSPOSED_WG_0 + i: each block's OR of whether a score passed its column's
+    # reference max (barrier.red), the maxima exchanged where one did, its P^T stored, the V
+    # tail zeroed, the column sums reduced at the end; the seesaw's ids: that kernel has no
+    # seesaw).
     TRANSPOSED_WG_0 = 12
     TRANSPOSED_WG_1 = 13

@@ -112,8 +112,10 @@ def test_fp8_latent_graph_replay(nheads):
 @pytest.mark.parametrize("nheads, page_size", [(16, None), (32, 64)])
 def test_fp8_latent_rising_maxima(nheads, page_size):
     """Keys whose scale grows toward the sequence's start (the transposed kernel's last
-    blocks): the columns' maxima keep passing their references by more than the headroom, so
-    O^T, the sums and the references move at many blocks, not only the first."""
+    blocks): the columns' maxima pass their references by more than the headroom again after
+    the first block (1-5 times a warpgroup on the longer sequences, in a NumPy model), so O^T,
+    the sums and the references move there too; a vote that never fired after the first block
+    would overflow P's fp16 at 4097 keys."""
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla-fp8-rising", nheads))
     batch = len(LENS)
     cache, _, table = fp8_cache(batch, CAPACITY, 1, D, page_size, gen)
@@ -122,12 +124,16 @@ def test_fp8_latent_rising_maxima(nheads, page_size):
     k_pad = (k_pad * growth[None, :, None, None]).to(cache.dtype)
     if table is None:
         cache = k_pad.clone()
-    else:  # the pages in table order hold the padded rows
+    else:  # the pages in table order hold the padded rows (CAPACITY: whole pages)
+        assert CAPACITY % page_size == 0
         rows = k_pad.view(torch.uint8).unflatten(1, (-1, page_size))
         cache.view(torch.uint8)[table.long()] = rows
     k_pad = padded(cache, table, CAPACITY)
     poison_past(cache, table, LENS, CAPACITY)
     q = torch.randn(batch, 1, nheads, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     lengths = torch.tensor(LENS, device="cuda", dtype=torch.int32)
+    KVCACHE_PLANS.clear()
     out, lse = _run(q, cache, table, lengths, True, None, None)
+    assert [p.variant.config.seesaw_rows for p in KVCACHE_PLANS.values()] == [32]
+    KVCACHE_PLANS.clear()
     check_against_dequantized(q, out, k_pad, k_pad[..., :DV], None, None, LENS, True, lse=lse)

@@ -284,9 +284,9 @@ class Transposed(Piece):
         """S^T's columns to probabilities, stored as P^T (fp16) into sPt[wg]; the
         columns' sums and, where their maxima move, O^T rescaled. The maxima are references,
         not the true maxima: P is taken against them until a score passes one by more than
-        HEADROOM (log2 units, so P <= 2^HEADROOM), which on a warm column is rare. Then a
-        barrier's OR (did any thread see such a score) replaces the maxima's exchange, and
-        O^T is not rescaled."""
+        HEADROOM (log2 units, so P <= 2^HEADROOM), which on a warm column is rare. Each block
+        a barrier's OR (did any thread see such a score) decides: where none did, no maxima
+        are exchanged and O^T is not rescaled."""
         # The thread's largest score less its column's reference (a tree: a chain of 16 fmax
         # would sit on the warpgroup's path to its P V).
         excess = _max_tree(
@@ -329,8 +329,8 @@ class Transposed(Piece):
 
     @cute.jit
     def _store_pt(self, buf, acc_S, col_max, col_sum, scale_log2, wg, warp, lane):
-        """P = exp2(S - the column's max) as P^T (fp16) into sPt[wg] (column r
-        of S^T is P^T's row r); this thread's P added to its columns' sums."""
+        """P = exp2((S - the column's reference max) scale_log2) as P^T (fp16) into sPt[wg]
+        (column r of S^T is P^T's row r); this thread's P added to its columns' sums."""
         sPt = buf.sPt[None, None, wg]
         key0 = 16 * warp + lane // 4
         q = lane % 4
@@ -435,6 +435,7 @@ class Transposed(Piece):
 
 def _max_tree(values: list):
     """The largest of values (a power of two of them), as a tree of pairwise maxima."""
+    assert len(values) & (len(values) - 1) == 0, len(values)
     if len(values) == 1:
         return values[0]
     return _max_tree([cute.arch.fmax(a, b) for a, b in zip(values[::2], values[1::2])])
