@@ -179,19 +179,24 @@ def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, cute.make_layout(shape, stride=stride))
 
 
-def asm_to_int32(asm: str, constraints: str, operands, *, loc=None, ip=None) -> Int32:
-    """The 32-bit result ($0) of a side-effect-free inline PTX snippet over DSL operands."""
-    return Int32(
-        llvm.inline_asm(
-            T.i32(),
-            [x.ir_value(loc=loc, ip=ip) for x in operands],
-            asm,
-            constraints,
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
+def _inline_asm(result_type, asm: str, constraints: str, operands, side_effects, loc, ip):
+    return llvm.inline_asm(
+        result_type,
+        [x.ir_value(loc=loc, ip=ip) for x in operands],
+        asm,
+        constraints,
+        has_side_effects=side_effects,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+def asm_to_int32(
+    asm: str, constraints: str, operands, side_effects=False, *, loc=None, ip=None
+) -> Int32:
+    """The 32-bit result ($0) of an inline PTX snippet over DSL operands (side_effects: kept
+    in place, as barriers must be)."""
+    return Int32(_inline_asm(T.i32(), asm, constraints, operands, side_effects, loc, ip))
 
 
 def asm_to_int32s(
@@ -200,15 +205,8 @@ def asm_to_int32s(
     """The count 32-bit results ($0 .. $count-1) of an inline PTX snippet over DSL operands
     (side_effects: kept in place, as loads from shared memory must be)."""
     i32 = T.i32()
-    result = llvm.inline_asm(
-        llvm.StructType.get_literal([i32] * count),
-        [x.ir_value(loc=loc, ip=ip) for x in operands],
-        asm,
-        constraints,
-        has_side_effects=side_effects,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    struct = llvm.StructType.get_literal([i32] * count)
+    result = _inline_asm(struct, asm, constraints, operands, side_effects, loc, ip)
     return [Int32(llvm.extractvalue(i32, result, [i], loc=loc, ip=ip)) for i in range(count)]
 
 
@@ -216,14 +214,13 @@ def barrier_any(barrier_id, threads: int, pred) -> cutlass.Boolean:
     """Named barrier barrier_id over `threads` threads (barrier.red.or, the id in a register):
     whether pred held in any of them. Its phases must not mix with bar.sync / arrive phases
     of the same barrier that are still open (every thread of it reaches the same one)."""
-    result = asm_to_int32s(
+    result = asm_to_int32(
         "{ .reg .pred p_in, p_out; setp.ne.s32 p_in, $1, 0; "
         f"barrier.red.or.pred p_out, $2, {threads}, p_in; selp.s32 $0, 1, 0, p_out; }}",
         "=r,r,r",
         [Int32(pred), Int32(barrier_id)],
-        1,
         side_effects=True,
-    )[0]
+    )
     return result != 0
 
 

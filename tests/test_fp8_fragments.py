@@ -44,6 +44,12 @@ def _ldmatrix(mem, addresses, trans):
     return out
 
 
+def _warp_ldmatrix(mem, warp, address, trans):
+    """_ldmatrix for a warp whose lane l gives the row address address(FragmentLoads(l, warp))
+    (as the kernel's load_k / load_v compute it)."""
+    return _ldmatrix(mem, [address(ff.FragmentLoads(lane, warp)) for lane in range(32)], trans)
+
+
 def _prmt(a: int, b: int, selector: int) -> int:
     pool = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
     return sum(pool[(selector >> 4 * k) & 0xF] << 8 * k for k in range(4))
@@ -72,15 +78,15 @@ def test_s_transposed_from_k_fragments_and_permuted_q(seed):
     mem = _stage(k)
     s_t = [[0] * ROWS for _ in range(KEYS)]
     for warp in range(4):
-        loads = [ff.FragmentLoads(lane, warp) for lane in range(32)]
         for box in range(DIMS // 64):
             pairs = [[None] * 16 for _ in range(32)]
             for h2 in range(2):  # (load_k / convert_k)
-                addresses = [
-                    ff.box_offset(loads[ln].k_key, 64 * box + 32 * h2, loads[ln].k_chunk)
-                    for ln in range(32)
-                ]
-                regs = _ldmatrix(mem, addresses, trans=False)
+                regs = _warp_ldmatrix(
+                    mem,
+                    warp,
+                    lambda ld: ff.box_offset(ld.k_key, 64 * box + 32 * h2, ld.k_chunk),
+                    trans=False,
+                )
                 for lane in range(32):
                     for h in range(2):
                         g_rows, g8_rows = regs[lane][2 * h], regs[lane][2 * h + 1]
@@ -107,15 +113,15 @@ def test_o_transposed_from_v_fragments_rows_by_o_dim(seed):
     mem = _stage(k)
     o_t = {}
     for warp in range(4):
-        loads = [ff.FragmentLoads(lane, warp) for lane in range(32)]
         for atom in range(DV // 64):
             pairs = [[None] * 16 for _ in range(32)]
             for half in range(2):  # (load_v / convert_v)
-                addresses = [
-                    ff.box_offset(32 * half + loads[ln].v_key, 64 * atom, loads[ln].warp)
-                    for ln in range(32)
-                ]
-                regs = _ldmatrix(mem, addresses, trans=True)
+                regs = _warp_ldmatrix(
+                    mem,
+                    warp,
+                    lambda ld: ff.box_offset(32 * half + ld.v_key, 64 * atom, ld.warp),
+                    trans=True,
+                )
                 for lane in range(32):
                     for j in range(4):
                         b = regs[lane][j]
