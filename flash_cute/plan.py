@@ -323,7 +323,7 @@ class ForwardVariant(CallShape):
                 problem = "pages of a multiple of 64 keys (TMA boxes of whole key blocks)"
             if problem is None and c.trace:
                 problem = "no trace"
-            if problem is None and c.seesaw_rows == 32 and (self.kv_dtype is None or self.qv):
+            if problem is None and c.seesaw_rows == 32 and not _transposed_form(self):
                 problem = "seesaw_rows 32 (the transposed kernel) reads an FP8 latent cache only"
             if problem is not None:
                 problems.append(f"the seesaw (latent decode) kernel: {problem}")
@@ -690,11 +690,17 @@ def transposed_problem(problem: Problem) -> Optional[str]:
     call the seesaw kernel serves, or None: it reads an FP8 latent cache (FlashMLA's form)
     for tiles of at most 32 rows (q heads per kv head x query tokens)."""
     rows = problem.nheads // problem.nheads_kv * problem.max_seqlen_q
-    if problem.kv_dtype is None or problem.qv:
+    if not _transposed_form(problem):
         return "serves an FP8 latent cache in FlashMLA's form only"
     if rows > 32:
         return f"serves at most 32 rows a sequence (q heads per kv head x tokens), got {rows}"
     return None
+
+
+def _transposed_form(call) -> bool:
+    """Whether a call (a Problem or a ForwardVariant) is in the transposed kernel's form: an FP8
+    latent cache, V within it (FlashMLA's form, no qv)."""
+    return call.kv_dtype is not None and not call.qv
 
 
 def serves_fp8_math(problem: Problem) -> bool:
