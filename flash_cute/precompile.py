@@ -34,6 +34,12 @@ from .config import (
 from .plan import ForwardVariant, Problem, plan_forward
 
 REQUIRED_PTX = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg")
+# ptxas' info lines that cost a kernel its WGMMA pipelining (the code and the reason, up to the
+# function's name): "(C7513) Potential Performance Loss: wgmma.mma_async instructions are
+# serialized due to ...", "(C7517) wgmma.wait_group is injected ...".
+WGMMA_SERIALIZED = (
+    r"\((C75\d\d)\) (?:Potential Performance Loss: )?(wgmma[^']*?)(?: in (?:the )?function|$)"
+)
 
 
 @dataclass
@@ -45,6 +51,9 @@ class PtxReport:
     setmaxnreg_ignored: bool
     seconds: float
     target: str = ""  # the PTX's .target
+    # ptxas' notes that it serialized WGMMAs or injected waits between them (C75xx: registers
+    # of an in-flight WGMMA touched, as ptxas' analysis sees it): correct, only slower
+    wgmma_serialized: tuple = ()
 
     def problems(self) -> List[str]:
         found = [f"no {name} in the PTX" for name, n in self.instruction_counts.items() if n == 0]
@@ -54,6 +63,7 @@ class PtxReport:
             found.append(f"ptxas reports {self.spill_bytes} spill bytes")
         if self.setmaxnreg_ignored:
             found.append("ptxas ignored setmaxnreg (C7508: no register cap at kernel entry)")
+        found += [f"ptxas serialized WGMMAs: {note}" for note in self.wgmma_serialized]
         return found
 
 
@@ -163,6 +173,13 @@ def decode_variants(
     return variants
 
 
+def wgmma_serializations(ptxas_report: str) -> tuple:
+    """ptxas' notes in a compile's report that it serialized WGMMAs or injected waits between
+    them, as "C75xx why", each once."""
+    found = re.findall(WGMMA_SERIALIZED, ptxas_report)
+    return tuple(sorted({f"{code} {why}" for code, why in found}))
+
+
 def compile_with_ptx_report(variant: ForwardVariant) -> PtxReport:
     """Compile `variant` (uncached), keeping its PTX and the ptxas resource report."""
     with tempfile.TemporaryDirectory() as dump_dir:
@@ -189,6 +206,7 @@ def compile_with_ptx_report(variant: ForwardVariant) -> PtxReport:
         setmaxnreg_ignored="C7508" in report or "'setmaxnreg' ignored" in report,
         seconds=seconds,
         target=" ".join(re.findall(r"^\.target\s+(\S+)", ptx, re.MULTILINE)),
+        wgmma_serialized=wgmma_serializations(report),
     )
 
 

@@ -17,7 +17,12 @@ from flash_cute.compile_cache import (
 )
 from flash_cute.config import FORWARD_CONFIGS, SHORT_WINDOW_CONFIGS, seesaw_config
 from flash_cute.plan import ForwardVariant, Problem, plan_forward
-from flash_cute.precompile import compile_with_ptx_report, decode_variants, table_variants
+from flash_cute.precompile import (
+    compile_with_ptx_report,
+    decode_variants,
+    table_variants,
+    wgmma_serializations,
+)
 
 pytestmark = pytest.mark.compile
 
@@ -799,6 +804,23 @@ def test_variant_compiles_clean(key):
     report = compile_with_ptx_report(key)
     assert not report.problems(), report.problems()
     assert report.target == "sm_90a" and report.instruction_counts["wgmma.mma_async"] > 0
+
+
+def test_ptx_report_names_serialized_wgmmas():
+    """ptxas 13's notes (as a compile with WGMMAs in flight across a loop's turn printed them)
+    reach problems(): a serialized mainloop compiles and runs correctly, only slower."""
+    report = (
+        "ptxas info    : (C7517) wgmma.wait_group is injected in around line 4196 by compiler to"
+        " allow use of registers defined by GMMA in function 'kernel_x'\n"
+        "ptxas info    : (C7513) Potential Performance Loss: wgmma.mma_async instructions are"
+        " serialized due to non wgmma instructions defining input registers of a wgmma between"
+        " start and end of the pipeline stage in the function 'kernel_x' in line 0\n"
+        "ptxas info    : Used 168 registers, used 16 barriers\n"
+    )
+    notes = wgmma_serializations(report)
+    assert [note.split()[0] for note in notes] == ["C7513", "C7517"], notes
+    assert "defining input registers" in notes[0] and "kernel_x" not in notes[0]
+    assert wgmma_serializations("ptxas info    : Used 168 registers, used 16 barriers") == ()
 
 
 @pytest.mark.parametrize("key", FP8_SEESAW_CAUSAL_KEYS + TRANSPOSED_GRID_KEYS, ids=_id)
