@@ -49,8 +49,10 @@ V_ATOMS = D_LATENT // BOX  # O^T's m-atoms
 K_BOXES = TILES  # S^T's groups of four k-blocks (one box each)
 STAGES = 2  # a warpgroup's ring
 # A fragments converted ahead of the WGMMAs that read them, and groups whose bytes are loaded
-# ahead of their conversion (H200, 16 and 32 heads: depths 3 and 4 1-33% slower; loads one
-# group ahead 121-126 -> 102-104 us, and non-causal variants spill-free; two ahead 103-114).
+# ahead of their conversion (H200, 16 and 32 heads: loads one group ahead 121-126 -> 102-104
+# us, and non-causal variants spill-free; two ahead 103-114). Depth 3 does not fit in the
+# registers: ptxas serializes the WGMMAs (C7514, at the slow path's O^T rescale), or without
+# that rescale spills 224 bytes (the 1-33% slowdown measured at depths 3 and 4 was serialized).
 DEPTH = 2
 PREFETCH = 1
 # How far (log2 units) a score may pass its column's reference max before the reference moves:
@@ -69,6 +71,32 @@ class GroupedGemm(NamedTuple):
     load: Callable
     convert: Callable
     issue: Callable
+
+
+class _Thread(NamedTuple):
+    """A thread's place in the tile's MMA warpgroups: its warpgroup, warp (in it, uniform)
+    and lane; it holds keys key0 + 8 r of a block (r < 2) in S^T's columns 2 q + ... (_column)."""
+
+    wg: Int32
+    warp: Int32
+    lane: Int32
+    key0: Int32
+    q: Int32
+
+    @staticmethod
+    def of(wg: Int32, wg_thread: Int32) -> "_Thread":
+        warp = cute.arch.make_warp_uniform(wg_thread // 32)
+        lane = wg_thread % 32
+        return _Thread(wg, warp, lane, 16 * warp + lane // 4, lane % 4)
+
+
+class _Running(NamedTuple):
+    """A warpgroup's running state over its blocks: O^T (V_ATOMS m-atoms of 64 dims x the
+    rows, fp32), and per thread column its reference max and its sum of P."""
+
+    acc_O: list
+    col_max: cute.Tensor
+    col_sum: cute.Tensor
 
 
 class TransposedMmas(NamedTuple):
@@ -125,8 +153,7 @@ class Transposed(Piece):
         scale_log2, v_descale = fold_descales(shapes, tile, setup.softmax_scale_log2)
         wg = setup.warpgroup_idx
         wg_thread = setup.tidx % THREADS_PER_WARPGROUP
-        warp = cute.arch.make_warp_uniform(wg_thread // 32)
-        lane = wg_thread % 32
+        thread = _Thread.of(wg, wg_thread)
         thr = mmas.qk.get_slice(wg_thread)
         sQ_rows = cute.local_tile(buf.sQ, (self.rows, D_QK), (0, 0))
         tSrQ = thr.make_fragment_B(thr.partition_B(sQ_rows))
@@ -138,15 +165,16 @@ class Transposed(Piece):
         ]
         for a in cutlass.range_constexpr(V_ATOMS):
             acc_O[a].fill(0.0)
-        col_max = cute.make_rmem_tensor(self.cols, Float32)
-        col_sum = cute.make_rmem_tensor(self.cols, Float32)
-        col_max.fill(-Float32.inf)
-        col_sum.fill(0.0)
-        loads = FragmentLoads(lane, warp)
+        running = _Running(
+            acc_O,
+            cute.make_rmem_tensor(self.cols, Float32),
+            cute.make_rmem_tensor(self.cols, Float32),
+        )
+        running.col_max.fill(-Float32.inf)
+        running.col_sum.fill(0.0)
+        loads = FragmentLoads(thread.lane, thread.warp)
         # V's first PREFETCH atoms' bytes, loaded under the softmax.
         v_first = cute.make_rmem_tensor(8 * max(PREFETCH, 1), Int32)
-        key0 = 16 * warp + lane // 4  # the thread's keys in a block: key0 + 8 r
-        q = lane % 4
         mask_from = n_block_max - 1
         if const_expr(self.variant.causal):
             mask_from = cutlass.min(mask_from, block_range.first_causal_masked_block(tile.m_block))
@@ -167,16 +195,13 @@ class Transposed(Piece):
                     self._zero_v_tail(stage, tail_keys, wg_thread, wg)
                 acc_S = self._scores(mmas.qk, loads, stage, frags, tSrQ, thr, v_first)
                 if n_block >= mask_from:
-                    self._mask(acc_S, key0, q, n_block, seqlen)
-                self._softmax(buf, acc_S, acc_O, col_max, col_sum, scale_log2, wg, warp, lane)
+                    self._mask(acc_S, thread, n_block, seqlen)
+                self._softmax(buf, acc_S, running, scale_log2, thread)
                 self._pv(mmas.qk, loads, stage, frags, tOrPt, acc_O, v_first)
                 ring.consumer_release(state)
                 state.advance()
             buf.pipeline_q.consumer_release(q_state)
-        return self._merge(
-            mmas, buf, setup, seqlen, acc_O, col_max, col_sum, scale_log2, v_descale, wg, warp,
-            lane,
-        )  # fmt: skip
+        return self._merge(mmas, buf, setup, seqlen, running, scale_log2, v_descale, thread)
 
     # ------------------------------------------------------------------------------------
     # Steps of a block
@@ -264,10 +289,10 @@ class Transposed(Piece):
             warpgroup.wait_group(DEPTH - 1)  # (the next group's fragment buffer is free)
 
     @cute.jit
-    def _mask(self, acc_S, key0: Int32, q: Int32, n_block: Int32, seqlen):
+    def _mask(self, acc_S, thread: _Thread, n_block: Int32, seqlen):
         """Keys past the sequence's end and, causal, above a row's diagonal (row r holds token
-        r // rows_per_token) to -inf. key0: the thread's first key in the block (16 warp +
-        lane // 4), q: lane % 4."""
+        r // rows_per_token) to -inf."""
+        key0, q = thread.key0, thread.q
         limit = seqlen.seqlen_k - n_block * KEYS - key0  # (against the key's offset 8 r)
         for j in cutlass.range_constexpr(self.cols):
             col_limit = limit
@@ -280,7 +305,7 @@ class Transposed(Piece):
                 acc_S[v] = -Float32.inf if 8 * r >= col_limit else acc_S[v]
 
     @cute.jit
-    def _softmax(self, buf, acc_S, acc_O, col_max, col_sum, scale_log2, wg, warp, lane):
+    def _softmax(self, buf, acc_S, running: _Running, scale_log2, thread: _Thread):
         """S^T's columns to probabilities, stored as P^T (fp16) into sPt[wg]; the
         columns' sums and, where their maxima move, O^T rescaled. The maxima are references,
         not the true maxima: P is taken against them until a score passes one by more than
@@ -291,18 +316,18 @@ class Transposed(Piece):
         # would sit on the warpgroup's path to its P V).
         excess = _max_tree(
             [
-                cute.arch.fmax(acc_S[_value(0, j)], acc_S[_value(1, j)]) - col_max[j]
+                cute.arch.fmax(acc_S[_value(0, j)], acc_S[_value(1, j)]) - running.col_max[j]
                 for j in range(self.cols)
             ]
         )
-        if self._wg_any(wg, excess * scale_log2 > HEADROOM):
-            self._new_maxima(buf, acc_S, acc_O, col_max, col_sum, scale_log2, wg, warp, lane)
-        self._store_pt(buf, acc_S, col_max, col_sum, scale_log2, wg, warp, lane)
+        if self._wg_any(thread.wg, excess * scale_log2 > HEADROOM):
+            self._new_maxima(buf, acc_S, running, scale_log2, thread)
+        self._store_pt(buf, acc_S, running, scale_log2, thread)
         cute.arch.fence_view_async_shared()  # P^T's stores -> the WGMMAs' reads
-        self._wg_sync(wg)
+        self._wg_sync(thread.wg)
 
     @cute.jit
-    def _new_maxima(self, buf, acc_S, acc_O, col_max, col_sum, scale_log2, wg, warp, lane):
+    def _new_maxima(self, buf, acc_S, running: _Running, scale_log2, thread: _Thread):
         """The columns' maxima over this block too (lanes, then the four warps through
         exchange[wg]) into col_max, O^T's columns and their sums rescaled to them, a column at
         a time (no rescale factors held: the registers are O^T's). (One exchange slot: the
@@ -311,14 +336,14 @@ class Transposed(Piece):
             m = cute.arch.fmax(acc_S[_value(0, j)], acc_S[_value(1, j)])
             for offset in (4, 8, 16):
                 m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=offset))
-            if lane < 4:
-                buf.exchange[wg, warp, _column(lane, j)] = m
-        self._wg_sync(wg)
-        q = lane % 4
+            if thread.lane < 4:
+                buf.exchange[thread.wg, thread.warp, _column(thread.lane, j)] = m
+        self._wg_sync(thread.wg)
+        col_max, col_sum, acc_O = running.col_max, running.col_sum, running.acc_O
         for j in cutlass.range_constexpr(self.cols):
             m = col_max[j]
             for w in cutlass.range_constexpr(4):
-                m = cute.arch.fmax(m, buf.exchange[wg, w, _column(q, j)])
+                m = cute.arch.fmax(m, buf.exchange[thread.wg, w, _column(thread.q, j)])
             scale = cute.math.exp2((col_max[j] - max_or_zero(m)) * scale_log2, fastmath=True)
             col_max[j] = m
             col_sum[j] = col_sum[j] * scale
@@ -328,14 +353,13 @@ class Transposed(Piece):
                         acc_O[a][v] = acc_O[a][v] * scale
 
     @cute.jit
-    def _store_pt(self, buf, acc_S, col_max, col_sum, scale_log2, wg, warp, lane):
+    def _store_pt(self, buf, acc_S, running: _Running, scale_log2, thread: _Thread):
         """P = exp2((S - the column's reference max) scale_log2) as P^T (fp16) into sPt[wg]
         (column r of S^T is P^T's row r); this thread's P added to its columns' sums."""
-        sPt = buf.sPt[None, None, wg]
-        key0 = 16 * warp + lane // 4
-        q = lane % 4
+        sPt = buf.sPt[None, None, thread.wg]
+        key0, q, col_sum = thread.key0, thread.q, running.col_sum
         for j in cutlass.range_constexpr(self.cols):
-            m_scaled = max_or_zero(col_max[j]) * scale_log2
+            m_scaled = max_or_zero(running.col_max[j]) * scale_log2
             total = Float32(0.0)
             for r in cutlass.range_constexpr(2):
                 p = cute.math.exp2(acc_S[_value(r, j)] * scale_log2 - m_scaled, fastmath=True)
@@ -359,14 +383,12 @@ class Transposed(Piece):
     # ------------------------------------------------------------------------------------
 
     @cute.jit
-    def _merge(
-        self, mmas, buf, setup, seqlen, acc_O, col_max, col_sum, scale_log2, v_descale, wg,
-        warp, lane,
-    ):  # fmt: skip
+    def _merge(self, mmas, buf, setup, seqlen, running: _Running, scale_log2, v_descale, thread):
         """The warpgroups' O^T, maxima and sums into one normalized O in the seesaw's pv
         layout (its 64 x 512 over both warpgroups, rows 32-63 zero) and the rows' LSE."""
-        q = lane % 4
-        g = lane // 4
+        wg, warp, lane = thread.wg, thread.warp, thread.lane
+        q, g = thread.q, lane // 4
+        acc_O, col_max, col_sum = running
         mma_threads = self.num_mma_threads
         # The columns' sums over this warpgroup's keys: lanes, then warps.
         for j in cutlass.range_constexpr(self.cols):
