@@ -1,6 +1,7 @@
 """GPU checks of the absorbed-MLA decode kernel (kernels/mla_decode/, config.seesaw): both call
 forms (FlashMLA's 576-wide latent with v its first 512 dims, FlashAttention-3's qv), padded and
-paged caches, 1-4 query tokens, 8-128 heads, splits, graph replay, bf16 and fp16, against the
+paged caches, 1-4 query tokens (padded, or packed through flash_attn_varlen_func), 8-128
+heads, splits, graph replay, bf16 and fp16, against the
 float32 reference on poisoned outputs. Each case plans its variant with the seesaw config and
 launches it through a launch plan."""
 
@@ -8,7 +9,7 @@ import math
 
 import pytest
 import torch
-from kv_cases import assert_close_to_reference, cache_reference, make_cache, per_batch
+from kv_cases import assert_close_to_reference, cache_reference, cu_seqlens, make_cache, per_batch
 
 from flash_cute.call import Call
 from flash_cute.config import seesaw_config
@@ -203,3 +204,57 @@ def test_scores_far_below_zero():
     out, lse = runner.launch(q, k, k[..., :DV], out, kernel_call_args(call))
     refs, lowps, lse_refs = cache_reference(q, k_pad, k_pad[..., :DV], LENS, True)
     assert_close_to_reference(*per_batch(out, lse), refs, lowps, lse_refs)
+
+
+@pytest.mark.parametrize("qv", [False, True], ids=["latent", "qv"])
+@pytest.mark.parametrize("num_splits", [1, 0])
+@pytest.mark.parametrize("nheads", [16, 128])
+def test_varlen_queries_route_here(nheads, num_splits, qv):
+    """flash_attn_varlen_func with packed queries of 1-4 tokens a sequence (speculative
+    decoding) over a paged latent cache: the plan sends it to this kernel; against the
+    reference, outputs poisoned, the cache NaN past each sequence's length."""
+    import flash_cute
+    from flash_cute.runtime import VARLEN_PLANS
+
+    q_lens, lens = [1, 4, 2, 3, 1, 4], LENS
+    gen = torch.Generator(device="cuda").manual_seed(
+        stable_seed("seesaw-varlen", nheads, num_splits, qv)
+    )
+    new = dict(device="cuda", dtype=torch.bfloat16, generator=gen)
+    batch, total_q = len(lens), sum(q_lens)
+    if qv:
+        k, v, table, k_pad, v_pad = make_cache(
+            batch, CAPACITY, 1, D - DV, torch.bfloat16, 64, gen, head_dim_v=DV
+        )
+        q, q_v = (
+            torch.randn(total_q, nheads, D - DV, **new),
+            torch.randn(total_q, nheads, DV, **new),
+        )
+        ref_q, ref_k = torch.cat([q_v, q], -1), torch.cat([v_pad, k_pad], -1)
+        for cache in (k, v):
+            _poison_past(cache, table, lens, 64)
+    else:
+        k, _, table, k_pad, _ = make_cache(batch, CAPACITY, 1, D, torch.bfloat16, 64, gen)
+        q, q_v = torch.randn(total_q, nheads, D, **new), None
+        ref_q, ref_k, v_pad = q, k_pad, k_pad[..., :DV]
+        _poison_past(k, table, lens, 64)
+        v = k[..., :DV]
+    cu_q = cu_seqlens(q_lens)
+    out = torch.full((total_q, nheads, DV), float("nan"), device="cuda", dtype=torch.bfloat16)
+    VARLEN_PLANS.clear()
+    _, lse = flash_cute.flash_attn_varlen_func(
+        q, k, v, cu_q, max(q_lens), qv=q_v, page_table=table, causal=True,
+        seqused_k=torch.tensor(lens, device="cuda", dtype=torch.int32), num_splits=num_splits,
+        return_softmax_lse=True, out=out,
+    )  # fmt: skip
+    assert [p.variant.config.seesaw for p in VARLEN_PLANS.values()] == [True]
+    VARLEN_PLANS.clear()
+    starts = cu_q[:-1].tolist()
+    refs, lowps, lse_refs = [], [], []
+    for b, (s, n) in enumerate(zip(starts, q_lens)):
+        r, lo, lr = cache_reference(ref_q[s : s + n].unsqueeze(0), ref_k[b : b + 1],
+                                    v_pad[b : b + 1], [lens[b]], True)  # fmt: skip
+        refs, lowps, lse_refs = refs + r, lowps + lo, lse_refs + lr
+    outs = [out[s : s + n].unsqueeze(0) for s, n in zip(starts, q_lens)]
+    lses = [lse[:, s : s + n].unsqueeze(0) for s, n in zip(starts, q_lens)]
+    assert_close_to_reference(outs, lses, refs, lowps, lse_refs)

@@ -623,12 +623,16 @@ def test_seesaw_variants_that_cannot_run_are_refused():
         return ForwardVariant("bfloat16", 576, causal, **{**fields, **flags})
 
     assert variant().config.seesaw and variant(kv_layout="paged", page_box_rows=64)
+    assert variant(varlen_q=True, kv_layout="paged", page_box_rows=64)  # (16-bit caches)
     for flags, message in [
         (dict(kv_layout="paged", page_box_rows=32), "multiple of 64"),
         (dict(kv_layout="paged", gather_page_size=16), "multiple of 64"),
         (dict(seqused_k=False), "per-sequence lengths"),
         (dict(v_in_k=False), "absorbed MLA only"),
-        (dict(varlen_q=True), "varlen_q"),
+        (
+            dict(varlen_q=True, kv_dtype="float8_e4m3fn", config=seesaw_config(kv_fp8=True)),
+            "varlen_q with an FP8 cache",
+        ),
         (dict(softcap=30.0), "softcap"),
         (dict(learnable_sink="bfloat16"), "learnable_sink"),
         (dict(causal=False, window_left=128, window_right=0), "local window"),
