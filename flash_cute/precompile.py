@@ -37,8 +37,9 @@ REQUIRED_PTX = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg")
 # ptxas' info lines that cost a kernel its WGMMA pipelining (the code and the reason, up to the
 # function's name): "(C7513) Potential Performance Loss: wgmma.mma_async instructions are
 # serialized due to ...", "(C7517) wgmma.wait_group is injected ...".
-WGMMA_SERIALIZED = (
-    r"\((C75\d\d)\) (?:Potential Performance Loss: )?(wgmma[^']*?)(?: in (?:the )?function|$)"
+WGMMA_SERIALIZED = re.compile(
+    r"\((C75\d\d)\) (?:Potential Performance Loss: )?(wgmma[^'\n]*?)(?: in (?:the )?function|$)",
+    re.MULTILINE,
 )
 
 
@@ -51,8 +52,7 @@ class PtxReport:
     setmaxnreg_ignored: bool
     seconds: float
     target: str = ""  # the PTX's .target
-    # ptxas' notes that it serialized WGMMAs or injected waits between them (C75xx: registers
-    # of an in-flight WGMMA touched, as ptxas' analysis sees it): correct, only slower
+    # ptxas' notes that it serialized WGMMAs or waited them out (C75xx): correct, only slower
     wgmma_serialized: tuple = ()
 
     def problems(self) -> List[str]:
@@ -176,7 +176,7 @@ def decode_variants(
 def wgmma_serializations(ptxas_report: str) -> tuple:
     """ptxas' notes in a compile's report that it serialized WGMMAs or injected waits between
     them, as "C75xx why", each once."""
-    found = re.findall(WGMMA_SERIALIZED, ptxas_report)
+    found = WGMMA_SERIALIZED.findall(ptxas_report)
     return tuple(sorted({f"{code} {why}" for code, why in found}))
 
 

@@ -594,7 +594,8 @@ O_SPLIT_KEYS = [
 
 
 # The absorbed-MLA decode kernel (config.seesaw, kernels/mla_decode/): both call forms, padded
-# and paged, unsplit, split with the merge in the kernel and with the combine kernel.
+# and paged, unsplit, split with the merge in the kernel and with the combine kernel, padded
+# and varlen queries.
 def _seesaw(dtype, causal, kv_layout="paged", **flags) -> ForwardVariant:
     return ragged(
         dtype, 576, causal, seesaw_config(), True, kv_layout=kv_layout, seqused_k=True,
@@ -606,6 +607,7 @@ SEESAW_KEYS = [
     _seesaw("bfloat16", True, page_box_rows=64),
     _seesaw("float16", False, kv_layout="padded", split=True),
     _seesaw("bfloat16", True, page_box_rows=64, split=True, combine_launch=True, qv=True),
+    _seesaw("bfloat16", True, page_box_rows=64, split=True, varlen_q=True),
 ]
 
 
@@ -821,6 +823,10 @@ def test_ptx_report_names_serialized_wgmmas():
     assert [note.split()[0] for note in notes] == ["C7513", "C7517"], notes
     assert "defining input registers" in notes[0] and "kernel_x" not in notes[0]
     assert wgmma_serializations("ptxas info    : Used 168 registers, used 16 barriers") == ()
+    # A note without the function's name ends at its line.
+    assert wgmma_serializations("(C7599) wgmma.mma_async foo\nptxas info : Used 168") == (
+        "C7599 wgmma.mma_async foo",
+    )
 
 
 @pytest.mark.parametrize("key", FP8_SEESAW_CAUSAL_KEYS + TRANSPOSED_GRID_KEYS, ids=_id)

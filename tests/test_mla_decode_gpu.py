@@ -1,9 +1,9 @@
 """GPU checks of the absorbed-MLA decode kernel (kernels/mla_decode/, config.seesaw): both call
 forms (FlashMLA's 576-wide latent with v its first 512 dims, FlashAttention-3's qv), padded and
 paged caches, 1-4 query tokens (padded, or packed through flash_attn_varlen_func), 8-128
-heads, splits, graph replay, bf16 and fp16, against the
-float32 reference on poisoned outputs. Each case plans its variant with the seesaw config and
-launches it through a launch plan."""
+heads, splits, graph replay, bf16 and fp16, against the float32 reference on poisoned
+outputs. Each case plans its variant with the seesaw config and launches it through a launch
+plan (the varlen case through the API)."""
 
 import math
 

@@ -50,9 +50,10 @@ K_BOXES = TILES  # S^T's groups of four k-blocks (one box each)
 STAGES = 2  # a warpgroup's ring
 # A fragments converted ahead of the WGMMAs that read them, and groups whose bytes are loaded
 # ahead of their conversion (H200, 16 and 32 heads: loads one group ahead 121-126 -> 102-104
-# us, and non-causal variants spill-free; two ahead 103-114). Depth 3 does not fit in the
-# registers: ptxas serializes the WGMMAs (C7514, at the slow path's O^T rescale), or without
-# that rescale spills 224 bytes (the 1-33% slowdown measured at depths 3 and 4 was serialized).
+# us, and non-causal variants spill-free; two ahead 103-114). Depths 3 and 4 do not fit in
+# the registers: ptxas serializes the WGMMAs (C7514, at the slow path's O^T rescale), or
+# without that rescale spills 224 bytes (depth 3). Their 1-33% slowdown was measured when O^T
+# was rescaled every block: likely serialized then too (not checked).
 DEPTH = 2
 PREFETCH = 1
 # How far (log2 units) a score may pass its column's reference max before the reference moves:
@@ -383,7 +384,9 @@ class Transposed(Piece):
     # ------------------------------------------------------------------------------------
 
     @cute.jit
-    def _merge(self, mmas, buf, setup, seqlen, running: _Running, scale_log2, v_descale, thread):
+    def _merge(
+        self, mmas, buf, setup, seqlen, running: _Running, scale_log2, v_descale, thread: _Thread
+    ):
         """The warpgroups' O^T, maxima and sums into one normalized O in the seesaw's pv
         layout (its 64 x 512 over both warpgroups, rows 32-63 zero) and the rows' LSE."""
         wg, warp, lane = thread.wg, thread.warp, thread.lane
