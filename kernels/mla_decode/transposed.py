@@ -91,6 +91,21 @@ class _Thread(NamedTuple):
         return _Thread(wg, warp, lane, 16 * warp + lane // 4, lane % 4)
 
 
+class _MaskBounds(NamedTuple):
+    """A thread's mask over a tile, from its first key in a block (key0): keys from key_end
+    on are past the sequence's end, and token t's keys from t + diagonal on are above its
+    diagonal (both less n_block * KEYS; computed once a tile, so the loop holds two values,
+    not the sequence's lengths)."""
+
+    key_end: Int32
+    diagonal: Int32
+
+    @staticmethod
+    def of(seqlen, thread: _Thread) -> "_MaskBounds":
+        key_end = seqlen.seqlen_k - thread.key0
+        return _MaskBounds(key_end, key_end - seqlen.seqlen_q + 1)
+
+
 class _Running(NamedTuple):
     """A warpgroup's running state over its blocks: O^T (V_ATOMS m-atoms of 64 dims x the
     rows, fp32), and per thread column its reference max and its sum of P."""
@@ -180,6 +195,7 @@ class Transposed(Piece):
         if const_expr(self.variant.causal):
             mask_from = cutlass.min(mask_from, block_range.first_causal_masked_block(tile.m_block))
         tail_keys = seqlen.seqlen_k - (n_block_max - 1) * KEYS
+        bounds = _MaskBounds.of(seqlen, thread)
         if n_block_max > n_block_min:
             buf.pipeline_q.consumer_wait(q_state)
             self._prepare_q(buf, setup.tidx)
@@ -196,7 +212,7 @@ class Transposed(Piece):
                     self._zero_v_tail(stage, tail_keys, wg_thread, wg)
                 acc_S = self._scores(mmas.qk, loads, stage, frags, tSrQ, thr, v_first)
                 if n_block >= mask_from:
-                    self._mask(acc_S, thread, n_block, seqlen)
+                    self._mask(acc_S, thread, n_block, bounds)
                 self._softmax(buf, acc_S, running, scale_log2, thread)
                 self._pv(mmas.qk, loads, stage, frags, tOrPt, acc_O, v_first)
                 ring.consumer_release(state)
@@ -290,17 +306,15 @@ class Transposed(Piece):
             warpgroup.wait_group(DEPTH - 1)  # (the next group's fragment buffer is free)
 
     @cute.jit
-    def _mask(self, acc_S, thread: _Thread, n_block: Int32, seqlen):
+    def _mask(self, acc_S, thread: _Thread, n_block: Int32, bounds: "_MaskBounds"):
         """Keys past the sequence's end and, causal, above a row's diagonal (row r holds token
         r // rows_per_token) to -inf."""
-        key0, q = thread.key0, thread.q
-        limit = seqlen.seqlen_k - n_block * KEYS - key0  # (against the key's offset 8 r)
+        limit = bounds.key_end - n_block * KEYS  # (against the key's offset 8 r)
         for j in cutlass.range_constexpr(self.cols):
             col_limit = limit
             if const_expr(self.variant.causal):
-                token = _column(q, j) // self.variant.pack_gqa_ratio
-                diagonal = token + seqlen.seqlen_k - seqlen.seqlen_q + 1 - n_block * KEYS - key0
-                col_limit = cutlass.min(limit, diagonal)
+                token = _column(thread.q, j) // self.variant.pack_gqa_ratio
+                col_limit = cutlass.min(limit, token + bounds.diagonal - n_block * KEYS)
             for r in cutlass.range_constexpr(2):
                 v = _value(r, j)
                 acc_S[v] = -Float32.inf if 8 * r >= col_limit else acc_S[v]
