@@ -153,9 +153,8 @@ class CallShape:
         """Why the absorbed-MLA decode kernel (kernels/mla_decode/, AttentionConfig.seesaw)
         cannot serve this shape, or None: it serves the latent (576 wide, V its first 512
         columns) or qv form (16-bit; the latent form's cache also FP8), over a padded or paged
-        cache with per-sequence lengths (seqused_k), padded queries or (16-bit caches) packed
-        ones (varlen_q), plain or causal (the cache's layout is checked where its page size
-        is known)."""
+        cache with per-sequence lengths (seqused_k), padded or packed (varlen_q) queries,
+        plain or causal (the cache's layout is checked where its page size is known)."""
         if not ((self.v_in_k or self.qv) and (self.head_dim, self.head_dim_v) == (576, 512)):
             return "absorbed MLA only (head_dim 576, head_dim_v 512, V in K's columns or qv)"
         if self.kv_layout == "packed" or not self.seqused_k:
@@ -176,8 +175,6 @@ class CallShape:
             unserved.append("local window or chunk")
         if self.kv_dtype is not None and self.qv:
             unserved.append("an FP8 cache in the qv form")
-        if self.kv_dtype is not None and self.varlen_q:
-            unserved.append("varlen_q with an FP8 cache")
         return f"not served: {', '.join(unserved)}" if unserved else None
 
 
@@ -696,6 +693,9 @@ def transposed_problem(problem: Problem) -> Optional[str]:
         return "serves an FP8 latent cache in FlashMLA's form only"
     if rows > 32:
         return f"serves at most 32 rows a sequence (q heads per kv head x tokens), got {rows}"
+    if problem.varlen_q and not problem.causal:
+        # (its non-causal varlen variants spill 112-124 bytes; the causal ones 0-8)
+        return "serves varlen queries causal only"
     return None
 
 

@@ -2,11 +2,11 @@
 kernel: the seesaw converting in place, kernels/mla_decode/fp8_loads.py, and for tiles of at
 most 32 rows the transposed kernel, kernels/mla_decode/transposed.py), through
 flash_attn_with_kvcache: FlashMLA's form (one 576-wide cache, v a view of its first 512
-columns), padded and paged caches, 1-4 query tokens,
-8-128 heads, splits, descales (none, one value, per batch and head), bf16 and fp16 q, graph
-replay. Against the float32 reference on the dequantized cache, within the bar of the same math
-in q's dtype on it (tests/test_fp8_kv_gpu.py's check); outputs poisoned, slots past each
-sequence NaN bytes."""
+columns), padded and paged caches, 1-4 query tokens (padded, or packed through
+flash_attn_varlen_func), 8-128 heads, splits, descales (none, one value, per batch and head),
+bf16 and fp16 q, graph replay. Against the float32 reference on the dequantized cache, within
+the bar of the same math in q's dtype on it (tests/test_fp8_kv_gpu.py's check); outputs
+poisoned, slots past each sequence NaN bytes."""
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ from test_fp8_kv_gpu import check_against_dequantized, descales, fp8_cache, padd
 import flash_cute
 from flash_cute import plan
 from flash_cute.reference import stable_seed
-from flash_cute.runtime import KVCACHE_PLANS
+from flash_cute.runtime import KVCACHE_PLANS, VARLEN_PLANS
 
 pytestmark = pytest.mark.gpu
 D, DV = 576, 512
@@ -137,3 +137,43 @@ def test_fp8_latent_rising_maxima(nheads, page_size):
     assert [p.variant.config.seesaw_rows for p in KVCACHE_PLANS.values()] == [32]
     KVCACHE_PLANS.clear()
     check_against_dequantized(q, out, k_pad, k_pad[..., :DV], None, None, LENS, True, lse=lse)
+
+
+VARLEN_CASES = [
+    # (q heads, tokens per sequence, page_size, num_splits, causal, the kernel's tile rows)
+    (8, (1, 4, 2, 3, 1, 4), 64, 0, True, 32),
+    (16, (1, 2, 2, 1, 1, 2), None, 1, True, 32),
+    (16, (1, 2, 2, 1, 1, 2), 64, 0, False, 64),  # (non-causal varlen: the seesaw)
+    (128, (1, 4, 2, 3, 1, 4), 64, 3, True, 64),
+]
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: f"h{c[0]}-p{c[2]}-n{c[3]}-c{c[4]:d}")
+def test_fp8_latent_varlen_queries(case):
+    """flash_attn_varlen_func with packed queries of 1-4 tokens a sequence over an FP8 latent
+    cache: the transposed kernel (causal, at most 32 rows) or the seesaw, per sequence against
+    the dequantized cache."""
+    nheads, q_lens, page_size, num_splits, causal, rows = case
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla-fp8-varlen", case))
+    batch, total_q = len(LENS), sum(q_lens)
+    cache, _, table = fp8_cache(batch, CAPACITY, 1, D, page_size, gen)
+    k_pad = padded(cache, table, CAPACITY)
+    poison_past(cache, table, LENS, CAPACITY)
+    q = torch.randn(total_q, nheads, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    kd, vd = descales("tensor", batch, 1, gen)
+    cu_q = torch.tensor((0, *q_lens), device="cuda").cumsum(0).to(torch.int32)
+    out = torch.full((total_q, nheads, DV), float("nan"), device="cuda", dtype=q.dtype)
+    VARLEN_PLANS.clear()
+    _, lse = flash_cute.flash_attn_varlen_func(
+        q, cache, cache[..., :DV], cu_q, max(q_lens), page_table=table, causal=causal,
+        seqused_k=torch.tensor(LENS, device="cuda", dtype=torch.int32), num_splits=num_splits,
+        k_descale=kd, v_descale=vd, return_softmax_lse=True, out=out,
+    )  # fmt: skip
+    assert [p.variant.config.seesaw_rows for p in VARLEN_PLANS.values()] == [rows]
+    VARLEN_PLANS.clear()
+    for b, (s, n) in enumerate(zip(cu_q[:-1].tolist(), q_lens)):
+        check_against_dequantized(
+            q[s : s + n].unsqueeze(0), out[s : s + n].unsqueeze(0), k_pad[b : b + 1],
+            k_pad[b : b + 1, :, :, :DV], kd[b : b + 1], vd[b : b + 1], [LENS[b]], causal,
+            lse=lse[:, s : s + n].unsqueeze(0),
+        )  # fmt: skip

@@ -584,6 +584,10 @@ LATENT_ROUTES = [
     (_latent_decode(32, 32, 3, 8192), True),
     (_latent_decode(64, 8, 1, 8192), True),
     (_latent_decode(64, 8, 4, 8192), True),
+    # Varlen queries (packed, 1-4 tokens a sequence).
+    (_latent_decode(64, 16, 2, 8192, varlen_q=True, total_q=96), True),
+    (_latent_decode(64, 128, 4, 8192, varlen_q=True, total_q=160), True),
+    (_latent_decode(64, 8, 4, 8192, page_size=None, varlen_q=True, total_q=160), True),
     # Pages no whole-block TMA box follows, unserved forms.
     (_latent_decode(64, 128, 1, 8192, page_size=16), False),
     (_latent_decode(64, 128, 1, 8192, window_left=1024), False),
@@ -623,16 +627,15 @@ def test_seesaw_variants_that_cannot_run_are_refused():
         return ForwardVariant("bfloat16", 576, causal, **{**fields, **flags})
 
     assert variant().config.seesaw and variant(kv_layout="paged", page_box_rows=64)
-    assert variant(varlen_q=True, kv_layout="paged", page_box_rows=64)  # (16-bit caches)
+    assert variant(varlen_q=True, kv_layout="paged", page_box_rows=64)
+    fp8 = dict(kv_dtype="float8_e4m3fn", varlen_q=True, kv_layout="padded")
+    assert variant(config=seesaw_config(kv_fp8=True), **fp8)
+    assert variant(config=seesaw_config(kv_fp8=True, rows=32), **fp8)
     for flags, message in [
         (dict(kv_layout="paged", page_box_rows=32), "multiple of 64"),
         (dict(kv_layout="paged", gather_page_size=16), "multiple of 64"),
         (dict(seqused_k=False), "per-sequence lengths"),
         (dict(v_in_k=False), "absorbed MLA only"),
-        (
-            dict(varlen_q=True, kv_dtype="float8_e4m3fn", config=seesaw_config(kv_fp8=True)),
-            "varlen_q with an FP8 cache",
-        ),
         (dict(softcap=30.0), "softcap"),
         (dict(learnable_sink="bfloat16"), "learnable_sink"),
         (dict(causal=False, window_left=128, window_right=0), "local window"),
