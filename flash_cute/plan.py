@@ -660,8 +660,8 @@ def seesaw_route_problem(problem: Problem) -> Optional[str]:
     """Why the plan does not send the problem to the seesaw kernel, or None where it does:
     routing on (SEESAW_ROUTING), a shape it serves (CallShape.seesaw_problem; pages of a
     multiple of 64 keys), not traced, with the q heads and tokens its GPU tests cover
-    (SEESAW_HEADS on one latent head, up to SEESAW_MAX_TOKENS tokens), where it measured at
-    least as fast, split or not."""
+    (SEESAW_HEADS on one latent head, up to SEESAW_MAX_TOKENS tokens; varlen queries over
+    paged caches), where it measured at least as fast, split or not."""
     if not SEESAW_ROUTING:
         return "plan.SEESAW_ROUTING is off"
     unserved = problem.seesaw_problem()
@@ -671,6 +671,8 @@ def seesaw_route_problem(problem: Problem) -> Optional[str]:
         return "tracing (the seesaw kernel has no trace)"
     if problem.kv_layout == "paged" and problem.page_size % 64:
         return f"page_size {problem.page_size}: pages of a multiple of 64 keys"
+    if problem.varlen_q and problem.kv_layout != "paged":
+        return "varlen queries over a paged cache only (what its GPU tests cover)"
     if (
         problem.nheads_kv != 1
         or problem.nheads not in SEESAW_HEADS
@@ -693,9 +695,11 @@ def transposed_problem(problem: Problem) -> Optional[str]:
         return "serves an FP8 latent cache in FlashMLA's form only"
     if rows > 32:
         return f"serves at most 32 rows a sequence (q heads per kv head x tokens), got {rows}"
-    if problem.varlen_q and not problem.causal:
-        # (its non-causal varlen variants spill 112-124 bytes; the causal ones 0-8)
-        return "serves varlen queries causal only"
+    if problem.varlen_q:
+        # A varlen call's max_seqlen_q is a hint (the grid covers every sequence whatever it
+        # says): a sequence longer than it would fill its 64-row tile past the 32 rows this
+        # kernel computes, and those rows would come back empty.
+        return "serves padded queries only (a varlen call's rows a sequence are not known)"
     return None
 
 

@@ -657,15 +657,10 @@ TRANSPOSED_GRID_KEYS = [
     )
     if key not in TRANSPOSED_KEYS
 ]
-# Varlen queries: the transposed kernel's causal forms (the plan sends non-causal ones to the
-# seesaw: they spill 112-124 bytes), and the seesaw's.
-VARLEN_FP8_KEYS = [
-    _fp8_seesaw(dtype, True, config=seesaw_config(True, rows=32), varlen_q=True, **flags)
-    for dtype in ("bfloat16", "float16")
-    for flags in (dict(page_box_rows=64), dict(kv_layout="padded", split=True))
-] + [_fp8_seesaw("bfloat16", False, page_box_rows=64, varlen_q=True, split=True)]
+# Varlen queries take the seesaw (plan.transposed_problem: their rows a sequence are a hint).
+VARLEN_FP8_KEYS = [_fp8_seesaw("bfloat16", False, page_box_rows=64, varlen_q=True, split=True)]
 FP8_SEESAW_CAUSAL_KEYS = [_fp8_seesaw("float16", True, kv_layout="padded")]
-FP8_SEESAW_SPILL_BYTES = 64  # stores and loads (measured 16; the transposed grid 0-40, varlen 0-8)
+FP8_SEESAW_SPILL_BYTES = 64  # stores and loads (measured 16; the transposed grid 0-40)
 
 
 # Traced variants (AttentionConfig.trace): one CTA per tile, persistent, split with the merge

@@ -140,20 +140,25 @@ def test_fp8_latent_rising_maxima(nheads, page_size):
 
 
 VARLEN_CASES = [
-    # (q heads, tokens per sequence, page_size, num_splits, causal, the kernel's tile rows)
-    (8, (1, 4, 2, 3, 1, 4), 64, 0, True, 32),
-    (16, (1, 2, 2, 1, 1, 2), None, 1, True, 32),
-    (16, (1, 2, 2, 1, 1, 2), 64, 0, False, 64),  # (non-causal varlen: the seesaw)
-    (128, (1, 4, 2, 3, 1, 4), 64, 3, True, 64),
+    # (q heads, tokens per sequence, page_size, num_splits, causal, max_seqlen_q given)
+    (8, (1, 4, 2, 3, 1, 4), 64, 0, True, 4),
+    (16, (1, 2, 2, 1, 1, 2), 128, 1, True, 2),
+    (16, (1, 2, 2, 1, 1, 2), 64, 0, False, 2),
+    (128, (1, 4, 2, 3, 1, 4), 64, 3, True, 4),
+    # max_seqlen_q is a hint: one below the longest sequence still covers it (the transposed
+    # kernel's 32 rows would not: plan.transposed_problem).
+    (16, (1, 2, 2, 1, 1, 2), 64, 0, True, 1),
 ]
 
 
-@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: f"h{c[0]}-p{c[2]}-n{c[3]}-c{c[4]:d}")
+@pytest.mark.parametrize(
+    "case", VARLEN_CASES, ids=lambda c: f"h{c[0]}-p{c[2]}-n{c[3]}-c{c[4]:d}-max{c[5]}"
+)
 def test_fp8_latent_varlen_queries(case):
-    """flash_attn_varlen_func with packed queries of 1-4 tokens a sequence over an FP8 latent
-    cache: the transposed kernel (causal, at most 32 rows) or the seesaw, per sequence against
-    the dequantized cache."""
-    nheads, q_lens, page_size, num_splits, causal, rows = case
+    """flash_attn_varlen_func with packed queries of 1-4 tokens a sequence over a paged FP8
+    latent cache: the seesaw (a varlen call's rows a sequence are not known to the host), per
+    sequence against the dequantized cache."""
+    nheads, q_lens, page_size, num_splits, causal, max_seqlen_q = case
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla-fp8-varlen", case))
     batch, total_q = len(LENS), sum(q_lens)
     cache, _, table = fp8_cache(batch, CAPACITY, 1, D, page_size, gen)
@@ -165,11 +170,11 @@ def test_fp8_latent_varlen_queries(case):
     out = torch.full((total_q, nheads, DV), float("nan"), device="cuda", dtype=q.dtype)
     VARLEN_PLANS.clear()
     _, lse = flash_cute.flash_attn_varlen_func(
-        q, cache, cache[..., :DV], cu_q, max(q_lens), page_table=table, causal=causal,
+        q, cache, cache[..., :DV], cu_q, max_seqlen_q, page_table=table, causal=causal,
         seqused_k=torch.tensor(LENS, device="cuda", dtype=torch.int32), num_splits=num_splits,
         k_descale=kd, v_descale=vd, return_softmax_lse=True, out=out,
     )  # fmt: skip
-    assert [p.variant.config.seesaw_rows for p in VARLEN_PLANS.values()] == [rows]
+    assert [p.variant.config.seesaw_rows for p in VARLEN_PLANS.values()] == [64]
     VARLEN_PLANS.clear()
     for b, (s, n) in enumerate(zip(cu_q[:-1].tolist(), q_lens)):
         check_against_dequantized(

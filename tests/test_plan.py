@@ -556,9 +556,9 @@ def test_fp8_math_variants_that_cannot_run_are_refused():
 
 
 def _latent_decode(batch, nheads, seqlen_q, keys, page_size=64, qv=False, **flags) -> Problem:
-    flags = {"seqused_k": True, **flags}
+    flags = {"seqused_k": True, "causal": True, **flags}
     return Problem(
-        dtype="bfloat16", head_dim=576, head_dim_v=512, v_in_k=not qv, qv=qv, causal=True,
+        dtype="bfloat16", head_dim=576, head_dim_v=512, v_in_k=not qv, qv=qv,
         batch=batch,
         nheads=nheads, nheads_kv=1, max_seqlen_q=seqlen_q, max_seqlen_k=keys, kv_capacity=keys,
         kv_layout="paged" if page_size else "padded", page_size=page_size, **flags,
@@ -587,7 +587,7 @@ LATENT_ROUTES = [
     # Varlen queries (packed, 1-4 tokens a sequence).
     (_latent_decode(64, 16, 2, 8192, varlen_q=True, total_q=96), True),
     (_latent_decode(64, 128, 4, 8192, varlen_q=True, total_q=160), True),
-    (_latent_decode(64, 8, 4, 8192, page_size=None, varlen_q=True, total_q=160), True),
+    (_latent_decode(64, 8, 4, 8192, page_size=None, varlen_q=True, total_q=160), False),
     # Pages no whole-block TMA box follows, unserved forms.
     (_latent_decode(64, 128, 1, 8192, page_size=16), False),
     (_latent_decode(64, 128, 1, 8192, window_left=1024), False),
@@ -646,6 +646,21 @@ def test_seesaw_variants_that_cannot_run_are_refused():
             variant(**flags)
 
 
+def test_fp8_latent_varlen_queries_take_the_seesaw():
+    """A varlen call's max_seqlen_q is a hint: a longer sequence would fill a 64-row tile past
+    the transposed kernel's 32 rows. So varlen calls take the seesaw whatever their rows, and
+    a caller's transposed config for them is refused by name."""
+    from flash_cute.config import seesaw_config
+
+    for causal in (True, False):
+        call = _latent_decode(
+            64, 8, 2, 8192, varlen_q=True, total_q=96, kv_dtype="float8_e4m3fn", causal=causal
+        )
+        assert plan_forward(call, 132, num_splits=0).variant.config == seesaw_config(kv_fp8=True)
+        with pytest.raises(ValueError, match="seesaw_rows 32.*padded queries only"):
+            plan_forward(call, 132, seesaw_config(kv_fp8=True, rows=32), 0)
+
+
 @pytest.mark.parametrize("problem, routed", LATENT_ROUTES)
 def test_fp8_latent_cache_takes_the_seesaw_kernel_or_is_refused(problem, routed, monkeypatch):
     from flash_cute import plan as plan_module
@@ -660,15 +675,18 @@ def test_fp8_latent_cache_takes_the_seesaw_kernel_or_is_refused(problem, routed,
         assert plan_module.seesaw_route_problem(fp8) in str(refusal.value)
         return
     plan, bf16 = plan_forward(fp8, 132, num_splits=0), plan_forward(problem, 132, num_splits=0)
-    # Tiles of at most 32 rows take the transposed kernel (seesaw_rows 32), the rest the seesaw.
-    rows = 32 if problem.nheads * problem.max_seqlen_q <= 32 else 64
+    # Tiles of at most 32 rows take the transposed kernel (seesaw_rows 32), the rest and varlen
+    # calls the seesaw.
+    small = problem.nheads * problem.max_seqlen_q <= 32
+    rows = 32 if small and not problem.varlen_q else 64
     assert plan.variant.config == seesaw_config(kv_fp8=True, rows=rows) != bf16.variant.config
     assert plan_module.transposed_problem(problem) is not None  # (16-bit: the seesaw)
     monkeypatch.setattr(plan_module, "SEESAW_TRANSPOSED", False)
     assert plan_forward(fp8, 132, num_splits=0).variant.config == seesaw_config(kv_fp8=True)
     monkeypatch.undo()
     if rows == 64:  # a caller's transposed config for a tile it cannot hold: refused by name
-        with pytest.raises(ValueError, match="seesaw_rows 32.*at most 32 rows"):
+        why = "padded queries only" if small else "at most 32 rows"
+        with pytest.raises(ValueError, match=f"seesaw_rows 32.*{why}"):
             plan_forward(fp8, 132, seesaw_config(kv_fp8=True, rows=32), 0)
     assert plan.variant.kv_dtype == "float8_e4m3fn" and plan.num_splits == bf16.num_splits
     # (the seesaw's: the register split its GPU tests ran with, kernels/mla_decode/fp8_loads.py)
