@@ -308,7 +308,8 @@ class Transposed(Piece):
     @cute.jit
     def _mask(self, acc_S, thread: _Thread, n_block: Int32, bounds: "_MaskBounds"):
         """Keys past the sequence's end and, causal, above a row's diagonal (row r holds token
-        r // rows_per_token) to -inf."""
+        r // rows_per_token: the tile is its sequence's only one, m_block 0, which
+        plan.transposed_problem keeps so) to -inf."""
         limit = bounds.key_end - n_block * KEYS  # (against the key's offset 8 r)
         for j in cutlass.range_constexpr(self.cols):
             col_limit = limit
