@@ -68,6 +68,7 @@ def convert_block(
     16 i + e holds src column 16 i + permutation[e]). Each thread then makes its stores visible
     to the async proxy (the WGMMAs); the caller orders them before the readers (a barrier or an
     arrive)."""
+    assert permutation is None or sorted(permutation) == list(range(PIECE)), permutation
     rows, width = cute.size(src, mode=[0]), cute.size(src, mode=[1])
     per_row = width // PIECE
     count = rows * per_row
@@ -101,7 +102,6 @@ def convert_block(
                     wide.store(raw[b].load().to(dst.element_type))
                 if cutlass.const_expr(permutation is not None):
                     # (within a piece: a thread reads and writes only its own pieces in place)
-                    assert sorted(permutation) == list(range(PIECE)), permutation
                     ordered = cute.make_rmem_tensor((1, PIECE), dst.element_type)
                     for e in cutlass.range_constexpr(PIECE):
                         ordered[e] = wide[permutation[e]]

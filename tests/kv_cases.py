@@ -5,6 +5,7 @@ lengths, a per-sequence float32 reference and the error bar of test_forward_gpu.
 learnable_sink); they are passed unchanged to the entry point and to the reference.
 """
 
+import itertools
 import warnings
 
 import torch
@@ -37,6 +38,14 @@ def captured(step):
 def cu_seqlens(lengths):
     """int32 cumulative offsets (0, l0, l0 + l1, ...) of a list of lengths, on the GPU."""
     return torch.tensor([0] + list(lengths), device="cuda").cumsum(0).to(torch.int32)
+
+
+def seqs(x, lengths, starts=None, dim=0):
+    """Per-sequence slices of a packed tensor, each with a leading 1: x's indices starts[b] ..
+    starts[b] + lengths[b] along dim (0: a (total, ...) tensor; 1: a varlen LSE (h, total)).
+    starts default to the lengths' running sums."""
+    starts = starts or list(itertools.accumulate([0] + list(lengths[:-1])))
+    return [x.narrow(dim, s, n).unsqueeze(0) for s, n in zip(starts, lengths)]
 
 
 def per_batch(*tensors):

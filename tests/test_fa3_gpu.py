@@ -3,8 +3,6 @@
 cache_leftpad, combine), and the flash_cute:: custom ops run for real (opcheck, torch.compile).
 """
 
-import itertools
-
 import pytest
 import torch
 from kv_cases import (
@@ -14,6 +12,7 @@ from kv_cases import (
     make_cache,
     rand,
     reference_per_sequence,
+    seqs,
 )
 
 import flash_cute
@@ -24,12 +23,6 @@ from flash_cute.reference import combine_ref, stable_seed
 
 pytestmark = pytest.mark.gpu
 BF16, FP16 = torch.bfloat16, torch.float16
-
-
-def seqs(x, lengths, starts=None):
-    """Per-sequence (1, n, ...) slices of a packed (total, ...) tensor."""
-    starts = starts or list(itertools.accumulate([0] + lengths[:-1]))
-    return [x[s : s + n].unsqueeze(0) for s, n in zip(starts, lengths)]
 
 
 FUNC_CASES = [
@@ -130,7 +123,7 @@ def test_varlen_seqused_q_and_k(causal, num_splits):
     refs, lowps, lse_refs = reference_per_sequence(
         seqs(q, used_q, q_starts), seqs(k, used_k, k_starts), seqs(v, used_k, k_starts), causal
     )
-    lses = [lse[:, s : s + n].unsqueeze(0) for s, n in zip(q_starts, used_q)]
+    lses = seqs(lse, used_q, q_starts, dim=1)
     assert_close_to_reference(seqs(out, used_q, q_starts), lses, refs, lowps, lse_refs)
     # Rows past seqused_q: untouched in a NaN-filled out (native API with out=).
     poisoned = torch.full_like(q, float("nan"))
@@ -235,8 +228,7 @@ def test_kvcache_varlen_queries(page_size, num_splits, rows, int_length):
         [v_pad[r : r + 1, f:e] for r, f, e in zip(cache_rows, first, n)],
         True,
     )
-    starts = cu_q[:-1].tolist()
-    lses = [lse[:, s : s + m].unsqueeze(0) for s, m in zip(starts, q_lens)]
+    lses = seqs(lse, q_lens, cu_q[:-1].tolist(), dim=1)
     assert_close_to_reference(seqs(out, q_lens), lses, refs, lowps, lse_refs)
 
 

@@ -9,7 +9,15 @@ import math
 
 import pytest
 import torch
-from kv_cases import assert_close_to_reference, cache_reference, cu_seqlens, make_cache, per_batch
+from kv_cases import (
+    assert_close_to_reference,
+    cache_reference,
+    cu_seqlens,
+    make_cache,
+    per_batch,
+    reference_per_sequence,
+    seqs,
+)
 
 from flash_cute.call import Call
 from flash_cute.config import seesaw_config
@@ -249,12 +257,10 @@ def test_varlen_queries_route_here(nheads, num_splits, qv):
     )  # fmt: skip
     assert [p.variant.config.seesaw for p in VARLEN_PLANS.values()] == [True]
     VARLEN_PLANS.clear()
-    starts = cu_q[:-1].tolist()
-    refs, lowps, lse_refs = [], [], []
-    for b, (s, n) in enumerate(zip(starts, q_lens)):
-        r, lo, lr = cache_reference(ref_q[s : s + n].unsqueeze(0), ref_k[b : b + 1],
-                                    v_pad[b : b + 1], [lens[b]], True)  # fmt: skip
-        refs, lowps, lse_refs = refs + r, lowps + lo, lse_refs + lr
-    outs = [out[s : s + n].unsqueeze(0) for s, n in zip(starts, q_lens)]
-    lses = [lse[:, s : s + n].unsqueeze(0) for s, n in zip(starts, q_lens)]
-    assert_close_to_reference(outs, lses, refs, lowps, lse_refs)
+    refs, lowps, lse_refs = reference_per_sequence(
+        seqs(ref_q, q_lens),
+        [ref_k[b : b + 1, :n] for b, n in enumerate(lens)],
+        [v_pad[b : b + 1, :n] for b, n in enumerate(lens)],
+        True,
+    )
+    assert_close_to_reference(seqs(out, q_lens), seqs(lse, q_lens, dim=1), refs, lowps, lse_refs)

@@ -10,6 +10,7 @@ poisoned, slots past each sequence NaN bytes."""
 
 import pytest
 import torch
+from kv_cases import seqs
 from test_fp8_kv_gpu import check_against_dequantized, descales, fp8_cache, padded, poison_past
 
 import flash_cute
@@ -176,9 +177,10 @@ def test_fp8_latent_varlen_queries(case):
     )  # fmt: skip
     assert [p.variant.config.seesaw_rows for p in VARLEN_PLANS.values()] == [64]
     VARLEN_PLANS.clear()
-    for b, (s, n) in enumerate(zip(cu_q[:-1].tolist(), q_lens)):
+    for b, (q_b, out_b, lse_b) in enumerate(
+        zip(seqs(q, q_lens), seqs(out, q_lens), seqs(lse, q_lens, dim=1))
+    ):
         check_against_dequantized(
-            q[s : s + n].unsqueeze(0), out[s : s + n].unsqueeze(0), k_pad[b : b + 1],
-            k_pad[b : b + 1, :, :, :DV], kd[b : b + 1], vd[b : b + 1], [LENS[b]], causal,
-            lse=lse[:, s : s + n].unsqueeze(0),
+            q_b, out_b, k_pad[b : b + 1], k_pad[b : b + 1, :, :, :DV], kd[b : b + 1],
+            vd[b : b + 1], [LENS[b]], causal, lse=lse_b,
         )  # fmt: skip

@@ -11,6 +11,7 @@ from kv_cases import (
     per_batch,
     rand,
     reference_per_sequence,
+    seqs,
 )
 
 import flash_cute
@@ -84,9 +85,7 @@ def test_varlen(kv_layout, num_splits):
     if kv_layout == "packed":
         cu_k = cu_seqlens(k_lens)
         k, v = rand(sum(k_lens), hk, d, gen=gen), rand(sum(k_lens), hk, dv, gen=gen)
-        starts = cu_k[:-1].tolist()
-        k_seqs = [k[s : s + n].unsqueeze(0) for s, n in zip(starts, k_lens)]
-        v_seqs = [v[s : s + n].unsqueeze(0) for s, n in zip(starts, k_lens)]
+        k_seqs, v_seqs = seqs(k, k_lens), seqs(v, k_lens)
         kwargs["cu_seqlens_k"] = cu_k
     else:
         k, v, table, k_pad, v_pad = make_cache(len(q_lens), 960, hk, d, BF16, 64, gen, dv)
@@ -98,12 +97,8 @@ def test_varlen(kv_layout, num_splits):
         q, k, v, cu_q, max(q_lens), causal=True, num_splits=num_splits, return_softmax_lse=True,
         out=out, **kwargs,
     )  # fmt: skip
-    q_starts = cu_q[:-1].tolist()
-    q_seqs = [q[s : s + n].unsqueeze(0) for s, n in zip(q_starts, q_lens)]
-    refs, lowps, lse_refs = reference_per_sequence(q_seqs, k_seqs, v_seqs, True)
-    outs = [out[s : s + n].unsqueeze(0) for s, n in zip(q_starts, q_lens)]
-    lses = [lse[:, s : s + n].unsqueeze(0) for s, n in zip(q_starts, q_lens)]
-    assert_close_to_reference(outs, lses, refs, lowps, lse_refs)
+    refs, lowps, lse_refs = reference_per_sequence(seqs(q, q_lens), k_seqs, v_seqs, True)
+    assert_close_to_reference(seqs(out, q_lens), seqs(lse, q_lens, dim=1), refs, lowps, lse_refs)
 
 
 def test_fa3_module_and_wrong_out():

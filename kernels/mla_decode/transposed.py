@@ -349,9 +349,7 @@ class Transposed(Piece):
         a time (no rescale factors held: the registers are O^T's). (One exchange slot: the
         previous block's reads of it are before its P^T barrier.)"""
         for j in cutlass.range_constexpr(self.cols):  # (stored a column at a time: registers)
-            m = cute.arch.fmax(acc_S[_value(0, j)], acc_S[_value(1, j)])
-            for offset in (4, 8, 16):
-                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=offset))
+            m = _over_column_lanes(cute.arch.fmax(acc_S[_value(0, j)], acc_S[_value(1, j)]), True)
             if thread.lane < 4:
                 buf.exchange[thread.wg, thread.warp, _column(thread.lane, j)] = m
         self._wg_sync(thread.wg)
@@ -410,10 +408,7 @@ class Transposed(Piece):
         mma_threads = self.num_mma_threads
         # The columns' sums over this warpgroup's keys: lanes, then warps.
         for j in cutlass.range_constexpr(self.cols):
-            s = col_sum[j]
-            for offset in (4, 8, 16):
-                s = s + cute.arch.shuffle_sync_bfly(s, offset=offset)
-            col_sum[j] = s
+            col_sum[j] = _over_column_lanes(col_sum[j], False)
         if lane < 4:
             for j in cutlass.range_constexpr(self.cols):
                 buf.sums[wg, warp, _column(lane, j)] = col_sum[j]
@@ -471,6 +466,14 @@ class Transposed(Piece):
                 if total > 0.0:
                     lse[r] = (m_safe * scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
         return TileResult(acc_O=out, lse=lse, seqlen=seqlen)
+
+
+def _over_column_lanes(x: Float32, is_max: bool) -> Float32:
+    """The max or sum of x over the 8 lanes that hold the same columns (lane % 4 equal)."""
+    for offset in (4, 8, 16):
+        other = cute.arch.shuffle_sync_bfly(x, offset=offset)
+        x = cute.arch.fmax(x, other) if is_max else x + other
+    return x
 
 
 def _max_tree(values: list):
