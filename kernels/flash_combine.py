@@ -14,7 +14,7 @@ from cutlass import Float32, const_expr
 
 from . import trace_records
 from .hopper_mma import convert_to_16bit
-from .split_merge import lanes_per_row, merge_row
+from .split_merge import lanes_per_row, merge_chunk, merge_row
 from .trace_records import TileTrace, linear_block_idx
 
 THREADS = 128
@@ -82,7 +82,7 @@ class FlashAttentionCombine:
         rows = mO.shape[1] * nheads
         row = bidx * self.rows_per_cta + tidx // group
         valid = row < rows
-        # Out-of-range rows compute on row 0 (no stores) so every lane reaches the shuffles.
+        # Out-of-range rows compute on row 0 (no stores): no reads past the partials.
         row = row if valid else 0
         token = row // nheads
         head = row - token * nheads
@@ -92,8 +92,8 @@ class FlashAttentionCombine:
             mLSE_partial[None, batch, token, head],
             mO_partial[None, batch, token, head, None],
             sub,
-            group,
             acc,
+            merge_chunk(self.floats_per_lane, 128),
         )
 
         if valid:

@@ -9,22 +9,28 @@ and lse = -inf.
 
 A row is handled by a group of lanes of one warp (`lanes_per_row`, a power of two), each lane
 owning `head_dim // group` consecutive floats of the head dim: the fp32 partials stream in with
-16-byte loads and the LSE reductions are butterflies inside the group.
+16-byte loads.
 """
 
 import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32
 
 LOG2_E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
+def merge_chunk(floats_per_lane: int, register_budget: int) -> int:
+    """Splits whose partials merge_row loads at once (1-8): as many as register_budget floats
+    a lane hold (the combine kernel has registers to spare, a forward kernel's epilogue less)."""
+    return max(1, min(8, register_budget // floats_per_lane))
+
+
 def lanes_per_row(head_dim: int) -> int:
-    """The largest power of two <= 32 dividing head_dim / 4 (whole 16-byte chunks per lane;
-    a power of two keeps the butterfly reductions inside the row's group)."""
+    """The largest power of two <= 32 dividing head_dim / 4 (whole 16-byte pieces per lane; a
+    power of two, so that a row's group of lanes sits within one warp)."""
     assert head_dim % 8 == 0
     lanes = 32
     while (head_dim // 4) % lanes:
@@ -33,56 +39,61 @@ def lanes_per_row(head_dim: int) -> int:
 
 
 @cute.jit
-def group_allreduce(
-    x: Float32, group: cutlass.Constexpr[int], is_max: cutlass.Constexpr[bool]
-) -> Float32:
-    """Max or sum of x over the `group` consecutive lanes sharing a row (all 32 lanes of the
-    warp must call it)."""
-    offset = group // 2
-    while const_expr(offset > 0):
-        other = cute.arch.shuffle_sync_bfly(x, offset=offset)
-        x = cute.arch.fmax(x, other) if const_expr(is_max) else x + other
-        offset //= 2
-    return x
-
-
-@cute.jit
 def merge_row(
     lse_splits: cute.Tensor,
     o_splits: cute.Tensor,
     sub: Int32,
-    group: cutlass.Constexpr[int],
     acc: cute.Tensor,
+    chunk: cutlass.Constexpr[int],
 ) -> Float32:
-    """Merge one row's splits; every lane of the warp must call it (rows of no interest merge
-    some valid row and skip their stores). An empty split's out_k is loaded but not used.
+    """Merge one row's splits (this lane's piece of it). An empty split's out_k is loaded but
+    not used.
 
     lse_splits: (K,) fp32 natural-log LSEs; o_splits: (K, head_dim) fp32, last mode contiguous.
     sub: this lane's index in the row's group; acc: (head_dim // group,) fp32 registers, gets
-    the lane's chunk of the merged row. Returns the merged lse (on every lane of the group).
+    the lane's piece of the merged row; chunk: splits loaded at once (merge_chunk). Returns
+    the merged lse (the same on every lane of the row's group).
+
+    One pass over chunks of splits with a running max (each lane reads every split's
+    LSE: one broadcast load a split), a chunk's LSEs and partials loaded together: the merge
+    is latency-bound, so one round trip a chunk, not the LSEs' own round trip before the
+    partials'.
     """
     num_splits = lse_splits.shape[0]
     floats = cute.size(acc)
-    lse_max = -Float32.inf
-    for k in cutlass.range(sub, num_splits, group, unroll=1):
-        lse_max = cute.arch.fmax(lse_max, lse_splits[k])
-    lse_max = group_allreduce(lse_max, group, is_max=True)
-    max_safe = Float32(0.0) if lse_max == -Float32.inf else lse_max
-    sum_exp = Float32(0.0)
-    for k in cutlass.range(sub, num_splits, group, unroll=1):
-        sum_exp += cute.math.exp2((lse_splits[k] - max_safe) * LOG2_E, fastmath=True)
-    sum_exp = group_allreduce(sum_exp, group, is_max=False)
-    empty = sum_exp == 0.0
-    lse = -Float32.inf if empty else max_safe + cute.math.log2(sum_exp, fastmath=True) * LN2
-
+    run_max = -Float32.inf
+    run_sum = Float32(0.0)
     acc.fill(0.0)
-    if not empty:
-        # Unrolled with the loads ahead of the (per-split) skip, so several splits' partials
-        # are in flight at once: the merge is latency-bound.
-        for k in cutlass.range(num_splits, unroll=4):
-            lse_k = lse_splits[k]
-            part = cute.local_tile(o_splits[k, None], (floats,), (sub,)).load()
-            if lse_k != -Float32.inf:
-                weight = cute.math.exp2((lse_k - lse) * LOG2_E, fastmath=True)
-                acc.store(acc.load() + weight * part)
+    for c in cutlass.range(cute.ceil_div(num_splits, chunk), unroll=1):
+        # The chunk's LSEs and partials loaded before any is used (all in flight at once);
+        # past the last split nothing is loaded (redundant loads cost as much as the merge at
+        # 2 splits) and the LSE is taken as -inf.
+        lses, parts = [], []
+        for i in cutlass.range_constexpr(chunk):
+            k = c * chunk + i
+            lse_k = -Float32.inf
+            part = cute.make_rmem_tensor(floats, Float32)
+            if k < num_splits:
+                lse_k = lse_splits[k]
+                part.store(cute.local_tile(o_splits[k, None], (floats,), (sub,)).load())
+            lses.append(lse_k)
+            parts.append(part)
+        new_max = run_max
+        for i in cutlass.range_constexpr(chunk):
+            new_max = cute.arch.fmax(new_max, lses[i])
+        # (2^-inf = 0 where nothing was merged yet: acc and the sum are 0 then)
+        new_safe = Float32(0.0) if new_max == -Float32.inf else new_max
+        scale = cute.math.exp2((run_max - new_safe) * LOG2_E, fastmath=True)
+        acc.store(acc.load() * scale)
+        run_sum = run_sum * scale
+        for i in cutlass.range_constexpr(chunk):
+            if lses[i] != -Float32.inf:  # (an empty split's partial may hold NaN)
+                weight = cute.math.exp2((lses[i] - new_safe) * LOG2_E, fastmath=True)
+                acc.store(acc.load() + weight * parts[i].load())
+                run_sum = run_sum + weight
+        run_max = new_max
+    lse = -Float32.inf
+    if run_sum > 0.0:
+        lse = run_max + cute.math.log2(run_sum, fastmath=True) * LN2
+        acc.store(acc.load() * cute.arch.rcp_approx(run_sum))
     return lse

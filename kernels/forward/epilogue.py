@@ -14,7 +14,7 @@ from cutlass.cute.nvgpu import cpasync
 from .. import hopper_mma
 from ..named_barriers import NamedBarrier
 from ..seqlen_info import SeqlenInfo
-from ..split_merge import lanes_per_row, merge_row
+from ..split_merge import lanes_per_row, merge_chunk, merge_row
 from ..tile_scheduler import WorkTile
 from .facts import Piece
 from .records import MmaSetup, ProblemShapes, TileResult
@@ -195,9 +195,7 @@ class Epilogue(Piece):
             for i in cutlass.range(cute.ceil_div(valid_rows, rows_per_pass), unroll=1):
                 token, head = self.row_of_tile(i * rows_per_pass + tidx // group, tile)
                 valid = token < seqlen.seqlen_q
-                if (
-                    not valid
-                ):  # merge the tile's first row (no stores): every lane reaches the shuffles
+                if not valid:  # merge the tile's first row (no stores): no reads past it
                     token, head = self.row_of_tile(Int32(0), tile)
                 idx = self._out_index(token, head, tile, seqlen, with_split=False)
                 o_splits = mOPartial[(idx[0], None, *idx[1:], None)]  # (d, S)
@@ -205,8 +203,8 @@ class Epilogue(Piece):
                     mLSEPartial[(*idx, None)],
                     cute.make_tensor(o_splits.iterator, cute.select(o_splits.layout, mode=[1, 0])),
                     sub,
-                    group,
                     acc,
+                    merge_chunk(self.variant.head_dim_v // group, 64),
                 )
                 if valid:
                     hopper_mma.convert_to_16bit(acc, out)
