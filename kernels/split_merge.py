@@ -22,15 +22,16 @@ LOG2_E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
-def merge_chunk(floats_per_lane: int, register_budget: int) -> int:
+def splits_per_chunk(floats_per_lane: int, register_budget: int) -> int:
     """Splits whose partials merge_row loads at once (1-8): as many as register_budget floats
-    a lane hold (the combine kernel has registers to spare, a forward kernel's epilogue less)."""
+    a lane holds (the combine kernel has registers to spare, a forward kernel's epilogue
+    less)."""
     return max(1, min(8, register_budget // floats_per_lane))
 
 
 def lanes_per_row(head_dim: int) -> int:
     """The largest power of two <= 32 dividing head_dim / 4 (whole 16-byte pieces per lane; a
-    power of two, so that a row's group of lanes sits within one warp)."""
+    power of two, so that a CTA's threads hold whole rows)."""
     assert head_dim % 8 == 0
     lanes = 32
     while (head_dim // 4) % lanes:
@@ -50,9 +51,9 @@ def merge_row(
     not used.
 
     lse_splits: (K,) fp32 natural-log LSEs; o_splits: (K, head_dim) fp32, last mode contiguous.
-    sub: this lane's index in the row's group; acc: (head_dim // group,) fp32 registers, gets
-    the lane's piece of the merged row; chunk: splits loaded at once (merge_chunk). Returns
-    the merged lse (the same on every lane of the row's group).
+    sub: this lane's index in the row's group; acc: (the floats a lane owns,) fp32 registers,
+    gets the lane's piece of the merged row; chunk: splits loaded at once (splits_per_chunk).
+    Returns the merged lse (the same on every lane of the row's group).
 
     One pass over chunks of splits with a running max (each lane reads every split's
     LSE: one broadcast load a split), a chunk's LSEs and partials loaded together: the merge
@@ -87,7 +88,9 @@ def merge_row(
         acc.store(acc.load() * scale)
         run_sum = run_sum * scale
         for i in cutlass.range_constexpr(chunk):
-            if lses[i] != -Float32.inf:  # (an empty split's partial may hold NaN)
+            # (an empty split's partial may hold NaN; a slot past the last split has an LSE of
+            # -inf and no partial loaded)
+            if lses[i] != -Float32.inf:
                 weight = cute.math.exp2((lses[i] - new_safe) * LOG2_E, fastmath=True)
                 acc.store(acc.load() + weight * parts[i].load())
                 run_sum = run_sum + weight
