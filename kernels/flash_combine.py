@@ -14,7 +14,7 @@ from cutlass import Float32, const_expr
 
 from . import trace_records
 from .hopper_mma import convert_to_16bit
-from .split_merge import lanes_per_row, merge_row, splits_per_chunk
+from .split_merge import COMBINE_CHUNK_FLOATS, lanes_per_row, merge_row, splits_per_chunk
 from .trace_records import TileTrace, linear_block_idx
 
 THREADS = 128
@@ -93,7 +93,7 @@ class FlashAttentionCombine:
             mO_partial[None, batch, token, head, None],
             sub,
             acc,
-            splits_per_chunk(self.floats_per_lane, 128),
+            splits_per_chunk(self.floats_per_lane, COMBINE_CHUNK_FLOATS),
         )
 
         if valid:

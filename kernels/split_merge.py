@@ -22,10 +22,15 @@ LOG2_E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
+# Floats a lane may hold in a chunk's partials: the combine kernel has registers to spare, a
+# forward kernel's epilogue (its in-kernel merge) less.
+COMBINE_CHUNK_FLOATS = 128
+EPILOGUE_CHUNK_FLOATS = 64
+
+
 def splits_per_chunk(floats_per_lane: int, register_budget: int) -> int:
     """Splits whose partials merge_row loads at once (1-8): as many as register_budget floats
-    a lane holds (the combine kernel has registers to spare, a forward kernel's epilogue
-    less)."""
+    a lane holds (COMBINE_CHUNK_FLOATS or EPILOGUE_CHUNK_FLOATS)."""
     return max(1, min(8, register_budget // floats_per_lane))
 
 

@@ -10,7 +10,7 @@ poisoned, slots past each sequence NaN bytes."""
 
 import pytest
 import torch
-from kv_cases import seqs
+from kv_cases import cu_seqlens, seqs
 from test_fp8_kv_gpu import check_against_dequantized, descales, fp8_cache, padded, poison_past
 
 import flash_cute
@@ -167,7 +167,7 @@ def test_fp8_latent_varlen_queries(case):
     poison_past(cache, table, LENS, CAPACITY)
     q = torch.randn(total_q, nheads, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     kd, vd = descales("tensor", batch, 1, gen)
-    cu_q = torch.tensor((0, *q_lens), device="cuda").cumsum(0).to(torch.int32)
+    cu_q = cu_seqlens(q_lens)
     out = torch.full((total_q, nheads, DV), float("nan"), device="cuda", dtype=q.dtype)
     VARLEN_PLANS.clear()
     _, lse = flash_cute.flash_attn_varlen_func(

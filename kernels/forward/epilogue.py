@@ -14,7 +14,12 @@ from cutlass.cute.nvgpu import cpasync
 from .. import hopper_mma
 from ..named_barriers import NamedBarrier
 from ..seqlen_info import SeqlenInfo
-from ..split_merge import lanes_per_row, merge_row, splits_per_chunk
+from ..split_merge import (
+    EPILOGUE_CHUNK_FLOATS,
+    lanes_per_row,
+    merge_row,
+    splits_per_chunk,
+)
 from ..tile_scheduler import WorkTile
 from .facts import Piece
 from .records import MmaSetup, ProblemShapes, TileResult
@@ -204,7 +209,7 @@ class Epilogue(Piece):
                     cute.make_tensor(o_splits.iterator, cute.select(o_splits.layout, mode=[1, 0])),
                     sub,
                     acc,
-                    splits_per_chunk(self.variant.head_dim_v // group, 64),
+                    splits_per_chunk(self.variant.head_dim_v // group, EPILOGUE_CHUNK_FLOATS),
                 )
                 if valid:
                     hopper_mma.convert_to_16bit(acc, out)
