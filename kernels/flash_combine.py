@@ -81,22 +81,18 @@ class FlashAttentionCombine:
         nheads = mO.shape[2]
         rows = mO.shape[1] * nheads
         row = bidx * self.rows_per_cta + tidx // group
-        valid = row < rows
-        # Out-of-range rows compute on row 0 (no stores): no reads past the partials.
-        row = row if valid else 0
-        token = row // nheads
-        head = row - token * nheads
-
-        acc = cute.make_rmem_tensor(self.floats_per_lane, Float32)
-        lse = merge_row(
-            mLSE_partial[None, batch, token, head],
-            mO_partial[None, batch, token, head, None],
-            sub,
-            acc,
-            splits_per_chunk(self.floats_per_lane, COMBINE_CHUNK_FLOATS),
-        )
-
-        if valid:
+        # Out-of-range rows (the last CTA's) neither load nor store.
+        if row < rows:
+            token = row // nheads
+            head = row - token * nheads
+            acc = cute.make_rmem_tensor(self.floats_per_lane, Float32)
+            lse = merge_row(
+                mLSE_partial[None, batch, token, head],
+                mO_partial[None, batch, token, head, None],
+                sub,
+                acc,
+                splits_per_chunk(self.floats_per_lane, COMBINE_CHUNK_FLOATS),
+            )
             dst = cute.local_tile(mO[batch, token, head, None], (self.floats_per_lane,), (sub,))
             if const_expr(self.out_dtype == Float32):
                 dst.store(acc.load())

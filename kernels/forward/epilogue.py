@@ -199,19 +199,19 @@ class Epilogue(Piece):
             out = cute.make_rmem_tensor(self.variant.head_dim_v // group, mO.element_type)
             for i in cutlass.range(cute.ceil_div(valid_rows, rows_per_pass), unroll=1):
                 token, head = self.row_of_tile(i * rows_per_pass + tidx // group, tile)
-                valid = token < seqlen.seqlen_q
-                if not valid:  # merge the tile's first row (no stores): no reads past it
-                    token, head = self.row_of_tile(Int32(0), tile)
-                idx = self._out_index(token, head, tile, seqlen, with_split=False)
-                o_splits = mOPartial[(idx[0], None, *idx[1:], None)]  # (d, S)
-                lse = merge_row(
-                    mLSEPartial[(*idx, None)],
-                    cute.make_tensor(o_splits.iterator, cute.select(o_splits.layout, mode=[1, 0])),
-                    sub,
-                    acc,
-                    splits_per_chunk(self.variant.head_dim_v // group, EPILOGUE_CHUNK_FLOATS),
-                )
-                if valid:
+                # (rows past the last token neither load nor store)
+                if token < seqlen.seqlen_q:
+                    idx = self._out_index(token, head, tile, seqlen, with_split=False)
+                    o_splits = mOPartial[(idx[0], None, *idx[1:], None)]  # (d, S)
+                    lse = merge_row(
+                        mLSEPartial[(*idx, None)],
+                        cute.make_tensor(
+                            o_splits.iterator, cute.select(o_splits.layout, mode=[1, 0])
+                        ),
+                        sub,
+                        acc,
+                        splits_per_chunk(self.variant.head_dim_v // group, EPILOGUE_CHUNK_FLOATS),
+                    )
                     hopper_mma.convert_to_16bit(acc, out)
                     dst = cute.local_tile(
                         mO[(idx[0], None, *idx[1:])], (self.variant.head_dim_v // group,), (sub,)
