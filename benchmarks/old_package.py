@@ -18,7 +18,7 @@ def export(rev: str, old_dir: str) -> Path:
     package = Path(old_dir) / "flash_cute_old"
     for source, target in (("flash_cute", package), ("kernels", package / "kernels")):
         files = subprocess.run(
-            ["git", "ls-tree", "--name-only", f"{rev}:{source}"],
+            ["git", "ls-tree", "-r", "--name-only", f"{rev}:{source}"],
             check=True,
             capture_output=True,
             text=True,
@@ -33,7 +33,11 @@ def export(rev: str, old_dir: str) -> Path:
                 capture_output=True,
                 text=True,
             ).stdout
-            (target / name).write_text(re.sub(r"\bflash_cute\b(?=[.\s])", "flash_cute_old", text))
+            text = re.sub(r"\bflash_cute\b(?=[.\s])", "flash_cute_old", text)
+            # The torch.library namespace too: both packages' ops live in one process.
+            text = re.sub(r'"flash_cute(?=::|")', '"flash_cute_old', text)
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            (target / name).write_text(text)
     return package
 
 
