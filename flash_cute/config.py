@@ -317,6 +317,13 @@ class AttentionConfig:
         return self.scheduler != "single_tile"
 
     @property
+    def tile_rows(self) -> int:
+        """Query rows a work tile serves: tile_m, but the transposed latent decode kernel's
+        seesaw_rows (32) within its 64-row layouts. Tiles, their rows, the causal bounds and
+        the arrival counters count in these."""
+        return self.seesaw_rows if self.seesaw else self.tile_m
+
+    @property
     def num_mma_warpgroups(self) -> int:
         return self.tile_m // 64 * self.o_split
 

@@ -627,12 +627,12 @@ def plan_forward(
     if variant.uses_tile_counter:
         num_counters = 2
     elif variant.takes_counters:
-        num_counters = split_tiles(problem, config.tile_m, pack_ratio)
+        num_counters = split_tiles(problem, config.tile_rows, pack_ratio)
     else:
         num_counters = 0
     trace_slots = 0
     if config.trace:  # one record per work tile
-        trace_slots = split_tiles(problem, config.tile_m, pack_ratio) * num_splits
+        trace_slots = split_tiles(problem, config.tile_rows, pack_ratio) * num_splits
     return ForwardPlan(variant, num_splits, max_ctas, num_counters, trace_slots)
 
 
@@ -689,17 +689,14 @@ def seesaw_route_problem(problem: Problem) -> Optional[str]:
 def transposed_problem(problem: Problem) -> Optional[str]:
     """Why the transposed latent decode kernel (AttentionConfig.seesaw_rows 32) cannot serve a
     call the seesaw kernel serves, or None: it reads an FP8 latent cache (FlashMLA's form)
-    for tiles of at most 32 rows (q heads per kv head x query tokens)."""
+    for sequences of at most 32 rows (q heads per kv head x query tokens; a varlen call's
+    max_seqlen_q says: its tiles are 32 rows, so a longer sequence, max_seqlen_q being a hint,
+    takes more tiles, each reading the keys again)."""
     rows = problem.nheads // problem.nheads_kv * problem.max_seqlen_q
     if not _transposed_form(problem):
         return "serves an FP8 latent cache in FlashMLA's form only"
     if rows > 32:
         return f"serves at most 32 rows a sequence (q heads per kv head x tokens), got {rows}"
-    if problem.varlen_q:
-        # A varlen call's max_seqlen_q is a hint (the grid covers every sequence whatever it
-        # says): a sequence longer than it would fill its 64-row tile past the 32 rows this
-        # kernel computes, and those rows would come back empty.
-        return "serves padded queries only (a varlen call's rows a sequence are not known)"
     return None
 
 

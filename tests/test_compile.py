@@ -657,8 +657,15 @@ TRANSPOSED_GRID_KEYS = [
     )
     if key not in TRANSPOSED_KEYS
 ]
-# Varlen queries take the seesaw (plan.transposed_problem: their rows a sequence are a hint).
-VARLEN_FP8_KEYS = [_fp8_seesaw("bfloat16", False, page_box_rows=64, varlen_q=True, split=True)]
+# Varlen queries: the seesaw, and the transposed kernel (tiles of 32 rows, config.tile_rows)
+# with the split merge in the kernel.
+VARLEN_FP8_KEYS = [
+    _fp8_seesaw("bfloat16", False, page_box_rows=64, varlen_q=True, split=True),
+    _fp8_seesaw(
+        "bfloat16", True, page_box_rows=64, varlen_q=True, split=True,
+        config=seesaw_config(True, rows=32),
+    ),
+]  # fmt: skip
 FP8_SEESAW_CAUSAL_KEYS = [_fp8_seesaw("float16", True, kv_layout="padded")]
 FP8_SEESAW_SPILL_BYTES = 64  # stores and loads (measured 16; the transposed grid 0-40)
 

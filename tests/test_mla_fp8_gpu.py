@@ -146,9 +146,12 @@ VARLEN_CASES = [
     (16, (1, 2, 2, 1, 1, 2), 128, 1, True, 2),
     (16, (1, 2, 2, 1, 1, 2), 64, 0, False, 2),
     (128, (1, 4, 2, 3, 1, 4), 64, 3, True, 4),
-    # max_seqlen_q is a hint: one below the longest sequence still covers it (the transposed
-    # kernel's 32 rows would not: plan.transposed_problem).
+    # max_seqlen_q is a hint: one below the longest sequence still covers it. Tiles of the
+    # transposed kernel are 32 rows: sequences of 48-64 rows here take two (m_block 1).
     (16, (1, 2, 2, 1, 1, 2), 64, 0, True, 1),
+    (16, (1, 2, 4, 1, 3, 2), 64, 0, True, 2),
+    (16, (1, 2, 4, 1, 3, 2), 64, 2, False, 2),
+    (8, (1, 6, 2, 5, 1, 4), 64, 3, True, 4),
 ]
 
 
@@ -156,9 +159,10 @@ VARLEN_CASES = [
     "case", VARLEN_CASES, ids=lambda c: f"h{c[0]}-p{c[2]}-n{c[3]}-c{c[4]:d}-max{c[5]}"
 )
 def test_fp8_latent_varlen_queries(case):
-    """flash_attn_varlen_func with packed queries of 1-4 tokens a sequence over a paged FP8
-    latent cache: the seesaw (a varlen call's rows a sequence are not known to the host), per
-    sequence against the dequantized cache."""
+    """flash_attn_varlen_func with packed queries of 1-6 tokens a sequence over a paged FP8
+    latent cache, per sequence against the dequantized cache: the transposed kernel where
+    max_seqlen_q says at most 32 rows (q heads x tokens; its tiles are 32 rows, so a longer
+    sequence takes two), the seesaw above."""
     nheads, q_lens, page_size, num_splits, causal, max_seqlen_q = case
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla-fp8-varlen", case))
     batch, total_q = len(LENS), sum(q_lens)
@@ -175,7 +179,8 @@ def test_fp8_latent_varlen_queries(case):
         seqused_k=torch.tensor(LENS, device="cuda", dtype=torch.int32), num_splits=num_splits,
         k_descale=kd, v_descale=vd, return_softmax_lse=True, out=out,
     )  # fmt: skip
-    assert [p.variant.config.seesaw_rows for p in VARLEN_PLANS.values()] == [64]
+    rows = 32 if nheads * max_seqlen_q <= 32 else 64
+    assert [p.variant.config.seesaw_rows for p in VARLEN_PLANS.values()] == [rows]
     VARLEN_PLANS.clear()
     for b, (q_b, out_b, lse_b) in enumerate(
         zip(seqs(q, q_lens), seqs(out, q_lens), seqs(lse, q_lens, dim=1))

@@ -2,6 +2,7 @@
 
 import dataclasses
 import inspect
+import math
 import pickle
 
 import pytest
@@ -646,19 +647,27 @@ def test_seesaw_variants_that_cannot_run_are_refused():
             variant(**flags)
 
 
-def test_fp8_latent_varlen_queries_take_the_seesaw():
-    """A varlen call's max_seqlen_q is a hint: a longer sequence would fill a 64-row tile past
-    the transposed kernel's 32 rows. So varlen calls take the seesaw whatever their rows, and
-    a caller's transposed config for them is refused by name."""
+def test_fp8_latent_varlen_queries_take_tiles_of_32_rows():
+    """Varlen calls whose max_seqlen_q says at most 32 rows a sequence take the transposed
+    kernel, whose tiles are 32 rows (config.tile_rows): max_seqlen_q is a hint, and a longer
+    sequence takes more tiles. So the arrival counters count tiles of 32 rows (one spare a
+    sequence), and more rows than 32 take the seesaw."""
     from flash_cute.config import seesaw_config
 
     for causal in (True, False):
         call = _latent_decode(
-            64, 8, 2, 8192, varlen_q=True, total_q=96, kv_dtype="float8_e4m3fn", causal=causal
+            64, 16, 2, 8192, varlen_q=True, total_q=96, kv_dtype="float8_e4m3fn", causal=causal
         )
-        assert plan_forward(call, 132, num_splits=0).variant.config == seesaw_config(kv_fp8=True)
-        with pytest.raises(ValueError, match="seesaw_rows 32.*padded queries only"):
-            plan_forward(call, 132, seesaw_config(kv_fp8=True, rows=32), 0)
+        plan = plan_forward(call, 132, num_splits=3)
+        config = plan.variant.config
+        assert config == seesaw_config(kv_fp8=True, rows=32) and config.tile_rows == 32
+        assert config.tile_m == 64 and plan.variant.split
+        assert plan.num_counters == math.ceil(96 * 16 / 32) + 64
+        wide = dataclasses.replace(call, max_seqlen_q=4)  # 64 rows a sequence
+        assert plan_forward(wide, 132, num_splits=0).variant.config == seesaw_config(kv_fp8=True)
+        with pytest.raises(ValueError, match="seesaw_rows 32.*at most 32 rows"):
+            plan_forward(wide, 132, seesaw_config(kv_fp8=True, rows=32), 0)
+    assert seesaw_config(kv_fp8=True).tile_rows == 64 == AttentionConfig(64, 64).tile_rows
 
 
 @pytest.mark.parametrize("problem, routed", LATENT_ROUTES)
@@ -675,18 +684,17 @@ def test_fp8_latent_cache_takes_the_seesaw_kernel_or_is_refused(problem, routed,
         assert plan_module.seesaw_route_problem(fp8) in str(refusal.value)
         return
     plan, bf16 = plan_forward(fp8, 132, num_splits=0), plan_forward(problem, 132, num_splits=0)
-    # Tiles of at most 32 rows take the transposed kernel (seesaw_rows 32), the rest and varlen
-    # calls the seesaw.
+    # Tiles of at most 32 rows take the transposed kernel (seesaw_rows 32), the rest the
+    # seesaw.
     small = problem.nheads * problem.max_seqlen_q <= 32
-    rows = 32 if small and not problem.varlen_q else 64
+    rows = 32 if small else 64
     assert plan.variant.config == seesaw_config(kv_fp8=True, rows=rows) != bf16.variant.config
     assert plan_module.transposed_problem(problem) is not None  # (16-bit: the seesaw)
     monkeypatch.setattr(plan_module, "SEESAW_TRANSPOSED", False)
     assert plan_forward(fp8, 132, num_splits=0).variant.config == seesaw_config(kv_fp8=True)
     monkeypatch.undo()
     if rows == 64:  # a caller's transposed config for a tile it cannot hold: refused by name
-        why = "padded queries only" if small else "at most 32 rows"
-        with pytest.raises(ValueError, match=f"seesaw_rows 32.*{why}"):
+        with pytest.raises(ValueError, match="seesaw_rows 32.*at most 32 rows"):
             plan_forward(fp8, 132, seesaw_config(kv_fp8=True, rows=32), 0)
     assert plan.variant.kv_dtype == "float8_e4m3fn" and plan.num_splits == bf16.num_splits
     # (the seesaw's: the register split its GPU tests ran with, kernels/mla_decode/fp8_loads.py)

@@ -54,11 +54,12 @@ class Epilogue(Piece):
                 cute.make_identity_tensor((self.config.tile_m, self.variant.head_dim_v))
             )
         )
+        token_end = self.tile_token_end(tile, seqlen)
         if const_expr(mLSE is not None):
             if coords[0][1] == 0:
                 for r in cutlass.range_constexpr(cute.size(lse)):
                     token, head = self.row_of_tile(coords[r, 0][0], tile)
-                    if token < seqlen.seqlen_q:
+                    if token < token_end:
                         mLSE[self._out_index(token, head, tile, seqlen)] = lse[r]
 
         if const_expr(self.tma_store_o):
@@ -110,7 +111,7 @@ class Epilogue(Piece):
             pair = cute.make_rmem_tensor(2, mO.element_type)
             for r in cutlass.range_constexpr(cute.size(out_rc, mode=[0])):
                 token, head = self.row_of_tile(coords[r, 0][0], tile)
-                if token < seqlen.seqlen_q:
+                if token < token_end:
                     idx = self._out_index(token, head, tile, seqlen)
                     o_row = mO[(idx[0], None, *idx[1:])]
                     for c in cutlass.range_constexpr(0, cute.size(out_rc, mode=[1]), 2):
@@ -183,12 +184,15 @@ class Epilogue(Piece):
             shapes.cu_seqlens_q,
             mSeqUsedQ=shapes.seqused_q,
         )
+        token_end = self.tile_token_end(tile, seqlen)
         # The tile's rows that hold a token (a prefix of the tile).
         valid_rows = cutlass.min(
             cutlass.max(
-                seqlen.seqlen_q * self.variant.pack_gqa_ratio - tile.m_block * self.config.tile_m, 0
+                seqlen.seqlen_q * self.variant.pack_gqa_ratio
+                - tile.m_block * self.config.tile_rows,
+                0,
             ),
-            self.config.tile_m,
+            self.config.tile_rows,
         )
         # (Uniform over the CTA: the counter's verdict, and whether the tile has rows at all.)
         if split_last[0] != 0 and valid_rows > 0:
@@ -200,7 +204,7 @@ class Epilogue(Piece):
             for i in cutlass.range(cute.ceil_div(valid_rows, rows_per_pass), unroll=1):
                 token, head = self.row_of_tile(i * rows_per_pass + tidx // group, tile)
                 # (rows past the last token neither load nor store)
-                if token < seqlen.seqlen_q:
+                if token < token_end:
                     idx = self._out_index(token, head, tile, seqlen, with_split=False)
                     o_splits = mOPartial[(idx[0], None, *idx[1:], None)]  # (d, S)
                     lse = merge_row(

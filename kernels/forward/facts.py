@@ -225,7 +225,7 @@ class ForwardFacts:
         v = self.variant
         batch = mCuSeqlensQ.shape[0] - 1 if const_expr(v.varlen_q) else mQ_shape.shape[3]
         return TileSpace(
-            tile_m=self.config.tile_m,
+            tile_m=self.config.tile_rows,
             rows_per_token=v.pack_gqa_ratio,
             causal=v.causal,
             varlen=v.varlen_q,
@@ -265,7 +265,7 @@ class ForwardFacts:
             shapes.kv_length if const_expr(self.variant.after_append) else None,
         )
         block_range = KeyBlockRange(
-            self.config.tile_m,
+            self.config.tile_rows,
             self.config.tile_n,
             self.variant.causal,
             self.variant.pack_gqa_ratio,
@@ -282,14 +282,25 @@ class ForwardFacts:
 
     @cute.jit
     def row_of_tile(self, local_row: Int32, tile: WorkTile):
-        """(token index within the batch's sequence, q head) of a tile row."""
-        row = tile.m_block * self.config.tile_m + local_row
+        """(token index within the batch's sequence, q head) of a tile row (local_row below
+        config.tile_rows)."""
+        row = tile.m_block * self.config.tile_rows + local_row
         if const_expr(self.variant.pack_gqa_ratio > 1):
             token = row // self.variant.pack_gqa_ratio
             return token, tile.head_idx * self.variant.pack_gqa_ratio + (
                 row - token * self.variant.pack_gqa_ratio
             )
         return row, tile.head_idx
+
+    def tile_token_end(self, tile: WorkTile, seqlen) -> Int32:
+        """The token from which a tile's rows of the 64-row layouts hold nothing: the
+        sequence's end, and where a tile serves fewer rows than its layouts (config.tile_rows,
+        the transposed latent kernel), the next tile's first token."""
+        end = seqlen.seqlen_q
+        if const_expr(self.config.tile_rows < self.config.tile_m):
+            tokens = self.config.tile_rows // self.variant.pack_gqa_ratio
+            end = cutlass.min(end, (tile.m_block + 1) * tokens)
+        return end
 
     def stmatrix_atom(self):
         """The copy atom of 16-bit accumulator fragments to shared memory (P, O)."""

@@ -286,11 +286,16 @@ class Producer(Piece):
             ]
         q_copies = []
         for atom, mX, sX, width in q_parts:
-            gX = cute.local_tile(
-                self._rows_of(mX, q_head, tile.batch_idx, seqlen.offset_q),
-                (self.config.tile_m, width),
-                (tile.m_block, 0),
-            )
+            rows = self._rows_of(mX, q_head, tile.batch_idx, seqlen.offset_q)
+            m_block = tile.m_block
+            if const_expr(self.config.tile_rows < self.config.tile_m):
+                # A tile of tile_rows rows, loaded as the layouts' tile_m from its first (the
+                # rows past it are read, not used).
+                tokens = tile.m_block * (self.config.tile_rows // self.variant.pack_gqa_ratio)
+                first = (0, tokens) if const_expr(cute.rank(rows.shape[0]) == 2) else tokens
+                rows = cute.domain_offset((first, 0), rows)
+                m_block = 0
+            gX = cute.local_tile(rows, (self.config.tile_m, width), (m_block, 0))
             dst, src = cpasync.tma_partition(
                 atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
             )

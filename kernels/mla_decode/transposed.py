@@ -101,9 +101,10 @@ class _MaskBounds(NamedTuple):
     diagonal: Int32
 
     @staticmethod
-    def of(seqlen, thread: _Thread) -> "_MaskBounds":
+    def of(seqlen, thread: _Thread, first_token: Int32) -> "_MaskBounds":
+        """first_token: the tile's first row's token (tiles of 32 rows: m_block 32 / ratio)."""
         key_end = seqlen.seqlen_k - thread.key0
-        return _MaskBounds(key_end, key_end - seqlen.seqlen_q + 1)
+        return _MaskBounds(key_end, key_end - seqlen.seqlen_q + 1 + first_token)
 
 
 class _Running(NamedTuple):
@@ -195,7 +196,9 @@ class Transposed(Piece):
         if const_expr(self.variant.causal):
             mask_from = cutlass.min(mask_from, block_range.first_causal_masked_block(tile.m_block))
         tail_keys = seqlen.seqlen_k - (n_block_max - 1) * KEYS
-        bounds = _MaskBounds.of(seqlen, thread)
+        bounds = _MaskBounds.of(
+            seqlen, thread, tile.m_block * (self.rows // self.variant.pack_gqa_ratio)
+        )
         if n_block_max > n_block_min:
             buf.pipeline_q.consumer_wait(q_state)
             self._prepare_q(buf, setup.tidx)
@@ -307,9 +310,8 @@ class Transposed(Piece):
 
     @cute.jit
     def _mask(self, acc_S, thread: _Thread, n_block: Int32, bounds: "_MaskBounds"):
-        """Keys past the sequence's end and, causal, above a row's diagonal (row r holds token
-        r // rows_per_token: the tile is its sequence's only one, m_block 0, which
-        plan.transposed_problem keeps so) to -inf."""
+        """Keys past the sequence's end and, causal, above a row's diagonal (row r holds the
+        tile's token r // rows_per_token, bounds.diagonal counting from its first) to -inf."""
         limit = bounds.key_end - n_block * KEYS  # (against the key's offset 8 r)
         for j in cutlass.range_constexpr(self.cols):
             col_limit = limit
