@@ -333,8 +333,8 @@ class ForwardVariant(CallShape):
         split_problem = c.register_split_problem()
         if split_problem:  # (else setmaxnreg.inc waits forever)
             problems.append(split_problem)
-        if c.tile_m % self.pack_gqa_ratio:
-            problems.append("pack_gqa_ratio must divide tile_m")
+        if c.tile_rows % self.pack_gqa_ratio:  # (tile_rows divides tile_m)
+            problems.append("pack_gqa_ratio must divide the tile's rows (config.tile_rows)")
         if self.split and c.scheduler != "single_tile":
             problems.append("split launches run one CTA per tile (scheduler 'single_tile')")
         if (self.split or self.varlen_q or c.o_split > 1) and not c.store_o_from_registers:

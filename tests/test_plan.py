@@ -397,7 +397,7 @@ def test_variants_that_cannot_run_are_refused():
         "seqused_q shortens packed": dict(seqused_q=True),
         "page_box_rows must divide tile_n": dict(kv_layout="paged", page_box_rows=48),
         "exclude each other": dict(seqused_k=True, scalar_kv_length=True),
-        "pack_gqa_ratio must divide tile_m": dict(pack_gqa_ratio=3),
+        "pack_gqa_ratio must divide the tile's rows": dict(pack_gqa_ratio=3),
         "pingpong needs two MMA warpgroups": dict(config=AttentionConfig(64, 128)),
     }
     for message, changes in refused.items():
@@ -663,6 +663,9 @@ def test_fp8_latent_varlen_queries_take_tiles_of_32_rows():
         assert config == seesaw_config(kv_fp8=True, rows=32) and config.tile_rows == 32
         assert config.tile_m == 64 and plan.variant.split
         assert plan.num_counters == math.ceil(96 * 16 / 32) + 64
+        # (64 heads would fill a 64-row layout but not a tile of 32 rows)
+        with pytest.raises(ValueError, match="divide the tile's rows"):
+            dataclasses.replace(plan.variant, pack_gqa_ratio=64)
         wide = dataclasses.replace(call, max_seqlen_q=4)  # 64 rows a sequence
         assert plan_forward(wide, 132, num_splits=0).variant.config == seesaw_config(kv_fp8=True)
         with pytest.raises(ValueError, match="seesaw_rows 32.*at most 32 rows"):

@@ -282,8 +282,9 @@ class ForwardFacts:
 
     @cute.jit
     def row_of_tile(self, local_row: Int32, tile: WorkTile):
-        """(token index within the batch's sequence, q head) of a tile row (local_row below
-        config.tile_rows)."""
+        """(token index within the batch's sequence, q head) of a tile row. Rows of the 64-row
+        layouts past config.tile_rows map into the next tile's tokens: callers bound stores by
+        tile_token_end."""
         row = tile.m_block * self.config.tile_rows + local_row
         if const_expr(self.variant.pack_gqa_ratio > 1):
             token = row // self.variant.pack_gqa_ratio

@@ -478,8 +478,8 @@ class Mainloop(Piece):
 
     def _q_rotation_rows(self, tile: WorkTile, seqlen) -> Int32:
         """The rows of Q's tile that hold a query."""
-        rows = seqlen.seqlen_q * self.variant.pack_gqa_ratio - tile.m_block * self.config.tile_m
-        return cutlass.max(cutlass.min(rows, self.config.tile_m), 0)
+        rows = seqlen.seqlen_q * self.variant.pack_gqa_ratio - tile.m_block * self.config.tile_rows
+        return cutlass.max(cutlass.min(rows, self.config.tile_rows), 0)
 
     @cute.jit
     def _q_angles(self, tidx: Int32, tile: WorkTile, shapes, seqlen):

@@ -93,16 +93,17 @@ class _Thread(NamedTuple):
 
 class _MaskBounds(NamedTuple):
     """A thread's mask over a tile, from its first key in a block (key0): keys from key_end
-    on are past the sequence's end, and token t's keys from t + diagonal on are above its
-    diagonal (both less n_block * KEYS; computed once a tile, so the loop holds two values,
-    not the sequence's lengths)."""
+    on are past the sequence's end, and the keys of the tile's token t (counted from the
+    tile's first) from t + diagonal on are above its diagonal (both less n_block * KEYS;
+    computed once a tile, so the loop holds two values, not the sequence's lengths)."""
 
     key_end: Int32
     diagonal: Int32
 
     @staticmethod
     def of(seqlen, thread: _Thread, first_token: Int32) -> "_MaskBounds":
-        """first_token: the tile's first row's token (tiles of 32 rows: m_block 32 / ratio)."""
+        """first_token: the sequence's token in the tile's first row (tiles of 32 rows:
+        m_block x (32 / pack_gqa_ratio))."""
         key_end = seqlen.seqlen_k - thread.key0
         return _MaskBounds(key_end, key_end - seqlen.seqlen_q + 1 + first_token)
 
