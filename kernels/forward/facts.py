@@ -293,14 +293,20 @@ class ForwardFacts:
             )
         return row, tile.head_idx
 
+    def tile_first_token(self, tile: WorkTile, m_block_offset: int = 0) -> Int32:
+        """The sequence's token in a tile's first row (tiles of config.tile_rows rows, whole
+        tokens each); m_block_offset 1: the next tile's."""
+        return (tile.m_block + m_block_offset) * (
+            self.config.tile_rows // self.variant.pack_gqa_ratio
+        )
+
     def tile_token_end(self, tile: WorkTile, seqlen) -> Int32:
         """The token from which a tile's rows of the 64-row layouts hold nothing: the
         sequence's end, and where a tile serves fewer rows than its layouts (config.tile_rows,
         the transposed latent kernel), the next tile's first token."""
         end = seqlen.seqlen_q
         if const_expr(self.config.tile_rows < self.config.tile_m):
-            tokens = self.config.tile_rows // self.variant.pack_gqa_ratio
-            end = cutlass.min(end, (tile.m_block + 1) * tokens)
+            end = cutlass.min(end, self.tile_first_token(tile, 1))
         return end
 
     def stmatrix_atom(self):

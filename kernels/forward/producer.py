@@ -291,9 +291,7 @@ class Producer(Piece):
             if const_expr(self.config.tile_rows < self.config.tile_m):
                 # A tile of tile_rows rows, loaded as the layouts' tile_m from its first (the
                 # rows past it are read, not used).
-                tokens = tile.m_block * (self.config.tile_rows // self.variant.pack_gqa_ratio)
-                first = (0, tokens) if const_expr(cute.rank(rows.shape[0]) == 2) else tokens
-                rows = cute.domain_offset((first, 0), rows)
+                rows = _offset_rows(rows, self.tile_first_token(tile))
                 m_block = 0
             gX = cute.local_tile(rows, (self.config.tile_m, width), (m_block, 0))
             dst, src = cpasync.tma_partition(
@@ -314,9 +312,14 @@ class Producer(Piece):
         head and batch; packed (varlen) tensors are offset to the batch's first row, padded
         ones only with padded_offset (a left-padded cache row)."""
         if const_expr(cute.rank(mX) == 3):
-            x = mX[None, None, head]
-            row_offset = (0, offset) if const_expr(cute.rank(x.shape[0]) == 2) else offset
-            return cute.domain_offset((row_offset, 0), x)
+            return _offset_rows(mX[None, None, head], offset)
         if const_expr(padded_offset):
             return cute.domain_offset((offset, 0), mX[None, None, head, batch])
         return mX[None, None, head, batch]
+
+
+def _offset_rows(x: cute.Tensor, tokens: Int32) -> cute.Tensor:
+    """A (rows, head_dim) view moved down `tokens` tokens (rows folded as (q head in group,
+    token) under packed GQA: the token mode)."""
+    row_offset = (0, tokens) if const_expr(cute.rank(x.shape[0]) == 2) else tokens
+    return cute.domain_offset((row_offset, 0), x)

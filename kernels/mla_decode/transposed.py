@@ -102,8 +102,7 @@ class _MaskBounds(NamedTuple):
 
     @staticmethod
     def of(seqlen, thread: _Thread, first_token: Int32) -> "_MaskBounds":
-        """first_token: the sequence's token in the tile's first row (tiles of 32 rows:
-        m_block x (32 / pack_gqa_ratio))."""
+        """first_token: the sequence's token in the tile's first row (tile_first_token)."""
         key_end = seqlen.seqlen_k - thread.key0
         return _MaskBounds(key_end, key_end - seqlen.seqlen_q + 1 + first_token)
 
@@ -197,9 +196,7 @@ class Transposed(Piece):
         if const_expr(self.variant.causal):
             mask_from = cutlass.min(mask_from, block_range.first_causal_masked_block(tile.m_block))
         tail_keys = seqlen.seqlen_k - (n_block_max - 1) * KEYS
-        bounds = _MaskBounds.of(
-            seqlen, thread, tile.m_block * (self.rows // self.variant.pack_gqa_ratio)
-        )
+        bounds = _MaskBounds.of(seqlen, thread, self.tile_first_token(tile))
         if n_block_max > n_block_min:
             buf.pipeline_q.consumer_wait(q_state)
             self._prepare_q(buf, setup.tidx)
