@@ -23,6 +23,8 @@ SUPPORTED_DTYPES = ("float16", "bfloat16")
 # supported ones or 512 and 576 (= 512 + 64: the latent and the rope part); and V read from
 # K's columns when v is a view of k's leading columns (ForwardVariant.v_in_k).
 WIDE_HEAD_DIMS = (512, 576)
+# The transposed latent decode kernel's tile rows (AttentionConfig.seesaw_rows below 64).
+TRANSPOSED_ROWS = (16, 32)
 WIDE_HEAD_DIM_V = 512
 # FlashAttention-3's qv form (q and k the rope part, d <= 64; qv and v the latent, dv >= 256):
 # the kernels see one head of d + dv columns, qv's and v's first. The V head dims whose halves
@@ -178,9 +180,9 @@ class AttentionConfig:
         warpgroups computing one block's scores and both blocks' P V on its half of O, so one's
         softmax runs under the other's GEMMs. Needs the wide latent config (tile 64 x 64, two
         stages, o_split 2, split_scores, one CTA per tile).
-    seesaw_rows: 32: the transposed latent decode kernel (kernels/mla_decode/transposed.py)
-        for an FP8 latent cache and tiles of at most 32 query rows (keys on the WGMMAs' M, the
-        rows on N); 64: the seesaw.
+    seesaw_rows: 16 or 32: the transposed latent decode kernel
+        (kernels/mla_decode/transposed.py) for an FP8 latent cache and tiles of at most that
+        many query rows (keys on the WGMMAs' M, the rows on N); 64: the seesaw.
     transpose_batch: FP8 math: steps of a warp transposing V whose loads go before their
         stores (1-4; kernels/v_transpose.py); each holds four registers of the producer's. A
         lone transposing warp (beside gathering warps) always goes one step at a time.
@@ -319,7 +321,7 @@ class AttentionConfig:
     @property
     def tile_rows(self) -> int:
         """Query rows a work tile serves: tile_m, but the transposed latent decode kernel's
-        seesaw_rows (32) within its 64-row layouts. Tiles, their rows, the causal bounds and
+        seesaw_rows (16 or 32) within its 64-row layouts. Tiles, their rows, the causal bounds and
         the arrival counters count in these."""
         return self.seesaw_rows if self.seesaw else self.tile_m
 
@@ -481,10 +483,12 @@ class AttentionConfig:
                 "seesaw needs the wide latent config: tile 64 x 64, two stages, split_scores, "
                 "O from registers, one CTA per tile"
             )
-        if self.seesaw_rows not in (64, 32) or (self.seesaw_rows == 32 and not self.seesaw):
+        if self.seesaw_rows not in (64, *TRANSPOSED_ROWS) or (
+            self.seesaw_rows < 64 and not self.seesaw
+        ):
             problems.append(
-                f"seesaw_rows={self.seesaw_rows} must be 64, or 32 with seesaw (the transposed "
-                "kernel)"
+                f"seesaw_rows={self.seesaw_rows} must be 64, or 16 or 32 with seesaw (the "
+                "transposed kernel)"
             )
         if not 1 <= self.transpose_batch <= 4:
             problems.append(f"transpose_batch={self.transpose_batch} must be in [1, 4]")

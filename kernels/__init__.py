@@ -15,9 +15,9 @@ __all__ = [
 
 def forward_kernel(variant) -> FlashAttentionForwardSm90:
     """The kernel object of a ForwardVariant: the latent decode kernel where its config asks for
-    the seesaw (its transposed form for seesaw_rows 32), the forward kernel otherwise (all take
-    the forward kernel's signature)."""
+    the seesaw (its transposed form for seesaw_rows 16 or 32), the forward kernel otherwise
+    (all take the forward kernel's signature)."""
     config = variant.config
     if config.seesaw:
-        return (MlaDecodeTransposedSm90 if config.seesaw_rows == 32 else MlaDecodeSm90)(variant)
+        return (MlaDecodeTransposedSm90 if config.seesaw_rows < 64 else MlaDecodeSm90)(variant)
     return FlashAttentionForwardSm90(variant)

@@ -628,7 +628,7 @@ FP8_SEESAW_KEYS = [
     # A caller's 16-bit split (24 / 240), which the plan takes for an FP8 cache too.
     _fp8_seesaw("float16", True, kv_layout="padded", config=seesaw_config()),
 ]
-# ... and its transposed form (seesaw_rows 32: kernels/mla_decode/transposed.py) for tiles of
+# ... and its transposed form (seesaw_rows 16 or 32: kernels/mla_decode/transposed.py) for tiles of
 # at most 32 rows: these bf16 and fp16 q, unsplit and split variants compile clean; the rest
 # of its (causal, layout, split, q dtype) grid spills a little at 240 registers (0-40 bytes,
 # which variant moving with any change), held to the same bound.
@@ -639,6 +639,11 @@ TRANSPOSED_KEYS = [
         config=seesaw_config(True, rows=32),
     ),
     _fp8_seesaw("float16", False, kv_layout="padded", config=seesaw_config(True, rows=32)),
+    # Tiles of 16 rows (plan.transposed_rows): the WGMMAs' N 16.
+    _fp8_seesaw(
+        "bfloat16", True, kv_layout="padded", split=True, combine_launch=True,
+        config=seesaw_config(True, rows=16),
+    ),
 ]  # fmt: skip
 TRANSPOSED_GRID_KEYS = [
     key

@@ -15,6 +15,7 @@ from test_fp8_kv_gpu import check_against_dequantized, descales, fp8_cache, padd
 
 import flash_cute
 from flash_cute import plan
+from flash_cute.config import TRANSPOSED_ROWS
 from flash_cute.reference import stable_seed
 from flash_cute.runtime import KVCACHE_PLANS, VARLEN_PLANS
 
@@ -55,6 +56,13 @@ def _case_id(c):
     return f"h{c[0]}-s{c[1]}-p{c[2]}-n{c[3]}-{c[5]}"
 
 
+def _tile_rows(rows: int, transposed: bool = True) -> int:
+    """The seesaw_rows the plan picks for sequences of `rows` rows: the transposed kernel's
+    fewest tile rows that hold them (16 or 32), else the seesaw's 64."""
+    fits = [r for r in TRANSPOSED_ROWS if rows <= r]
+    return fits[0] if transposed and fits else 64
+
+
 # Tiles of at most 32 rows take the transposed kernel (plan.SEESAW_TRANSPOSED); forced onto
 # the seesaw too.
 SMALL = [c for c in CASES if c[0] * c[1] <= 32]
@@ -79,7 +87,7 @@ def test_fp8_latent_decode(case, transposed, monkeypatch):
     KVCACHE_PLANS.clear()
     out, lse = _run(q, cache, table, lengths, True, kd, vd, num_splits=num_splits)
     plans = list(KVCACHE_PLANS.values())
-    rows = 32 if transposed and nheads * seqlen_q <= 32 else 64
+    rows = _tile_rows(nheads * seqlen_q, transposed)
     assert [
         (p.variant.config.seesaw, p.variant.config.seesaw_rows, p.variant.kv_dtype) for p in plans
     ] == [(True, rows, "float8_e4m3fn")]
@@ -135,7 +143,7 @@ def test_fp8_latent_rising_maxima(nheads, page_size):
     lengths = torch.tensor(LENS, device="cuda", dtype=torch.int32)
     KVCACHE_PLANS.clear()
     out, lse = _run(q, cache, table, lengths, True, None, None)
-    assert [p.variant.config.seesaw_rows for p in KVCACHE_PLANS.values()] == [32]
+    assert [p.variant.config.seesaw_rows for p in KVCACHE_PLANS.values()] == [_tile_rows(nheads)]
     KVCACHE_PLANS.clear()
     check_against_dequantized(q, out, k_pad, k_pad[..., :DV], None, None, LENS, True, lse=lse)
 
@@ -179,7 +187,7 @@ def test_fp8_latent_varlen_queries(case):
         seqused_k=torch.tensor(LENS, device="cuda", dtype=torch.int32), num_splits=num_splits,
         k_descale=kd, v_descale=vd, return_softmax_lse=True, out=out,
     )  # fmt: skip
-    rows = 32 if nheads * max_seqlen_q <= 32 else 64
+    rows = _tile_rows(nheads * max_seqlen_q)
     assert [p.variant.config.seesaw_rows for p in VARLEN_PLANS.values()] == [rows]
     VARLEN_PLANS.clear()
     for b, (q_b, out_b, lse_b) in enumerate(

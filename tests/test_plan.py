@@ -687,18 +687,19 @@ def test_fp8_latent_cache_takes_the_seesaw_kernel_or_is_refused(problem, routed,
         assert plan_module.seesaw_route_problem(fp8) in str(refusal.value)
         return
     plan, bf16 = plan_forward(fp8, 132, num_splits=0), plan_forward(problem, 132, num_splits=0)
-    # Tiles of at most 32 rows take the transposed kernel (seesaw_rows 32), the rest the
-    # seesaw.
-    small = problem.nheads * problem.max_seqlen_q <= 32
-    rows = 32 if small else 64
+    # Tiles of at most 32 rows take the transposed kernel (seesaw_rows 16 where they fit, else
+    # 32), the rest the seesaw.
+    n = problem.nheads * problem.max_seqlen_q
+    rows = 16 if n <= 16 else 32 if n <= 32 else 64
     assert plan.variant.config == seesaw_config(kv_fp8=True, rows=rows) != bf16.variant.config
     assert plan_module.transposed_problem(problem) is not None  # (16-bit: the seesaw)
     monkeypatch.setattr(plan_module, "SEESAW_TRANSPOSED", False)
     assert plan_forward(fp8, 132, num_splits=0).variant.config == seesaw_config(kv_fp8=True)
     monkeypatch.undo()
-    if rows == 64:  # a caller's transposed config for a tile it cannot hold: refused by name
-        with pytest.raises(ValueError, match="seesaw_rows 32.*at most 32 rows"):
-            plan_forward(fp8, 132, seesaw_config(kv_fp8=True, rows=32), 0)
+    for small in (16, 32):  # a caller's transposed config for a tile it cannot hold: refused
+        if n > small:
+            with pytest.raises(ValueError, match=f"seesaw_rows {small}.*at most {small} rows"):
+                plan_forward(fp8, 132, seesaw_config(kv_fp8=True, rows=small), 0)
     assert plan.variant.kv_dtype == "float8_e4m3fn" and plan.num_splits == bf16.num_splits
     # (the seesaw's: the register split its GPU tests ran with, kernels/mla_decode/fp8_loads.py)
     more = plan.variant.config.producer_registers > bf16.variant.config.producer_registers

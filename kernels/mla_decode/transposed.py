@@ -146,7 +146,7 @@ class Transposed(Piece):
 
     @property
     def rows(self) -> int:
-        """The query rows a tile serves: the WGMMAs' N (32; 16 ran 1.25x slower on an H200)."""
+        """The query rows a tile serves: the WGMMAs' N (16 or 32: plan.transposed_rows)."""
         return self.config.seesaw_rows
 
     @property

@@ -33,7 +33,7 @@ from .transposed import (
 
 
 class MlaDecodeTransposedSm90(MlaDecodeSm90):
-    """One compiled variant (config.seesaw_rows 32, an FP8 latent cache) of the transposed
+    """One compiled variant (config.seesaw_rows 16 or 32, an FP8 latent cache) of the transposed
     latent decode kernel. Its entry points and arguments are the forward kernel's."""
 
     mainloop_cls = Transposed
