@@ -89,9 +89,9 @@ def seesaw_config(kv_fp8: bool = False, rows: int = 64) -> "AttentionConfig":
     TMA (24) beside MMA warps holding half of O, a block's scores, P and Q's rope part (240).
     kv_fp8: an FP8 latent cache, which the MMA warpgroups convert (kernels/mla_decode/
     fp8_loads.py): 40 / 232, the split its GPU tests and timings ran with (chosen when spare
-    producer warps converted; 24 / 240 compiles without spills, untimed). rows 32: the
-    transposed kernel (FP8 only, tiles of at most 32 rows; 24 / 240: its loading warp only
-    issues TMA)."""
+    producer warps converted; 24 / 240 compiles without spills, untimed). rows 16 or 32: the
+    transposed kernel (FP8 only, tiles of at most that many rows; 24 / 240: its loading warp
+    only issues TMA)."""
     producer, mma = (40, 232) if kv_fp8 and rows == 64 else (24, 240)
     return wide_config(576, 512, v_in_k=True).replace(
         seesaw=True, producer_registers=producer, mma_registers=mma, seesaw_rows=rows

@@ -581,7 +581,9 @@ def plan_forward(
         pack_ratio = max(g for g in range(1, ratio + 1) if not ratio % g and not config.tile_m % g)
     max_ctas = num_sms * config.ctas_per_sm
     # fp32 partial bytes per split of a tile (the rows of one tile that hold a token).
-    split_bytes = min(config.tile_m, problem.max_seqlen_q * pack_ratio) * problem.head_dim_v * 4
+    # (max_seqlen_q 0, a varlen hint the API allows, sized as one token: no partials of 0 bytes)
+    split_bytes = min(config.tile_m, max(1, problem.max_seqlen_q) * pack_ratio)
+    split_bytes *= problem.head_dim_v * 4
     if num_splits == 0:
         visible = problem.max_seqlen_k
         if local:  # the keys a tile's rows can see: the splits share those out
@@ -715,15 +717,16 @@ def transposed_problem(problem: Problem, max_rows: int = TRANSPOSED_ROWS[-1]) ->
 def transposed_rows(problem: Problem) -> int:
     """The transposed kernel's tile rows (its WGMMAs' N) for a call it serves: the fewest of
     TRANSPOSED_ROWS that hold a sequence's rows (H200, 16 heads x 1 token: tiles of 16 rows
-    0.90-0.96x the time of tiles of 32)."""
+    0.91-0.95x the time of tiles of 32)."""
     rows = _sequence_rows(problem)
     return next(r for r in TRANSPOSED_ROWS if rows <= r)
 
 
 def _sequence_rows(problem: Problem) -> int:
     """A sequence's query rows as the latent kernels pack them: q heads per kv head x tokens
-    (max_seqlen_q for varlen calls)."""
-    return problem.nheads // problem.nheads_kv * problem.max_seqlen_q
+    (max_seqlen_q for varlen calls; a hint of 0 counts as one token, so the tile holds at least
+    a kv head's q heads)."""
+    return problem.nheads // problem.nheads_kv * max(1, problem.max_seqlen_q)
 
 
 def _transposed_form(call) -> bool:

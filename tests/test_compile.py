@@ -5,6 +5,8 @@ Each variant of the config table must compile, and its PTX must hold WGMMA
 with ptxas reporting zero spill bytes and not ignoring setmaxnreg.
 """
 
+import dataclasses
+
 import pytest
 
 from flash_cute import AttentionConfig, decode_config
@@ -639,10 +641,17 @@ TRANSPOSED_KEYS = [
         config=seesaw_config(True, rows=32),
     ),
     _fp8_seesaw("float16", False, kv_layout="padded", config=seesaw_config(True, rows=32)),
-    # Tiles of 16 rows (plan.transposed_rows): the WGMMAs' N 16.
+    # Tiles of 16 rows (plan.transposed_rows): the WGMMAs' N 16; 8 heads of two tokens a tile.
     _fp8_seesaw(
         "bfloat16", True, kv_layout="padded", split=True, combine_launch=True,
         config=seesaw_config(True, rows=16),
+    ),
+    dataclasses.replace(
+        _fp8_seesaw(
+            "bfloat16", True, page_box_rows=64, varlen_q=True, split=True,
+            config=seesaw_config(True, rows=16),
+        ),
+        pack_gqa_ratio=8,
     ),
 ]  # fmt: skip
 TRANSPOSED_GRID_KEYS = [

@@ -37,6 +37,9 @@ CASES = [
     (16, 1, 256, 5, torch.float16, "tensor"),
     (16, 2, None, 0, torch.bfloat16, "scalar"),
     (8, 4, 64, 0, torch.bfloat16, "tensor"),
+    # 8 heads on 16-row tiles: half a tile empty, or two tokens a tile (a causal boundary in it).
+    (8, 1, 64, 0, torch.bfloat16, "tensor"),
+    (8, 2, None, 3, torch.float16, "scalar"),
     (32, 1, 64, 3, torch.float16, None),
     (32, 3, 128, 0, torch.bfloat16, "tensor"),
     (128, 4, 64, 0, torch.bfloat16, "tensor"),
@@ -154,12 +157,15 @@ VARLEN_CASES = [
     (16, (1, 2, 2, 1, 1, 2), 128, 1, True, 2),
     (16, (1, 2, 2, 1, 1, 2), 64, 0, False, 2),
     (128, (1, 4, 2, 3, 1, 4), 64, 3, True, 4),
-    # max_seqlen_q is a hint: one below the longest sequence still covers it. Tiles of the
-    # transposed kernel are 32 rows: sequences of 48-64 rows here take two (m_block 1).
+    # max_seqlen_q is a hint: one below the longest sequence still covers it. The transposed
+    # kernel's tiles hold the rows the hint says (16 or 32): longer sequences take two
+    # (m_block 1), e.g. 32 rows in tiles of 16 and 48-64 in tiles of 32.
     (16, (1, 2, 2, 1, 1, 2), 64, 0, True, 1),
     (16, (1, 2, 4, 1, 3, 2), 64, 0, True, 2),
     (16, (1, 2, 4, 1, 3, 2), 64, 2, False, 2),
     (8, (1, 6, 2, 5, 1, 4), 64, 3, True, 4),
+    (8, (1, 2, 2, 1, 1, 2), 64, 0, True, 2),  # 16-row tiles of two tokens
+    (8, (1, 3, 2, 1, 3, 2), 64, 2, True, 2),  # 24 rows: two tiles of 16
 ]
 
 
@@ -169,8 +175,8 @@ VARLEN_CASES = [
 def test_fp8_latent_varlen_queries(case):
     """flash_attn_varlen_func with packed queries of 1-6 tokens a sequence over a paged FP8
     latent cache, per sequence against the dequantized cache: the transposed kernel where
-    max_seqlen_q says at most 32 rows (q heads x tokens; its tiles are 32 rows, so a longer
-    sequence takes two), the seesaw above."""
+    max_seqlen_q says at most 32 rows (q heads x tokens; its tiles hold that many, 16 or 32,
+    so a longer sequence takes two), the seesaw above."""
     nheads, q_lens, page_size, num_splits, causal, max_seqlen_q = case
     gen = torch.Generator(device="cuda").manual_seed(stable_seed("mla-fp8-varlen", case))
     batch, total_q = len(LENS), sum(q_lens)

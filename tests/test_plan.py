@@ -673,6 +673,30 @@ def test_fp8_latent_varlen_queries_take_tiles_of_32_rows():
     assert seesaw_config(kv_fp8=True).tile_rows == 64 == AttentionConfig(64, 64).tile_rows
 
 
+def test_fp8_latent_small_tiles_hold_a_sequences_rows():
+    """The transposed kernel's tiles are the fewest of 16 or 32 rows that hold a sequence's
+    (q heads x max_seqlen_q; a varlen hint of 0 counts as one token, whose q heads the tile's
+    rows must still take whole: pack_gqa_ratio divides tile_rows)."""
+    from flash_cute.config import seesaw_config
+
+    for nheads, seqlen_q, varlen, rows in [
+        (8, 1, False, 16),
+        (8, 2, False, 16),
+        (16, 1, False, 16),
+        (8, 4, False, 32),
+        (32, 1, False, 32),
+        (8, 2, True, 16),
+        (16, 0, True, 16),  # (the hint 0: the API allows it)
+        (32, 0, True, 32),
+    ]:
+        flags = dict(varlen_q=True, total_q=64) if varlen else {}
+        call = _latent_decode(64, nheads, seqlen_q, 8192, kv_dtype="float8_e4m3fn", **flags)
+        for num_splits in (0, 1, 2):
+            plan = plan_forward(call, 132, num_splits=num_splits)
+            assert plan.variant.config == seesaw_config(kv_fp8=True, rows=rows), (nheads, rows)
+            assert plan.variant.pack_gqa_ratio == nheads
+
+
 @pytest.mark.parametrize("problem, routed", LATENT_ROUTES)
 def test_fp8_latent_cache_takes_the_seesaw_kernel_or_is_refused(problem, routed, monkeypatch):
     from flash_cute import plan as plan_module

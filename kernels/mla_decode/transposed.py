@@ -1,11 +1,11 @@
-"""The transposed latent decode mainloop, for an FP8 latent cache and tiles of at most 32 query
+"""The transposed latent decode mainloop, for an FP8 latent cache and tiles of 16 or 32 query
 rows (heads x tokens of one sequence; docs/mla_decode_design.md 3c).
 
 A 64-row tile of 16 query rows issues 4x the tensor work it needs; here the keys take the
-WGMMA's M and the rows its N (32):
+WGMMA's M and the rows its N (rows: 16 or 32, config.seesaw_rows):
 
-  S^T = K Q^T        (M 64 keys, N 32 rows, K 576 dims; A: K in registers, B: Q in smem)
-  O^T += V^T P^T     (M 512 dims as eight m-atoms, N 32, K 64 keys; A: V^T in registers,
+  S^T = K Q^T        (M 64 keys, N rows, K 576 dims; A: K in registers, B: Q in smem)
+  O^T += V^T P^T     (M 512 dims as eight m-atoms, N rows, K 64 keys; A: V^T in registers,
                       B: P^T in smem)
 
 Both A operands come from the block's e4m3 bytes by ldmatrix and convert in registers
@@ -117,7 +117,7 @@ class _Running(NamedTuple):
 
 
 class TransposedMmas(NamedTuple):
-    """m64 n32 k16 with A from registers (S^T and O^T alike: named qk as the launch's
+    """m64 n(rows) k16 with A from registers (S^T and O^T alike: named qk as the launch's
     MmaSetup takes it), and the seesaw's P V tiling, whose accumulator layout the merge leaves
     O in for the forward epilogue."""
 
@@ -165,7 +165,7 @@ class Transposed(Piece):
         q_state: pipeline.PipelineState,
     ) -> TileResult:
         """The tile's key blocks; returns O (normalized, the seesaw's pv layout: this
-        warpgroup's 256 columns of 64 rows, rows past 32 zero) and the LSE per row."""
+        warpgroup's 256 columns of 64 rows, rows past self.rows zero) and the LSE per row."""
         seqlen, block_range, n_block_min, n_block_max = self.tile_problem(tile, shapes)
         scale_log2, v_descale = fold_descales(shapes, tile, setup.softmax_scale_log2)
         wg = setup.warpgroup_idx
@@ -227,8 +227,9 @@ class Transposed(Piece):
 
     @cute.jit
     def _prepare_q(self, buf, tidx: Int32):
-        """Q's first 32 rows in fp16 (saturated from bf16), each 16 columns in Q_PERMUTATION's
-        order (S^T's k-blocks as the K fragment holds them), in place; both warpgroups."""
+        """Q's first self.rows rows in fp16 (saturated from bf16), each 16 columns in
+        Q_PERMUTATION's order (S^T's k-blocks as the K fragment holds them), in place; both
+        warpgroups."""
         rows = cute.local_tile(buf.sQ_loaded, (self.rows, D_QK), (0, 0))
         dst = cute.local_tile(buf.sQ, (self.rows, D_QK), (0, 0))
         convert_block(
@@ -401,7 +402,7 @@ class Transposed(Piece):
         self, mmas, buf, setup, seqlen, running: _Running, scale_log2, v_descale, thread: _Thread
     ):
         """The warpgroups' O^T, maxima and sums into one normalized O in the seesaw's pv
-        layout (its 64 x 512 over both warpgroups, rows 32-63 zero) and the rows' LSE."""
+        layout (its 64 x 512 over both warpgroups, rows from self.rows zero) and the rows' LSE."""
         wg, warp, lane = thread.wg, thread.warp, thread.lane
         q, g = thread.q, lane // 4
         acc_O, col_max, col_sum = running
