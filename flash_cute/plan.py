@@ -581,8 +581,7 @@ def plan_forward(
         pack_ratio = max(g for g in range(1, ratio + 1) if not ratio % g and not config.tile_m % g)
     max_ctas = num_sms * config.ctas_per_sm
     # fp32 partial bytes per split of a tile (the rows of one tile that hold a token).
-    # (max_seqlen_q 0, a varlen hint the API allows, sized as one token: no partials of 0 bytes)
-    split_bytes = min(config.tile_m, max(1, problem.max_seqlen_q) * pack_ratio)
+    split_bytes = min(config.tile_m, _hinted_tokens(problem) * pack_ratio)
     split_bytes *= problem.head_dim_v * 4
     if num_splits == 0:
         visible = problem.max_seqlen_k
@@ -724,9 +723,15 @@ def transposed_rows(problem: Problem) -> int:
 
 def _sequence_rows(problem: Problem) -> int:
     """A sequence's query rows as the latent kernels pack them: q heads per kv head x tokens
-    (max_seqlen_q for varlen calls; a hint of 0 counts as one token, so the tile holds at least
-    a kv head's q heads)."""
-    return problem.nheads // problem.nheads_kv * max(1, problem.max_seqlen_q)
+    (_hinted_tokens)."""
+    return problem.nheads // problem.nheads_kv * _hinted_tokens(problem)
+
+
+def _hinted_tokens(problem: Problem) -> int:
+    """A sequence's query tokens as the plan sizes tiles and partials by: max_seqlen_q (for
+    varlen calls a hint), 0 counted as one token (the API allows it; tiles still take a kv
+    head's q heads whole, and partials are never 0 bytes)."""
+    return max(1, problem.max_seqlen_q)
 
 
 def _transposed_form(call) -> bool:

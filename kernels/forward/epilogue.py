@@ -185,15 +185,7 @@ class Epilogue(Piece):
             mSeqUsedQ=shapes.seqused_q,
         )
         token_end = self.tile_token_end(tile, seqlen)
-        # The tile's rows that hold a token (a prefix of the tile).
-        valid_rows = cutlass.min(
-            cutlass.max(
-                seqlen.seqlen_q * self.variant.pack_gqa_ratio
-                - tile.m_block * self.config.tile_rows,
-                0,
-            ),
-            self.config.tile_rows,
-        )
+        valid_rows = self.tile_query_rows(tile, seqlen)
         # (Uniform over the CTA: the counter's verdict, and whether the tile has rows at all.)
         if split_last[0] != 0 and valid_rows > 0:
             group = lanes_per_row(self.variant.head_dim_v)

@@ -293,6 +293,11 @@ class ForwardFacts:
             )
         return row, tile.head_idx
 
+    def tile_query_rows(self, tile: WorkTile, seqlen) -> Int32:
+        """The rows of a tile that hold a query (a prefix of its config.tile_rows)."""
+        rows = seqlen.seqlen_q * self.variant.pack_gqa_ratio - tile.m_block * self.config.tile_rows
+        return cutlass.max(cutlass.min(rows, self.config.tile_rows), 0)
+
     def tile_first_token(self, tile: WorkTile, m_block_offset: int = 0) -> Int32:
         """The sequence's token in a tile's first row (tiles of config.tile_rows rows, whole
         tokens each); m_block_offset 1: the next tile's."""

@@ -476,11 +476,6 @@ class Mainloop(Piece):
             position = start + self.row_of_tile(row, tile)[0]
         return row, i - row * pairs, position
 
-    def _q_rotation_rows(self, tile: WorkTile, seqlen) -> Int32:
-        """The rows of Q's tile that hold a query."""
-        rows = seqlen.seqlen_q * self.variant.pack_gqa_ratio - tile.m_block * self.config.tile_rows
-        return cutlass.max(cutlass.min(rows, self.config.tile_rows), 0)
-
     @cute.jit
     def _q_angles(self, tidx: Int32, tile: WorkTile, shapes, seqlen):
         """A fused append with rotary: this thread's first Q_ANGLES_AHEAD rotation items'
@@ -489,7 +484,7 @@ class Mainloop(Piece):
         if const_expr(self.variant.rotary_dim == 0):
             return None
         rot = self.rotary
-        count = self._q_rotation_rows(tile, seqlen) * rot.pairs
+        count = self.tile_query_rows(tile, seqlen) * rot.pairs
         start = shapes.seqused_k[tile.batch_idx]
         angles = cute.make_rmem_tensor(2 * Q_ANGLES_AHEAD, Float32)
         for k in cutlass.range_constexpr(Q_ANGLES_AHEAD):
@@ -508,7 +503,7 @@ class Mainloop(Piece):
         time (the first ones with the angles _q_angles read), then made visible to the
         WGMMAs."""
         rot = self.rotary
-        count = self._q_rotation_rows(tile, seqlen) * rot.pairs
+        count = self.tile_query_rows(tile, seqlen) * rot.pairs
         start = shapes.seqused_k[tile.batch_idx]
         threads = self.num_mma_threads
         for k in cutlass.range_constexpr(Q_ANGLES_AHEAD):
